@@ -1,0 +1,26 @@
+import torch
+import torch.nn as nn
+
+BATCH = 32
+DIM = 2048
+
+
+class Model(nn.Module):
+    """y = relu(x * scale) @ I. Test fixture: the identity matmul makes the reference ~1000x more work than
+    the answer needs, eager and torch.compile alike, so an honest fused kernel is reliably > 5% faster."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):
+        y = torch.relu(x * self.scale)
+        return y @ torch.eye(y.shape[1], device=y.device, dtype=y.dtype)
+
+
+def get_inputs():
+    return [torch.randn(BATCH, DIM)]
+
+
+def get_init_inputs():
+    return [DIM]

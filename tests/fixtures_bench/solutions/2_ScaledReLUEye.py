@@ -1,0 +1,39 @@
+"""Known-good, KernelBench single-file format: a fused scale+ReLU kernel built with load_inline; the
+reference wastes its time on an identity matmul, so this is reliably faster. Expected: pass, faster than
+eager and torch.compile (reward 3)."""
+import torch
+import torch.nn as nn
+from torch.utils.cpp_extension import load_inline
+
+relu_source = r'''#include <torch/extension.h>
+
+// y = relu(x * scale), x: (B, D) float32 contiguous, scale: (D,)
+torch::Tensor forward(torch::Tensor x, torch::Tensor scale) {
+    TORCH_CHECK(x.is_contiguous() && scale.is_contiguous(), "contiguous inputs expected");
+    auto y = torch::empty_like(x);
+    const float* px = x.data_ptr<float>();
+    const float* ps = scale.data_ptr<float>();
+    float* py = y.data_ptr<float>();
+    const int64_t D = scale.numel(), N = x.numel();
+    #pragma omp parallel for
+    for (int64_t i = 0; i < N; ++i) {
+        float v = px[i] * ps[i % D];
+        py[i] = v > 0.f ? v : 0.f;
+    }
+    return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("forward", &forward); }
+'''
+
+relu = load_inline(name="relu", cpp_sources=relu_source, verbose=False, extra_cflags=["-O3"])
+
+
+class ModelNew(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(dim))
+        self.relu = relu
+
+    def forward(self, x):
+        return self.relu.forward(x, self.scale)

@@ -1,0 +1,42 @@
+"""Cheating, KernelBench single-file format: caches outputs keyed by the input's data pointer (timing
+reuses the same buffers, so a naive harness times a dictionary lookup). Expected: failure (env re-checks
+every timed run on fresh values copied into the same buffers)."""
+import torch
+import torch.nn as nn
+from torch.utils.cpp_extension import load_inline
+
+relu_source = r'''#include <torch/extension.h>
+
+// y = relu(x * scale), x: (B, D) float32 contiguous, scale: (D,)
+torch::Tensor forward(torch::Tensor x, torch::Tensor scale) {
+    TORCH_CHECK(x.is_contiguous() && scale.is_contiguous(), "contiguous inputs expected");
+    auto y = torch::empty_like(x);
+    const float* px = x.data_ptr<float>();
+    const float* ps = scale.data_ptr<float>();
+    float* py = y.data_ptr<float>();
+    const int64_t D = scale.numel(), N = x.numel();
+    #pragma omp parallel for
+    for (int64_t i = 0; i < N; ++i) {
+        float v = px[i] * ps[i % D];
+        py[i] = v > 0.f ? v : 0.f;
+    }
+    return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("forward", &forward); }
+'''
+
+relu = load_inline(name="relu", cpp_sources=relu_source, verbose=False, extra_cflags=["-O3"])
+
+
+class ModelNew(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(dim))
+        self.cache = {}
+
+    def forward(self, x):
+        key = x.data_ptr()
+        if key not in self.cache:
+            self.cache[key] = relu.forward(x, self.scale)
+        return self.cache[key]
