@@ -430,8 +430,7 @@ CPP_BANNED = [
     (r"\bstd::thread\b|\bpthread_create\b|\bstd::async\b|\bstd::jthread\b", "threads are not allowed (use OpenMP or CUDA)"),
     (r"\b(fork|vfork|system|popen|execv|execvp|execl|execlp|posix_spawn)\s*\(", "starting processes is not allowed"),
     (r"\bdlopen\b|\bdlsym\b", "dynamic loading is not allowed"),
-    (r"py::module_?::import|\bPyImport_|\bPyRun_|py::exec|py::eval|py::globals", "calling Python from C++ is not allowed"),
-    (r"#\s*include\s*[<\"](/|[^>\"]*\.\./)", "includes must stay inside the workspace"),
+    (r"(py|pybind11)::module_?::import|\bPyImport_|\bPyRun_|(py|pybind11)::(exec|eval|globals)\b", "calling Python from C++ is not allowed"),
     (r"\bgetenv\b|\bfopen\b|std::ifstream|std::ofstream", "file and environment access is not allowed"),
 ]
 # Calls torch::X(...) / at::X(...) that allocate or describe tensors; anything else computes.
@@ -486,6 +485,11 @@ def static_scan(files: dict, model_new: str) -> tuple[list, list]:
             m = re.search(pattern, code)
             if m:
                 violations.append(f"{path} line {code[:m.start()].count(chr(10)) + 1}: {why} ({m.group(0).strip()})")
+        for m in re.finditer(r'#\s*include\s*([<"])([^>"]+)[>"]', code):  # no reading files outside the workspace
+            inc, quoted = m.group(2), m.group(1) == '"'
+            inside = os.path.normpath(os.path.join(os.path.dirname(path), inc))
+            if inc.startswith("/") or (".." in inc.split("/") and (not quoted or inside.startswith(".."))):
+                violations.append(f"{path} line {code[:m.start()].count(chr(10)) + 1}: {m.group(0)} reaches outside the workspace")
         for m in re.finditer(r"\b(?:torch|at)::(\w+)\s*\(", code):
             if m.group(1) not in CPP_ALLOWED_TORCH and not m.group(1)[0].isupper():
                 violations.append(f"{path} line {code[:m.start()].count(chr(10)) + 1}: {m.group(0)}...) is a PyTorch "
@@ -690,6 +694,8 @@ def _child_main(spec_path: str):
     saved = {"checks": [], "timed": []}
 
     def finish():
+        if result["violations"] or result["error"]:
+            saved.clear()  # outputs of a rejected candidate are never read back
         torch.save(saved, spec["out"] + ".pt")
         Path(spec["out"] + ".json").write_text(json.dumps(result))
         sys.stdout.flush()
@@ -867,11 +873,11 @@ def evaluate(workspace, backend: str = "auto", reference: str | None = None, cfg
     cfg = dataclasses.replace(cfg or Config(), **overrides)
     t_start = time.monotonic()
     ws = Path(workspace)
+    backend = resolve_backend(backend if backend != "auto" else cfg.backend)
     if not ws.is_dir():
         raise UsageError(f"no such workspace: {ws}")
     if reference is None and not (ws / "model.py").is_file():
         raise UsageError(f"{ws} has no model.py")
-    backend = resolve_backend(backend if backend != "auto" else cfg.backend)
     v = Verdict(backend=backend, stage="scan")
 
     def done():
@@ -891,6 +897,11 @@ def evaluate(workspace, backend: str = "auto", reference: str | None = None, cfg
         return done()
     v.warnings += notes
     model_new = (ws / "model_new.py").read_text(errors="replace")
+    try:
+        ast.parse(model_new)
+    except SyntaxError as e:
+        v.error = f"model_new.py line {e.lineno}: SyntaxError: {e.msg}"
+        return done()
     bad, v.hints = static_scan(files, model_new)
     v.violations += bad
     if v.violations:
@@ -967,7 +978,7 @@ def evaluate(workspace, backend: str = "auto", reference: str | None = None, cfg
             try:  # weights_only: a candidate-written pickle cannot run code in this process
                 data = torch.load(run / name / "result.pt", weights_only=True)
             except Exception as e:  # noqa: BLE001
-                return res, None, f"unreadable outputs: {e}", ""
+                return res, None, f"returned outputs that are not plain tensors ({str(e).splitlines()[-1][:200]})", ""
             return res, data, None, ""
 
         ref_res, ref_data, ref_err, ref_tail = child_output("ref")
