@@ -1,0 +1,119 @@
+"""Benchmark env.py against the naive approach (load_inline with torch/extension.h, rebuilt from
+scratch each time, as KernelBench does), side by side in one run. Prints a table.
+
+    python bench/env_bench.py --backend cuda      # on the H200 (the numbers in the README)
+    python bench/env_bench.py --backend cpu       # anywhere (slow: ~60 s per torch-header build on 2 cores)
+
+Measures: cold compile of a small kernel (CUDA-Agent layout: pure kernel + torch binding), rebuild after
+editing one kernel, full verdict time with the build cached (first with baselines to time, then steady
+state), and the spread (max/min) of runtime_ms over 5 repeated verdicts of the same >= 0.5 ms kernel.
+"""
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import env  # noqa: E402
+
+CASES = ROOT / "tests" / "env_cases"
+p = argparse.ArgumentParser()
+p.add_argument("--backend", default="auto")
+p.add_argument("--repeats", type=int, default=5)
+args = p.parse_args()
+backend = env.resolve_backend(args.backend)
+cuda = backend == "cuda"
+work = Path(tempfile.mkdtemp(prefix="env-bench-"))
+env.CACHE_DIR = work / "cache"  # a cold cache: nothing built before this run
+rows = []
+
+
+def row(name, value, unit, target=""):
+    rows.append((name, value, unit, target))
+    print(f"  {name}: {value:.3g} {unit}", flush=True)
+
+
+# 1. naive: load_inline with torch/extension.h, from scratch
+from torch.utils.cpp_extension import load_inline  # noqa: E402
+
+reg = CASES / "registry"
+kernel_src = (reg / ("axpby.cu" if cuda else "axpby.cpp")).read_text()
+naive_wrapper = """
+torch::Tensor axpby(torch::Tensor x, torch::Tensor y, double alpha, double beta) {
+  auto out = torch::empty_like(x);
+  axpby_launcher(x.data_ptr<float>(), y.data_ptr<float>(), out.data_ptr<float>(), (float)alpha, (float)beta, x.numel(), 256, %s);
+  return out;
+}
+"""
+print("naive load_inline build ...", flush=True)
+t0 = time.monotonic()
+if cuda:
+    cuda_src = "#include <torch/extension.h>\n#include <ATen/cuda/CUDAContext.h>\n" + kernel_src + \
+        naive_wrapper % "at::cuda::getCurrentCUDAStream()"
+    load_inline("naive_axpby", cpp_sources="torch::Tensor axpby(torch::Tensor x, torch::Tensor y, double alpha, double beta);",
+                cuda_sources=cuda_src, functions=["axpby"], build_directory=str(Path(tempfile.mkdtemp(dir=work))),
+                extra_cuda_cflags=["-O3"], verbose=False)
+else:
+    cpp_src = "#include <torch/extension.h>\n" + kernel_src + naive_wrapper % "nullptr"
+    load_inline("naive_axpby", cpp_sources=cpp_src, functions=["axpby"], extra_cflags=["-O3", "-fopenmp"],
+                build_directory=str(Path(tempfile.mkdtemp(dir=work))), verbose=False)
+naive_s = time.monotonic() - t0
+row("naive load_inline build (torch headers everywhere)", naive_s, "s")
+
+# 2. ours, cold: the CUDA-Agent layout (pure kernel file + torch binding), empty cache
+files = {"binding.cpp": (reg / "binding.cpp").read_text(), "binding_registry.h": (reg / "binding_registry.h").read_text(),
+         "kernels/axpby_binding.cpp": (reg / f"axpby_binding_{backend}.cpp").read_text(),
+         f"kernels/axpby.{'cu' if cuda else 'cpp'}": kernel_src}
+print("env.build, cold cache ...", flush=True)
+b = env.build(files, backend)
+assert b.ok, b.log
+row("env.py cold build (same kernel, CUDA-Agent layout)", b.seconds, "s", f"<= {naive_s / 3:.3g} s (1/3 of naive)")
+row("  ratio to naive", b.seconds / naive_s, "x", "<= 0.33")
+
+# 3. rebuild after editing one kernel
+kname = f"kernels/axpby.{'cu' if cuda else 'cpp'}"
+files[kname] = kernel_src.replace("alpha * x[i]", "x[i] * alpha")
+b2 = env.build(files, backend)
+assert b2.ok and b2.rebuilt == [kname], (b2.rebuilt, b2.log)
+row("rebuild after editing one kernel", b2.seconds, "s", "<= 3 s")
+
+# 4./5. full verdicts of a ~1 ms kernel (naive fp32 matmul 1024^3 on the H200), build cached
+ws = work / "ws"
+(ws / "kernels").mkdir(parents=True)
+if cuda:
+    (ws / "model.py").write_text((CASES / "cuda" / "matmul1k.py").read_text())
+    for f in (CASES / "cuda").glob("ops*"):
+        (ws / "kernels" / f.name).write_text(f.read_text())
+else:
+    (ws / "model.py").write_text((CASES / "matmul.py").read_text().replace("M, K, N = 64, 128, 96", "M, K, N = 256, 512, 256"))
+    (ws / "kernels" / "ops.cpp").write_text((CASES / "ops.cpp").read_text())
+(ws / "model_new.py").write_text("import torch\nimport torch.nn as nn\nimport cuda_extension\n\n\nclass ModelNew(nn.Module):\n"
+                                 "    def __init__(self):\n        super().__init__()\n\n"
+                                 "    def forward(self, a, b):\n        return cuda_extension.matmul(a, b)\n")
+env.evaluate(ws, backend=backend, stage="compile")  # build once (not part of the verdict timing)
+verdicts = []
+for i in range(args.repeats + 1):
+    t0 = time.monotonic()
+    v = env.evaluate(ws, backend=backend)
+    assert v.correct, v.summary()
+    verdicts.append((time.monotonic() - t0, v.runtime_ms))
+    print(f"  verdict {i}: {verdicts[-1][0]:.2f} s, runtime {v.runtime_ms:.4f} ms (eager {v.eager_ms:.4f}, compile {v.compile_ms:.4f})", flush=True)
+row("full verdict, build cached, baselines timed (first)", verdicts[0][0], "s")
+steady = sorted(t for t, _ in verdicts[1:])
+row("full verdict, build + baselines cached (median)", steady[len(steady) // 2], "s", "<= 10 s")
+rt = [r for _, r in verdicts]
+row(f"kernel runtime_ms (median of {len(rt)} verdicts)", sorted(rt)[len(rt) // 2], "ms", ">= 0.5 ms")
+row(f"spread max/min of runtime_ms over {len(rt)} verdicts", max(rt) / min(rt), "x", "<= 1.03")
+
+print(f"\n## env.py benchmark ({backend}, {env.toolchain_id_light(backend)})\n")
+print("| measure | value | target |\n|---|---|---|")
+for name, value, unit, target in rows:
+    print(f"| {name.strip()} | {value:.3g} {unit} | {target} |")
+if os.environ.get("OUT"):
+    Path(os.environ["OUT"], f"env_bench_{backend}.json").write_text(json.dumps(rows, indent=1))
+shutil.rmtree(work, ignore_errors=True)

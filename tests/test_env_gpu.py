@@ -1,0 +1,51 @@
+"""env.py on the CUDA backend (run on the H200; skipped without CUDA). Same cases as test_env.py,
+with pure .cu kernels and one torch binding shared by every workspace (one build)."""
+from pathlib import Path
+
+import pytest
+
+import env
+from test_env import CASES, make_ws, model_new
+
+pytestmark = pytest.mark.gpu
+CUDA = {p.name: p.read_text() for p in (CASES / "cuda").glob("ops*")}
+
+
+def ws_for(tmp_path, problem, body, **kw):
+    return make_ws(tmp_path, problem, model_new(problem, body, **kw), CUDA)
+
+
+@pytest.mark.parametrize("problem,body", [
+    ("relu", "cuda_extension.relu_scale(x, self.scale)"),
+    ("add", "cuda_extension.add(a, b)"),
+    ("matmul", "cuda_extension.matmul(a, b)"),
+])
+def test_honest_cuda_kernels(tmp_path, problem, body):
+    v = env.evaluate(ws_for(tmp_path, problem, body), backend="cuda")
+    assert v.correct and v.reward >= 1 and v.runtime_ms > 0, v.summary()
+
+
+@pytest.mark.parametrize("problem,body,expect", [
+    ("add", "torch.add(a, b)", "aten.add"),
+    ("add", "cuda_extension.add_by_fallback(a, b)", "aten.add"),
+    ("relu", "cuda_extension.relu_scale_cached(x, self.scale)", "timed run"),
+    ("relu", "torch.empty_like(x)", "values differ"),
+], ids=["python_fallback", "cpp_fallback", "pointer_cache", "freed_memory"])
+def test_cuda_cheats_rejected(tmp_path, problem, body, expect):
+    v = env.evaluate(ws_for(tmp_path, problem, body), backend="cuda")
+    assert v.reward == -1 and expect in " ".join(v.violations) + (v.error or ""), v.summary()
+
+
+def test_side_stream_work_is_timed(tmp_path):
+    """Work on a side stream is counted: the device-wide sync waits for it (20 launches > 1)."""
+    honest = env.evaluate(ws_for(tmp_path / "a", "relu", "cuda_extension.relu_scale(x, self.scale)"), backend="cuda")
+    side = env.evaluate(ws_for(tmp_path / "b", "relu", "cuda_extension.relu_scale_side_stream(x, self.scale)"), backend="cuda")
+    assert honest.correct and side.correct, side.summary()
+    assert side.runtime_ms > 2 * honest.runtime_ms, (honest.runtime_ms, side.runtime_ms)
+
+
+def test_illegal_memory_access_is_contained(tmp_path):
+    v = env.evaluate(ws_for(tmp_path / "a", "relu", "cuda_extension.oob(x)"), backend="cuda", stage="verify")
+    assert v.reward == -1 and v.error, v.summary()
+    ok = env.evaluate(ws_for(tmp_path / "b", "relu", "cuda_extension.relu_scale(x, self.scale)"), backend="cuda")
+    assert ok.correct, ok.summary()
