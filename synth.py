@@ -1,0 +1,1084 @@
+"""synth.py: synthesise CUDA-Agent-Ops-style training tasks (mine -> compose -> filter -> report).
+
+    python synth.py --out data/tiny --num-tasks 8 --backend cpu --workers 2        # tiny run (CPU, minutes)
+    python synth.py --out data/ops6k --num-tasks 6000 --backend cuda --workers 12  # the real run (one H200)
+
+The pipeline, one readable function per stage, in order:
+  1. mine      introspect torch.nn modules, torch / torch.special / torch.linalg / torch.nn.functional
+               functions and transformers' activations and normalisation layers; probe each on small
+               tensors of rank 2..5 (and on meta tensors) to learn which input ranks it accepts, and
+               keep it as a seed operator if it computes something deterministic from its input.
+               ARG_RULES, a short table, gives constructor arguments that introspection cannot guess
+               (in_channels = the input's dim 1, ...). Runs once in a sandboxed child, cached per
+               torch/transformers version.
+  2. compose   sample the number of ops K from the paper's mix, chain K seeds *sequentially*, propagating
+               shapes by running on meta tensors, then grow BATCH until a roofline estimate of eager
+               time (bytes moved and FLOPs, counted on meta tensors) reaches the target inside the
+               time window. Emits a self-contained KernelBench-format module. Deterministic per --seed.
+  3. filter    cheap filters in this process (duplicates, AST similarity > 0.9 to --kernelbench-dir),
+               then execution in sandboxed children (env.run_sandboxed), many candidates per child:
+               eager must run, be deterministic, give finite outputs that depend on the input (not
+               constant, not the input itself), eager time inside the window (env.time_callable),
+               torch.compile must run and agree with eager. Timed sections are serialised per device.
+  4. report    funnel (in/out and top drop reasons of every stage) on screen and in DIR/funnel.json,
+               diversity (op histogram, ops per task vs the paper's mix, input sizes, eager times).
+
+Output: DIR holds a datasets.DatasetDict (train/test) saved with save_to_disk; columns ops, data_source,
+code, eager_ms, compile_ms. `load_tasks(DIR or hub id, split)` reads it (train.py/evaluate.py use it).
+DIR is written atomically at the end; per-candidate filter results are kept in DIR.partial/ so an
+interrupted run, re-run with the same command, resumes where it stopped.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import collections
+import dataclasses
+import difflib
+import fcntl
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+import env
+
+HUB_ID = "BytedTsinghua-SIA/CUDA-Agent-Ops-6K"  # the published dataset (same columns, no timings)
+PAPER_MIX = {"torch#1": 3.4, "torch#2": 84.0, "torch#3": 7.6, "torch#4": 2.8, "torch#5": 1.2, "transformers": 1.2}
+SEEDS_VERSION = 4  # bump when mining changes, to invalidate the seed cache
+
+
+@dataclasses.dataclass
+class Config:
+    out: str = ""
+    num_tasks: int = 50
+    max_ops: int = 5
+    backend: str = "auto"
+    seed: int = 0
+    workers: int = 1
+    kernelbench_dir: str | None = None
+    composer: str = "rule"  # rule | llm
+    model: str | None = None  # for --composer llm
+    test_share: float = 0.05
+    window_ms: tuple | None = None  # (lo, hi) eager-time window; None = 1-100 ms on CUDA, 0.1-10 ms on CPU
+    similarity: float = 0.9  # drop if AST similarity to a KernelBench file is above this
+    batch_size: int = 0  # candidates per child process; 0 = 12 on CUDA, 6 on CPU
+    max_candidates: int = 0  # give up after composing this many; 0 = 20 * num_tasks + 50
+    n_timed: int = 10  # timed runs per measurement (env.time_callable)
+    min_timed_s: float = 0.05
+
+
+# Constructor arguments introspection cannot guess, by parameter name: f(shape, rng) -> value.
+# `shape` is the op's input shape. Only required parameters (and the None-default ones in NONE_DEFAULTS) use it.
+ARG_RULES = {
+    "in_features": lambda s, r: s[-1],
+    "input_size": lambda s, r: s[-1],
+    "hidden_size": lambda s, r: s[-1],
+    "d_model": lambda s, r: s[-1],
+    "out_features": lambda s, r: r.choice([64, 128, 256, 512, 1024]),
+    "in_channels": lambda s, r: s[1],
+    "num_features": lambda s, r: s[1],
+    "num_channels": lambda s, r: s[1],
+    "out_channels": lambda s, r: r.choice([8, 16, 32, 64]),
+    "num_groups": lambda s, r: r.choice([g for g in (1, 2, 4, 8) if s[1] % g == 0]),
+    "nhead": lambda s, r: r.choice([h for h in (1, 2, 4, 8) if s[-1] % h == 0]),
+    "normalized_shape": lambda s, r: (s[-1],),
+    "kernel_size": lambda s, r: r.choice([2, 3]),
+    "output_size": lambda s, r: r.choice([2, 4]),
+    "upscale_factor": lambda s, r: 2,
+    "downscale_factor": lambda s, r: 2,
+    "groups": lambda s, r: 2,
+    "padding": lambda s, r: r.choice([1, 2]),
+    "value": lambda s, r: 0.5,
+    "threshold": lambda s, r: 0.25,
+    "size": lambda s, r: 5,
+    "norm_type": lambda s, r: 2.0,
+    # optional parameters whose default (None) is useless or deprecated:
+    "dim": lambda s, r: -1,
+    "scale_factor": lambda s, r: 2.0,
+}
+NONE_DEFAULTS = {"dim", "scale_factor"}
+# Mining skips these outright (reason given): state-changing, I/O, creation or random functions.
+DENY_PREFIXES = ("set_", "get_", "is_", "use_", "save", "load", "manual_seed", "seed", "initial_seed", "compile", "export",
+                 "from_", "as_", "empty", "zeros", "ones", "full", "rand", "normal", "bernoulli", "poisson", "multinomial",
+                 "dropout", "alpha_dropout", "feature_", "fused_", "quantize", "dequantize", "q_", "sym_", "vmap", "cond",
+                 "while_loop", "frombuffer", "asarray", "tensor", "scalar_tensor", "can_cast", "promote_types", "result_type",
+                 "cuda", "mps", "xpu", "mkldnn", "miopen", "cudnn", "native_", "align", "autocast", "typename", "fork", "wait",
+                 "chunk", "split", "unbind", "tensor_split", "hsplit", "vsplit", "dsplit", "meshgrid", "broadcast_", "lobpcg",
+                 "pca_", "svd_lowrank", "stft", "istft", "pdist", "cdist", "gumbel", "rrelu", "unique", "nonzero", "where",
+                 "masked", "index", "gather", "scatter", "take", "put", "sparse", "to_", "resolve_", "conj", "imag", "real",
+                 "view_as", "histogram", "bincount", "argwhere", "print", "no_grad", "enable_grad", "inference_mode")
+CANON_SHAPES = {2: (4, 8), 3: (2, 4, 8), 4: (2, 4, 8, 8), 5: (2, 4, 4, 8, 8)}  # for probing seeds
+DIM_NAMES = {2: ["BATCH", "DIM"], 3: ["BATCH", "SEQ_LEN", "DIM"], 4: ["BATCH", "CHANNELS", "HEIGHT", "WIDTH"],
+             5: ["BATCH", "CHANNELS", "DEPTH", "HEIGHT", "WIDTH"]}
+# Base input shapes (BATCH = 1 here; compose grows BATCH): rank -> choices for the other dims.
+BASE_DIMS = {2: [[256, 512, 1024, 2048, 4096]], 3: [[32, 64, 128, 256], [64, 128, 256, 512]],
+             4: [[3, 8, 16, 32, 64], [16, 32, 64, 128]], 5: [[3, 8, 16], [8, 16], [16, 32]]}
+RANK_WEIGHTS = {2: 0.35, 3: 0.2, 4: 0.35, 5: 0.1}
+# Roofline constants for the eager-time estimate used to size tasks: bytes/s, FLOP/s, per-op overhead (s).
+ROOFLINE = {"cuda": (3.0e12, 4.0e13, 8e-6), "cpu": (4.0e9, 2.0e10, 1e-5)}
+GPU_SPEEDUP = 1000.0  # an H200 vs one CPU core on compute-bound elementwise math (fp32 FLOP/s ratio, roughly)
+MEM_CAP = {"cuda": 4 << 30, "cpu": 256 << 20}  # estimated bytes one task may touch (eager, all intermediates)
+
+
+class UsageError(env.UsageError):
+    pass
+
+
+# ==============================================================================================
+# 1. Mine seed operators
+# ==============================================================================================
+def mine_seeds(verbose: bool = True) -> list[dict]:
+    """Seed operators, from the per-version cache or by probing in a sandboxed child (~1 min once)."""
+    from importlib.metadata import version
+    key = f"seeds-v{SEEDS_VERSION}-torch{version('torch')}-transformers{version('transformers')}.json"
+    cache = env.CACHE_DIR / "synth" / key
+    if not cache.exists():
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        if verbose:
+            print("mine: probing torch and transformers operators in a sandboxed child (once per version)...", flush=True)
+        with tempfile.TemporaryDirectory(prefix="mine-", dir=env.CACHE_DIR) as d:
+            r = env.run_sandboxed([sys.executable, "-E", "-B", str(Path(__file__).resolve()), "_mine", str(Path(d) / "mined.json")], d,
+                                  timeout=900, mem_gb=8.0, env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+            if not (Path(d) / "mined.json").exists():
+                raise RuntimeError(f"mining failed: {r.crash or r.returncode}\n{r.stderr[-3000:]}")
+            tmp = cache.with_suffix(f".{uuid.uuid4().hex}.tmp")
+            shutil.copy(Path(d) / "mined.json", tmp)
+            os.replace(tmp, cache)
+    mined = json.loads(cache.read_text())
+    if verbose:
+        by_src = collections.Counter(s["source"] for s in mined["seeds"])
+        print(f"mine: {len(mined['seeds'])} seed operators | " + " | ".join(f"{k} {v}" for k, v in sorted(by_src.items())))
+        reasons = collections.defaultdict(list)
+        for name, why in mined["skipped"]:
+            reasons[why.split(":")[0][:70]].append(name)
+        print(f"mine: skipped {len(mined['skipped'])} candidates:")
+        for why, names in sorted(reasons.items(), key=lambda kv: -len(kv[1]))[:12]:
+            print(f"  {len(names):4d}  {why}  (e.g. {', '.join(names[:4])})")
+    return mined["seeds"]
+
+
+def _probe(make, rank_shapes, torch):
+    """Try an op on a random tensor of each rank. Returns (ranks where it works, why it failed first)."""
+    ranks, why = [], None
+    for rank, shape in rank_shapes.items():
+        try:
+            torch.manual_seed(0)
+            op = make(shape, random.Random(0), "cpu")
+            x1, x2 = torch.randn(shape), torch.randn(shape)
+            xa = x1.clone()
+            with torch.no_grad():
+                y1, y1b, y2 = op(xa), op(x1.clone()), op(x2.clone())
+            if isinstance(y1, (tuple, list)):
+                raise ValueError("returns a tuple")
+            if not isinstance(y1, torch.Tensor) or not y1.is_floating_point():
+                raise ValueError("output is not a float tensor")
+            if y1.untyped_storage().data_ptr() == xa.untyped_storage().data_ptr():
+                raise ValueError("a view of its input (no computation)")
+            if not torch.isfinite(y1).all():
+                raise ValueError("non-finite output on randn inputs")
+            if not torch.equal(y1, y1b):
+                raise ValueError("random (two runs differ)")
+            if y1.shape == x1.shape and torch.allclose(y1, x1, atol=1e-2, rtol=1e-2):
+                raise ValueError("the identity within 1e-2 (in eval mode)")
+            if y1.shape == y2.shape and torch.allclose(y1, y2):
+                raise ValueError("output does not depend on the input values")
+            if y1.numel() > 16 * x1.numel():
+                raise ValueError("output much larger than input")
+            with torch.no_grad():  # compose propagates shapes on meta tensors: the op must support them
+                ym = make(shape, random.Random(0), "meta")(torch.empty(shape, device="meta"))
+            if tuple(ym.shape) != tuple(y1.shape):
+                raise ValueError("meta tensors give a different shape")
+            ranks.append(rank)
+        except ValueError as e:
+            why = why or (str(e) if len(str(e)) < 60 else f"ValueError: {str(e).splitlines()[0][:60]}")
+        except Exception as e:  # noqa: BLE001 - any failure means "not this rank"
+            why = why or f"{type(e).__name__} on a rank-{rank} input: {str(e).strip().splitlines()[0][:60] if str(e).strip() else ''}"
+    return ranks, why
+
+
+def _cost_probe(make, rank, torch) -> float:
+    """Single-thread CPU nanoseconds per input element (best of 3 runs, ~64k elements). Bytes and FLOPs
+    miss the cost of transcendental functions (erf, i0, airy_ai...): compose uses this as a lower bound."""
+    shape = CANON_SHAPES[rank]
+    shape = (max(1, 65536 // math.prod(shape[1:])),) + shape[1:]
+    try:
+        with torch.no_grad():  # first on meta: never allocate a huge output for real
+            out = make(shape, random.Random(0), "meta")(torch.empty(shape, device="meta"))
+        if out.numel() > 4 * math.prod(shape):
+            return 0.0
+        op, x = make(shape, random.Random(0), "cpu"), torch.randn(shape)
+        best = float("inf")
+        with torch.no_grad():
+            for _ in range(3):
+                t0 = time.perf_counter()
+                op(x)
+                best = min(best, time.perf_counter() - t0)
+        return round(best * 1e9 / x.numel(), 3)
+    except Exception:  # noqa: BLE001 - a size the op dislikes: no extra cost information
+        return 0.0
+
+
+def build_op(seed: dict, shape, rng: random.Random):
+    """Expression for one op at input `shape`: ("nn.Conv2d(in_channels=3, ...)" | "torch.tanh(x)")."""
+    if seed["kind"] == "call":
+        return seed["expr"]
+    if seed.get("instance"):  # e.g. ACT2FN["gelu_new"]: already an instance
+        return seed["ctor"]
+    args = []
+    for name in seed["args"]:
+        if name == "__first_dim_last":  # transformers norms: first positional = hidden size
+            args.append(repr(shape[-1]))
+        else:
+            args.append(f"{name}={ARG_RULES[name](shape, rng)!r}")
+    return f"{seed['ctor']}({', '.join(args)})"
+
+
+def _namespace(torch):
+    import torch.nn as nn
+    import torch.nn.functional as F
+    return {"torch": torch, "nn": nn, "F": F}
+
+
+def eval_op(seed: dict, expr: str, ns: dict, device: str):
+    """A callable for one op expression (modules are constructed on `device`)."""
+    import torch
+    if seed["kind"] == "call":
+        return lambda x: eval(expr, ns, {"x": x})  # noqa: S307 - our own generated expression
+    for imp in seed.get("imports", []):
+        exec(imp, ns)  # noqa: S102
+    with torch.device(device):
+        return eval(expr, ns).eval()  # noqa: S307
+
+
+def _mine_child(out_path: str):
+    """Runs in a sandboxed child: probe every candidate operator, write {"seeds": [...], "skipped": [...]}."""
+    import inspect
+    import warnings
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    torch.set_num_threads(1)
+    seeds, skipped = [], []
+    ns = _namespace(torch)
+
+    def add(seed, rank_shapes=CANON_SHAPES):
+        make = lambda shape, rng, dev: eval_op(seed, build_op(seed, shape, rng), dict(ns), dev)
+        ranks, why = _probe(make, rank_shapes, torch)
+        if ranks:
+            seeds.append(dict(seed, ranks=ranks, ns_per_elem=_cost_probe(make, ranks[0], torch)))
+        else:
+            skipped.append((seed["name"], why or "fails on every rank"))
+
+    # torch.nn modules: every nn.Module subclass exported by torch.nn
+    skip_mod = {"Module": "base class", "Sequential": "container", "ModuleList": "container", "ModuleDict": "container",
+                "ParameterList": "container", "ParameterDict": "container", "Container": "container", "Identity": "identity"}
+    for name in sorted(dir(nn)):
+        cls = getattr(nn, name)
+        if not (inspect.isclass(cls) and issubclass(cls, nn.Module)):
+            continue
+        if name in skip_mod:
+            skipped.append((f"nn.{name}", skip_mod[name]))
+            continue
+        if name.startswith("Lazy"):
+            skipped.append((f"nn.{name}", "lazy module (same op as its eager twin)"))
+            continue
+        if "Dropout" in name:
+            skipped.append((f"nn.{name}", "random (and the identity in eval mode)"))
+            continue
+        if name.endswith("Loss"):
+            skipped.append((f"nn.{name}", "loss: forward needs a target tensor"))
+            continue
+        try:
+            fwd = [p for p in inspect.signature(cls.forward).parameters.values()
+                   if p.name != "self" and p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            init = inspect.signature(cls.__init__).parameters.values()
+        except (TypeError, ValueError):
+            skipped.append((f"nn.{name}", "no signature"))
+            continue
+        if len(fwd) != 1:
+            skipped.append((f"nn.{name}", f"forward needs {len(fwd)} tensors"))
+            continue
+        args, bad = [], None
+        for p in init:
+            if p.name == "self" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                continue
+            if p.default is p.empty or (p.default is None and p.name in NONE_DEFAULTS):
+                if p.name not in ARG_RULES:
+                    bad = f"cannot infer constructor argument {p.name!r}"
+                    break
+                args.append(p.name)
+        if bad:
+            skipped.append((f"nn.{name}", bad))
+            continue
+        add({"name": f"nn.{name}", "source": "torch.nn", "kind": "module", "ctor": f"nn.{name}", "args": args})
+
+    # functions: torch.*, torch.special.*, torch.linalg.*, torch.nn.functional.*
+    seen_fns = {}
+    for prefix, module, src in (("torch", torch, "torch"), ("torch.special", torch.special, "torch.special"),
+                                ("torch.linalg", torch.linalg, "torch.linalg"), ("F", F, "torch.nn.functional")):
+        for name in sorted(dir(module)):
+            fn = getattr(module, name, None)
+            full = f"{prefix}.{name}"
+            if name.startswith("_") or name.endswith("_") or not callable(fn) or inspect.isclass(fn) or inspect.ismodule(fn):
+                continue
+            if not name.islower():
+                continue
+            if name.startswith(DENY_PREFIXES) or "loss" in name:
+                skipped.append((full, "denied: state, I/O, creation, random or data-dependent shape"))
+                continue
+            if id(fn) in seen_fns:
+                skipped.append((full, f"same function as {seen_fns[id(fn)]}"))
+                continue
+            seen_fns[id(fn)] = full
+            found, first_why = None, None
+            for form in (f"{full}(x)", f"{full}(x, -1)"):  # a single tensor, or a tensor and a dim
+                ranks, why = _probe(lambda shape, rng, dev, e=form: (lambda x: eval(e, ns, {"x": x})), CANON_SHAPES, torch)  # noqa: S307
+                if ranks:
+                    make = lambda shape, rng, dev, e=form: (lambda x: eval(e, ns, {"x": x}))  # noqa: S307
+                    found = {"name": full, "source": src, "kind": "call", "expr": form, "ranks": ranks,
+                             "ns_per_elem": _cost_probe(make, ranks[0], torch)}
+                    break
+                first_why = first_why or why
+            if found:
+                seeds.append(found)
+            else:
+                skipped.append((full, first_why or "no single-tensor call form works"))
+
+    # transformers: activations (ACT2FN) and normalisation layers of a few model families
+    try:
+        from transformers.activations import ACT2CLS
+        for key, val in sorted(ACT2CLS.items()):
+            cls = val[0] if isinstance(val, tuple) else val
+            if not cls.__module__.startswith("transformers"):
+                skipped.append((f"transformers.{key}", f"same module as torch's {cls.__name__}"))
+                continue
+            add({"name": f"transformers.{key}", "source": "transformers", "kind": "module", "instance": True,
+                 "ctor": f'ACT2FN["{key}"]', "args": [], "imports": ["from transformers.activations import ACT2FN"]})
+        import importlib
+        seen_src = set()
+        for fam in ("llama", "gemma", "t5", "olmo", "cohere", "mamba", "qwen2", "mistral", "phi3", "qwen3"):
+            mod = importlib.import_module(f"transformers.models.{fam}.modeling_{fam}")
+            for name, cls in sorted(vars(mod).items()):
+                if not (inspect.isclass(cls) and cls.__module__ == mod.__name__ and name.endswith(("RMSNorm", "LayerNorm"))):
+                    continue
+                src_hash = hashlib.sha256(inspect.getsource(cls).replace(name, "X").encode()).hexdigest()
+                if src_hash in seen_src:
+                    skipped.append((f"transformers.{name}", "same code as another transformers norm"))
+                    continue
+                seen_src.add(src_hash)
+                add({"name": f"transformers.{name}", "source": "transformers", "kind": "module", "ctor": name,
+                     "args": ["__first_dim_last"], "imports": [f"from {mod.__name__} import {name}"]})
+    except Exception as e:  # noqa: BLE001
+        skipped.append(("transformers", f"import failed: {type(e).__name__}: {e}"))
+    Path(out_path).write_text(json.dumps({"seeds": seeds, "skipped": skipped}))
+
+
+# ==============================================================================================
+# 2. Compose candidates
+# ==============================================================================================
+class _Cost:
+    """Counts bytes moved, FLOPs, op count and bytes allocated while ops run on meta tensors."""
+
+    def __init__(self):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils.flop_counter import FlopCounterMode
+        cost = self
+
+        class Bytes(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func.overloadpacket.__name__ not in env.ALLOWED_OPS:
+                    ins = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+                    outs = [o for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+                    nb = lambda ts: sum(t.numel() * t.element_size() for t in ts)
+                    cost.bytes += nb(ins) + nb(outs)
+                    cost.alloc += nb(outs)
+                    cost.ops += 1
+                return out
+
+        self.bytes = self.alloc = self.ops = 0
+        self.flop_mode = FlopCounterMode(display=False)
+        self.modes = (self.flop_mode, Bytes())
+
+
+def meta_run(seeds_by_name: dict, steps: list[dict], shape: tuple, backend: str | None = None):
+    """Run the chain on a meta tensor of `shape`. Returns (output shape, est. eager ms, est. bytes touched).
+    Per op: max(bytes / bandwidth, FLOPs / peak, elements x the op's mined CPU ns/element [/ GPU_SPEEDUP])
+    plus a launch overhead per aten op: a rough roofline, good enough to aim inside a 100x window."""
+    import torch
+    ns = _namespace(torch)
+    x = torch.empty(shape, device="meta")
+    cost = _Cost() if backend else None
+    est = 0.0
+    with torch.no_grad():
+        if cost:
+            for m in cost.modes:
+                m.__enter__()
+        try:
+            for st in steps:
+                seed = seeds_by_name[st["name"]]
+                if cost:
+                    b0, f0, o0, n_in = cost.bytes, cost.flop_mode.get_total_flops(), cost.ops, x.numel()
+                x = eval_op(seed, st["expr"], ns, "meta")(x)
+                if cost:
+                    bw, peak, overhead = ROOFLINE[backend]
+                    per_elem = seed.get("ns_per_elem", 0.0) * 1e-9 / (GPU_SPEEDUP if backend == "cuda" else 1)
+                    est += max((cost.bytes - b0) / bw, (cost.flop_mode.get_total_flops() - f0) / peak, n_in * per_elem)
+                    est += (cost.ops - o0) * overhead
+        finally:
+            if cost:
+                for m in reversed(cost.modes):
+                    m.__exit__(None, None, None)
+    if not isinstance(x, torch.Tensor):
+        raise ValueError("chain output is not a tensor")
+    if not cost:
+        return tuple(x.shape), None, None
+    nbytes = math.prod(shape) * 4 + cost.alloc
+    return tuple(x.shape), est * 1e3, nbytes
+
+
+def render(steps: list[dict], seeds_by_name: dict, shape: tuple) -> str:
+    """The KernelBench-format module for a chain of steps and an input shape."""
+    names = DIM_NAMES[len(shape)]
+    imports = ["import torch", "import torch.nn as nn"]
+    if any(st["expr"].startswith("F.") for st in steps):
+        imports.append("import torch.nn.functional as F")
+    for st in steps:
+        for imp in seeds_by_name[st["name"]].get("imports", []):
+            if imp not in imports:
+                imports.append(imp)
+    init, fwd = [], []
+    for i, st in enumerate(steps):
+        if seeds_by_name[st["name"]]["kind"] == "module":
+            init.append(f"        self.op{i} = {st['expr']}")
+            fwd.append(f"        x = self.op{i}(x)")
+        else:
+            fwd.append(f"        x = {st['expr']}")
+    consts = "\n".join(f"{n} = {v}" for n, v in zip(names, shape))
+    return (f"{chr(10).join(imports)}\n\n{consts}\n\n\n"
+            f"class Model(nn.Module):\n"
+            f"    \"\"\"{' -> '.join(st['name'] for st in steps)}\"\"\"\n\n"
+            f"    def __init__(self):\n        super().__init__()\n" + "".join(line + "\n" for line in init) +
+            f"\n    def forward(self, x):\n" + "".join(line + "\n" for line in fwd) + "        return x\n\n\n"
+            f"def get_inputs():\n    return [torch.randn({', '.join(names)})]\n\n\n"
+            f"def get_init_inputs():\n    return []\n")
+
+
+def compose_one(index: int, seeds: list[dict], seeds_by_name: dict, cfg: Config, backend: str) -> dict:
+    """Candidate number `index` of the stream (deterministic in (seed, index)). Returns a candidate dict,
+    or {"drop": reason}."""
+    rng = random.Random(f"{cfg.seed}-{index}")
+    mix = {k: v for k, v in PAPER_MIX.items() if k == "transformers" or int(k.split("#")[1]) <= cfg.max_ops}
+    source = rng.choices(list(mix), weights=list(mix.values()))[0]
+    if source == "transformers":
+        n_ops = rng.choices(range(1, cfg.max_ops + 1), weights=[PAPER_MIX[f"torch#{k}"] for k in range(1, cfg.max_ops + 1)])[0]
+    else:
+        n_ops = int(source.split("#")[1])
+    rank = rng.choices(list(RANK_WEIGHTS), weights=list(RANK_WEIGHTS.values()))[0]
+    shape = (1,) + tuple(rng.choice(c) for c in BASE_DIMS[rank])
+    torch_seeds = [s for s in seeds if s["source"] != "transformers"]
+    hf_seeds = [s for s in seeds if s["source"] == "transformers"]
+    steps, cur = [], shape
+    for i in range(n_ops):
+        pool = hf_seeds if (source == "transformers" and i == 0) else torch_seeds
+        for _ in range(30):  # a few tries to find an op that accepts the current shape
+            seed = rng.choice(pool)
+            if len(cur) not in seed["ranks"]:
+                continue
+            try:
+                expr = build_op(seed, cur, rng)
+                out, _, _ = meta_run(seeds_by_name, [{"name": seed["name"], "expr": expr}], cur)
+            except Exception:  # noqa: BLE001 - does not fit this shape: try another seed
+                continue
+            if len(out) < 2 and i < n_ops - 1:
+                continue  # a scalar (or 1-d) output ends a chain; only allowed last
+            if math.prod(out) < 1:
+                continue
+            steps.append({"name": seed["name"], "expr": expr})
+            cur = out
+            break
+        else:
+            return {"drop": "no seed fits the intermediate shape"}
+    # Size the task: double BATCH while the roofline estimate stays under the target and memory cap.
+    lo, hi = cfg.window_ms
+    target = lo * (hi / lo) ** 0.3
+    best = None
+    for k in range(0, 21):
+        sh = (2 ** k,) + shape[1:]
+        try:
+            _, est, nbytes = meta_run(seeds_by_name, steps, sh, backend)
+        except Exception:  # noqa: BLE001 - batch size changes a shape the chain depends on
+            break
+        if nbytes > MEM_CAP[backend] or est > hi:
+            break
+        best = (sh, est)
+        if est >= target:
+            break
+    if best is None:
+        return {"drop": "too large even at BATCH=1 (memory cap or estimated time)"}
+    shape, est = best
+    ops = [st["name"] for st in steps]
+    ds = "transformers" if any(o.startswith("transformers.") for o in ops) else f"torch#{len(ops)}"
+    return {"index": index, "ops": ops, "data_source": ds, "code": render(steps, seeds_by_name, shape),
+            "shape": list(shape), "est_ms": est}
+
+
+def compose_llm(index: int, seeds: list[dict], cfg: Config, backend: str) -> dict:
+    """--composer llm: ask agent.py's policy to write the composition (as the paper did). Same filters apply."""
+    try:
+        import agent  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        raise UsageError(f"--composer llm needs agent.py's model backends, which are not usable yet ({type(e).__name__}: {e})")
+    raise UsageError("--composer llm needs a text-generation entry point in agent.py, which does not exist yet; use --composer rule")
+
+
+def compose(start: int, count: int, seeds: list[dict], cfg: Config, backend: str, seen: set, funnel: dict) -> list[dict]:
+    """Candidates number start..start+count-1, minus those that fail to compose or duplicate an earlier one."""
+    from tqdm import tqdm
+    by_name = {s["name"]: s for s in seeds}
+    out = []
+    for i in tqdm(range(start, start + count), desc="compose", unit="cand", leave=False, file=sys.stderr):
+        c = compose_one(i, seeds, by_name, cfg, backend) if cfg.composer == "rule" else compose_llm(i, seeds, cfg, backend)
+        funnel["compose"]["in"] += 1
+        if "drop" in c:
+            funnel["compose"]["drops"][c["drop"]] += 1
+            continue
+        key = structure_key(c["code"])
+        if key in seen:  # same ops and structure as an earlier candidate (sizes may differ)
+            funnel["compose"]["drops"]["duplicate of an earlier candidate"] += 1
+            continue
+        seen.add(key)
+        funnel["compose"]["out"] += 1
+        out.append(c)
+    return out
+
+
+# ==============================================================================================
+# 3. Filter
+# ==============================================================================================
+def structure_key(code: str) -> str:
+    """Duplicate key: the AST with every numeric literal replaced by 0 (same ops, any sizes)."""
+    tree = ast.parse(code)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+            node.value = 0
+    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()
+
+
+def ast_tokens(code: str) -> list[str]:
+    """Python-AST token sequence used for similarity: node types plus attribute/function names
+    (literal values and local variable names ignored, so renaming or resizing does not hide a copy)."""
+    toks = []
+    for node in ast.walk(ast.parse(code)):
+        toks.append(type(node).__name__)
+        if isinstance(node, ast.Attribute):
+            toks.append(node.attr)
+        elif isinstance(node, ast.Name) and node.id in ("torch", "nn", "F", "Model", "super"):
+            toks.append(node.id)
+    return toks
+
+
+def load_kernelbench(path: str | None) -> list[tuple[str, list[str]]]:
+    """[(name, tokens)] for every KernelBench-format .py under `path` ("hub": the public dataset)."""
+    if not path:
+        return []
+    if path == "hub":
+        import datasets
+        try:
+            ds = datasets.load_dataset("ScalingIntelligence/KernelBench")
+        except Exception as e:  # noqa: BLE001
+            raise UsageError(f"cannot load the KernelBench dataset from the hub (offline?): {type(e).__name__}")
+        files = [(f"{split}/{r['name']}", r["code"]) for split in ds for r in ds[split]]
+    else:
+        p = Path(path)
+        if not p.is_dir():
+            raise UsageError(f"--kernelbench-dir {path} is not a directory")
+        files = [(str(f.relative_to(p)), f.read_text(errors="replace")) for f in sorted(p.rglob("*.py"))]
+    out = []
+    for name, code in files:
+        try:
+            out.append((name, ast_tokens(code)))
+        except SyntaxError:
+            continue
+    if not out:
+        raise UsageError(f"--kernelbench-dir {path} holds no parseable .py files")
+    return out
+
+
+def most_similar(code: str, kb: list[tuple[str, list[str]]]) -> tuple[float, str]:
+    """Highest difflib ratio of AST token sequences (quick_ratio, an upper bound, prunes most pairs)."""
+    toks, best = ast_tokens(code), (0.0, "")
+    for name, other in kb:
+        sm = difflib.SequenceMatcher(None, toks, other, autojunk=False)
+        if sm.real_quick_ratio() > best[0] and sm.quick_ratio() > best[0]:
+            r = sm.ratio()
+            if r > best[0]:
+                best = (r, name)
+    return best
+
+
+def filter_similar(cands: list[dict], kb, cfg: Config, funnel: dict) -> list[dict]:
+    keep = []
+    for c in cands:
+        funnel["similarity"]["in"] += 1
+        sim, name = most_similar(c["code"], kb) if kb else (0.0, "")
+        if sim > cfg.similarity:
+            funnel["similarity"]["drops"]["AST similarity > %.2f to a KernelBench file" % cfg.similarity] += 1
+            c["drop"] = f"AST similarity {sim:.2f} to KernelBench {name}"
+            continue
+        funnel["similarity"]["out"] += 1
+        keep.append(c)
+    return keep
+
+
+def result_key(c: dict, cfg: Config, backend: str) -> str:
+    blob = json.dumps([c["code"], backend, list(cfg.window_ms), cfg.n_timed])
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def filter_by_execution(cands: list[dict], cfg: Config, backend: str, resume_file: Path | None = None) -> dict:
+    """Run every candidate's checks in sandboxed children, `batch_size` candidates per child and
+    `workers` children at a time. Returns {result_key: result}. Results are appended to `resume_file`
+    as they arrive, and read back from it on a re-run."""
+    from tqdm import tqdm
+    done = {}
+    if resume_file and resume_file.exists():
+        for line in resume_file.read_text().splitlines():
+            try:
+                r = json.loads(line)
+                done[r["key"]] = r
+            except (json.JSONDecodeError, KeyError):
+                continue  # a line cut short by an interruption
+    todo = {}
+    for c in cands:
+        k = result_key(c, cfg, backend)
+        if k not in done:
+            todo[k] = c
+    keys = list(todo)
+    per = cfg.batch_size or (12 if backend == "cuda" else 6)
+    per = max(1, min(per, math.ceil(len(keys) / max(1, cfg.workers))))
+    batches = [keys[i:i + per] for i in range(0, len(keys), per)]
+    bar = tqdm(total=len(cands), initial=len(cands) - len(keys), desc="filter", unit="cand", file=sys.stderr)
+    sink = open(resume_file, "a") if resume_file else None
+
+    def record(r):
+        done[r["key"]] = r
+        if sink:
+            sink.write(json.dumps(r) + "\n")
+            sink.flush()
+        bar.update(1)
+
+    def run_batch(batch_keys):
+        remaining = list(batch_keys)
+        while remaining:
+            got = _run_child([dict(todo[k], key=k) for k in remaining], cfg, backend)
+            for k in remaining:
+                if k in got:
+                    record(got[k])
+            missing = [k for k in remaining if k not in got]
+            if len(missing) == len(remaining):  # the first unfinished candidate took the child down
+                k = missing.pop(0)
+                record({"key": k, "kept": False, "drop": f"child process {got.get('__crash__', 'died')}"})
+            remaining = missing
+
+    try:
+        with ThreadPoolExecutor(max(1, cfg.workers)) as pool:
+            for f in as_completed([pool.submit(run_batch, b) for b in batches]):
+                f.result()
+    finally:
+        bar.close()
+        if sink:
+            sink.close()
+    return done
+
+
+def _run_child(batch: list[dict], cfg: Config, backend: str) -> dict:
+    """One sandboxed child checks a batch of candidates. Returns {key: result} (+ "__crash__": why)."""
+    env.CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    lock = env.gpu_lock_path(backend)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    ind, tri = env.CACHE_DIR / "inductor", env.CACHE_DIR / "triton"
+    for d in (ind, tri):
+        d.mkdir(parents=True, exist_ok=True)
+    threads = max(1, (os.cpu_count() or 1) // max(1, cfg.workers))
+    extra = {"TORCHINDUCTOR_CACHE_DIR": str(ind), "TRITON_CACHE_DIR": str(tri), "OMP_NUM_THREADS": str(threads),
+             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if backend == "cuda":
+        extra["CUDA_AGENT_NO_AS"] = "1"  # RLIMIT_AS breaks CUDA's address-space reservations
+    else:
+        extra["TORCHINDUCTOR_COMPILE_THREADS"] = "1"  # a compile worker pool costs more than it saves on few cores
+    with tempfile.TemporaryDirectory(prefix="synth-", dir=env.CACHE_DIR) as d:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            spec = {"dir": str(Path(d).resolve()), "backend": backend, "window_ms": list(cfg.window_ms), "n_timed": cfg.n_timed, "threads": threads,
+                    "min_timed_s": cfg.min_timed_s, "lock_fd": fd, "cands": batch, "mem_cap": MEM_CAP[backend]}
+            Path(d, "spec.json").write_text(json.dumps(spec))
+            timeout = 90 + (60 if backend == "cuda" else 150) * len(batch)
+            r = env.run_sandboxed([sys.executable, "-E", "-B", str(Path(__file__).resolve()), "_filter", str(Path(d, "spec.json").resolve())], d,
+                                  timeout=timeout, writable=[ind, tri], mem_gb=16.0, env=extra, pass_fds=[fd])
+        finally:
+            os.close(fd)
+        got = {}
+        res = Path(d, "results.jsonl")
+        for line in (res.read_text().splitlines() if res.exists() else []):
+            try:
+                x = json.loads(line)
+                got[x["key"]] = x
+            except (json.JSONDecodeError, KeyError):
+                continue
+        if len(got) < len(batch):
+            tail = r.stderr.strip().splitlines()[-1][:200] if r.stderr.strip() else ""
+            got["__crash__"] = (r.crash or f"exited with code {r.returncode}") + (f": {tail}" if tail else "")
+        return got
+
+
+def check_task(code: str, spec: dict, torch, lock_fd) -> dict:
+    """The execution filter for one task, inside the child. Returns {"kept": bool, "drop": why, ...}.
+    Cheap checks first, torch.compile (seconds) last."""
+    import importlib.util
+    device = torch.device("cuda" if spec["backend"] == "cuda" else "cpu")
+    lo, hi = spec["window_ms"]
+    path = Path(spec["dir"]) / f"task_{uuid.uuid4().hex[:8]}.py"  # absolute: the sandbox re-mounts the cwd
+    path.write_text(code)
+    try:
+        s = importlib.util.spec_from_file_location(path.stem, path)
+        mod = importlib.util.module_from_spec(s)
+        s.loader.exec_module(mod)
+        with torch.device(device):
+            torch.manual_seed(0)
+            model = mod.Model(*mod.get_init_inputs()).eval()
+
+            def inputs(seed):  # created on the device directly (CPU randn of GBs is slow)
+                torch.manual_seed(seed)
+                return [x.to(device) if isinstance(x, torch.Tensor) else x for x in mod.get_inputs()]
+            sets = [inputs(s) for s in (1, 2, 3)]
+    except Exception as e:  # noqa: BLE001
+        return {"kept": False, "drop": f"eager failed: {type(e).__name__}: {str(e)[:120]}"}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    leaves = lambda o: [t for t in (o if isinstance(o, (tuple, list)) else [o])]
+    close = lambda a, b, tol: all(isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape
+                                  and torch.allclose(x.double(), y.double(), atol=tol, rtol=tol, equal_nan=True)
+                                  for x, y in zip(leaves(a), leaves(b)))
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)  # all timed/measured device work of this task, one task at a time
+        try:
+            with torch.no_grad():
+                outs = [model(*x) for x in sets]
+                again = model(*sets[0])
+                sync()
+            if not all(isinstance(t, torch.Tensor) for o in outs for t in leaves(o)):
+                return {"kept": False, "drop": "output is not a tensor"}
+            if not close(outs[0], again, 1e-5):
+                return {"kept": False, "drop": "nondeterministic: the same input gives different outputs"}
+            if not all(bool(torch.isfinite(t).all()) for o in outs for t in leaves(o) if t.is_floating_point()):
+                return {"kept": False, "drop": "non-finite output (nan/inf)"}
+            if close(outs[0], outs[1], 1e-2) and close(outs[0], outs[2], 1e-2):
+                return {"kept": False, "drop": "constant output: the same for different inputs"}
+            if all(any(close(o, xi, 1e-2) for xi in x if isinstance(xi, torch.Tensor)) for o, x in zip(outs, sets)):
+                return {"kept": False, "drop": "output equals its input (the op is the identity on these inputs)"}
+            eager_ms, _ = env.time_callable(model, sets[:2], n_timed=spec["n_timed"], min_s=spec["min_timed_s"], warmup=2)
+        finally:
+            fcntl.flock(lock_fd, fcntl.LOCK_UN)
+        if eager_ms < lo:
+            return {"kept": False, "drop": f"too fast: eager {eager_ms:.3g} ms < {lo:g} ms", "eager_ms": eager_ms}
+        if eager_ms > hi:
+            return {"kept": False, "drop": f"too slow: eager {eager_ms:.3g} ms > {hi:g} ms", "eager_ms": eager_ms}
+    except Exception as e:  # noqa: BLE001
+        return {"kept": False, "drop": f"eager failed: {type(e).__name__}: {str(e)[:120]}"}
+    try:
+        compiled = torch.compile(model)
+        with torch.no_grad():
+            c_outs = [compiled(*x) for x in sets[:2]]  # the first call compiles (outside the lock: CPU work)
+            sync()
+        for k in range(2):
+            if not close(c_outs[k], outs[k], 1e-2):
+                return {"kept": False, "drop": "torch.compile disagrees with eager", "eager_ms": eager_ms}
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        try:
+            compile_ms, _ = env.time_callable(compiled, sets[:2], n_timed=spec["n_timed"], min_s=spec["min_timed_s"], warmup=2)
+        finally:
+            fcntl.flock(lock_fd, fcntl.LOCK_UN)
+    except Exception as e:  # noqa: BLE001
+        return {"kept": False, "drop": f"torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}",
+                "eager_ms": eager_ms}
+    finally:
+        torch._dynamo.reset()  # forget this graph: one child checks many tasks
+    return {"kept": True, "eager_ms": round(eager_ms, 4), "compile_ms": round(compile_ms, 4)}
+
+
+def _filter_child(spec_path: str):
+    """Runs in a sandboxed child: check each candidate, append one JSON line per result."""
+    import warnings
+    warnings.filterwarnings("ignore")
+    spec = json.loads(Path(spec_path).read_text())
+    import torch
+    torch.set_num_threads(spec["threads"])
+    env._SYNC = torch.cuda.synchronize
+    with open(Path(spec["dir"]) / "results.jsonl", "a") as out:
+        for c in spec["cands"]:
+            r = check_task(c["code"], spec, torch, spec["lock_fd"])
+            out.write(json.dumps(dict(r, key=c["key"])) + "\n")
+            out.flush()
+            if spec["backend"] == "cuda":
+                torch.cuda.empty_cache()
+    sys.stdout.flush()
+    os._exit(0)  # skip teardown (inductor worker pools, CUDA context)
+
+
+# ==============================================================================================
+# 4. Report
+# ==============================================================================================
+def new_funnel() -> dict:
+    stage = lambda: {"in": 0, "out": 0, "drops": collections.Counter()}
+    return {"compose": stage(), "similarity": stage(), "execution": stage()}
+
+
+def diversity(rows: list[dict]) -> dict:
+    """Operator histogram, ops-per-task mix next to the paper's, input sizes and eager times."""
+    ops = collections.Counter(o for r in rows for o in r["ops"])
+    mix = collections.Counter(r["data_source"] for r in rows)
+    n = max(1, len(rows))
+    numel = sorted(math.prod(r["input_shape"]) for r in rows) if rows else []
+    eager = sorted(r["eager_ms"] for r in rows)
+    q = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))] if xs else None
+    return {"distinct_ops": len(ops), "top_ops": ops.most_common(20),
+            "ops_per_source": dict(collections.Counter(o.split(".")[0] if not o.startswith("torch.") else ".".join(o.split(".")[:-1])
+                                                       for r in rows for o in r["ops"])),
+            "mix": {k: {"ours_pct": round(100 * mix.get(k, 0) / n, 1), "paper_pct": v} for k, v in PAPER_MIX.items()},
+            "input_numel": {"min": q(numel, 0), "median": q(numel, 0.5), "max": q(numel, 1.0)},
+            "input_rank": dict(collections.Counter(len(r["input_shape"]) for r in rows)),
+            "eager_ms": {"min": q(eager, 0), "median": q(eager, 0.5), "max": q(eager, 1.0)}}
+
+
+def report(funnel: dict, div: dict, n_seeds: int, kept: int, n_train: int, n_test: int, seconds: float) -> str:
+    lines = [f"{'stage':<12}{'in':>8}{'out':>8}  top drop reasons", f"{'mine':<12}{'':>8}{n_seeds:>8}  (seed operators)"]
+    for name in ("compose", "similarity", "execution"):
+        st = funnel[name]
+        top = "; ".join(f"{why} ({k})" for why, k in collections.Counter(st["drops"]).most_common(4))
+        lines.append(f"{name:<12}{st['in']:>8}{st['out']:>8}  {top}")
+    lines.append(f"{'dataset':<12}{funnel['execution']['out']:>8}{kept:>8}  train {n_train} | test {n_test} | "
+                 f"{seconds:.0f} s | {kept / max(seconds, 1e-9) * 3600:.0f} tasks/hour")
+    mix = " | ".join(f"{k} {v['ours_pct']}% (paper {v['paper_pct']}%)" for k, v in div["mix"].items())
+    lines += [f"mix: {mix}", f"distinct ops {div['distinct_ops']}; top: " + ", ".join(f"{o} {c}" for o, c in div["top_ops"][:8]),
+              f"input elements min/median/max {div['input_numel']['min']}/{div['input_numel']['median']}/{div['input_numel']['max']}"
+              f" | ranks {div['input_rank']} | eager ms min/median/max {div['eager_ms']['min']}/{div['eager_ms']['median']}/"
+              f"{div['eager_ms']['max']}"]
+    return "\n".join(lines)
+
+
+# ==============================================================================================
+# Output: save and load
+# ==============================================================================================
+FEATURES = None
+
+
+def _features():
+    import datasets
+    return datasets.Features({"ops": datasets.List(datasets.Value("string")), "data_source": datasets.Value("string"),
+                              "code": datasets.Value("string"), "eager_ms": datasets.Value("float64"),
+                              "compile_ms": datasets.Value("float64")})
+
+
+def save(rows: list[dict], out: Path, work: Path, cfg: Config, funnel_json: dict):
+    """Split, save under work/, then swap into `out` (an interrupted run never leaves a half-written DIR)."""
+    import datasets
+    datasets.disable_progress_bars()
+    rng = random.Random(cfg.seed)
+    order = list(range(len(rows)))
+    rng.shuffle(order)
+    n_test = 0 if len(rows) < 2 else max(1, round(len(rows) * cfg.test_share))
+    cols = lambda idx: [{k: rows[i][k] for k in ("ops", "data_source", "code", "eager_ms", "compile_ms")} for i in sorted(idx)]
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(cols(order[n_test:]), features=_features()),
+                               "test": datasets.Dataset.from_list(cols(order[:n_test]), features=_features())})
+    stage = work / "dataset"
+    if stage.exists():
+        shutil.rmtree(stage)
+    dd.save_to_disk(str(stage))
+    (stage / "funnel.json").write_text(json.dumps(funnel_json, indent=1))
+    old = out.with_name(out.name + f".old-{uuid.uuid4().hex[:6]}")
+    if out.exists():
+        os.replace(out, old)
+    os.replace(stage, out)
+    shutil.rmtree(old, ignore_errors=True)
+    return len(rows) - n_test, n_test
+
+
+def load_tasks(path_or_hub_id: str, split: str = "train"):
+    """A `datasets.Dataset` of tasks (columns ops, data_source, code, eager_ms, compile_ms) from a synth.py
+    output folder or from the hub (e.g. HUB_ID, needs network; it has one split, so "test" is a fixed 5% of it)."""
+    import datasets
+    p = Path(path_or_hub_id)
+    if p.exists():
+        if not (p / "dataset_dict.json").exists():
+            raise UsageError(f"{p} is not a synth.py output (no dataset_dict.json)")
+        dd = datasets.load_from_disk(str(p))
+        if split not in dd:
+            raise UsageError(f"{p} has no split {split!r} (has {', '.join(dd)})")
+        return dd[split]
+    try:
+        dd = datasets.load_dataset(path_or_hub_id)
+    except Exception as e:  # noqa: BLE001
+        raise UsageError(f"cannot load {path_or_hub_id!r}: not a folder, and the hub failed ({type(e).__name__})")
+    if split not in dd:
+        parts = dd["train"].train_test_split(test_size=0.05, seed=0)
+        dd = {"train": parts["train"], "test": parts["test"]}
+        if split not in dd:
+            raise UsageError(f"{path_or_hub_id} has no split {split!r}")
+    ds = dd[split]
+    if "ops" in ds.column_names and ds.features["ops"].dtype == "string":  # a list stored as text
+        ds = ds.map(lambda r: {"ops": list(ast.literal_eval(r["ops"])) if r["ops"].startswith("[") else [r["ops"]]})
+    for col in ("eager_ms", "compile_ms"):
+        if col not in ds.column_names:
+            ds = ds.add_column(col, [None] * len(ds))
+    return ds
+
+
+# ==============================================================================================
+# Command line
+# ==============================================================================================
+def parse_args(argv=None) -> Config:
+    p = argparse.ArgumentParser(description="synthesise KernelBench-format training tasks (CUDA-Agent-Ops style)",
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n")[0])
+    g = p.add_argument_group("output")
+    g.add_argument("--out", required=True, help="output folder (a datasets.DatasetDict)")
+    g.add_argument("--num-tasks", type=int, default=Config.num_tasks)
+    g.add_argument("--test-share", type=float, default=Config.test_share)
+    g = p.add_argument_group("composition")
+    g.add_argument("--max-ops", type=int, default=Config.max_ops)
+    g.add_argument("--seed", type=int, default=Config.seed)
+    g.add_argument("--composer", default="rule", choices=["rule", "llm"])
+    g.add_argument("--model", default=None, help="model for --composer llm")
+    g = p.add_argument_group("filters")
+    g.add_argument("--backend", default="auto")
+    g.add_argument("--workers", type=int, default=1)
+    g.add_argument("--kernelbench-dir", default=None, help="folder of KernelBench-format .py files (or 'hub')")
+    g.add_argument("--window-ms", type=float, nargs=2, default=None, metavar=("LO", "HI"),
+                   help="eager-time window (default 1 100 on CUDA, 0.1 10 on CPU)")
+    g.add_argument("--similarity", type=float, default=Config.similarity)
+    g.add_argument("--batch-size", type=int, default=0, help="candidates per child process (0: 12 CUDA, 6 CPU)")
+    g.add_argument("--max-candidates", type=int, default=0)
+    a = p.parse_args(argv)
+    cfg = Config(out=a.out, num_tasks=a.num_tasks, max_ops=a.max_ops, backend=a.backend, seed=a.seed, workers=a.workers,
+                 kernelbench_dir=a.kernelbench_dir, composer=a.composer, model=a.model, test_share=a.test_share,
+                 window_ms=tuple(a.window_ms) if a.window_ms else None, similarity=a.similarity, batch_size=a.batch_size,
+                 max_candidates=a.max_candidates)
+    return cfg
+
+
+def validate(cfg: Config) -> tuple[Path, str]:
+    """Check every input before any work; raise UsageError with one readable line."""
+    if cfg.num_tasks < 1:
+        raise UsageError(f"--num-tasks must be >= 1 (got {cfg.num_tasks})")
+    if not 1 <= cfg.max_ops <= 5:
+        raise UsageError(f"--max-ops must be between 1 and 5 (got {cfg.max_ops})")
+    if cfg.workers < 1:
+        raise UsageError(f"--workers must be >= 1 (got {cfg.workers})")
+    if not 0 <= cfg.test_share < 1:
+        raise UsageError(f"--test-share must be in [0, 1) (got {cfg.test_share})")
+    if cfg.window_ms and not 0 < cfg.window_ms[0] < cfg.window_ms[1]:
+        raise UsageError(f"--window-ms needs 0 < LO < HI (got {cfg.window_ms})")
+    if cfg.kernelbench_dir and cfg.kernelbench_dir != "hub" and not Path(cfg.kernelbench_dir).is_dir():
+        raise UsageError(f"--kernelbench-dir {cfg.kernelbench_dir} does not exist or is not a directory")
+    out = Path(cfg.out).resolve()
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {cfg.out} exists and is not a directory")
+    if out.exists() and any(out.iterdir()) and not (out / "funnel.json").exists():
+        raise UsageError(f"--out {cfg.out} is a non-empty folder that synth.py did not write; refusing to replace it")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        probe = out.parent / f".synth-write-test-{uuid.uuid4().hex[:6]}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"--out {cfg.out} is not writable ({e.strerror or e})")
+    backend = env.resolve_backend(cfg.backend)
+    if cfg.window_ms is None:
+        cfg.window_ms = (1.0, 100.0) if backend == "cuda" else (0.1, 10.0)
+    if cfg.composer == "llm":
+        compose_llm(0, [], cfg, backend)  # fails fast with one line when agent.py cannot compose yet
+    return out, backend
+
+
+def main(argv=None) -> int:
+    t0 = time.time()
+    try:
+        cfg = parse_args(argv)
+        out, backend = validate(cfg)
+        kb = load_kernelbench(cfg.kernelbench_dir)
+    except UsageError as e:
+        print(f"synth.py: error: {e}", file=sys.stderr)
+        return 2
+    work = out.with_name(out.name + ".partial")  # resumable state; removed after a successful run
+    work.mkdir(exist_ok=True)
+    print(f"synth | out {out} | tasks {cfg.num_tasks} | max ops {cfg.max_ops} | backend {backend} | workers {cfg.workers}"
+          f" | window {cfg.window_ms[0]:g}-{cfg.window_ms[1]:g} ms | seed {cfg.seed} | kernelbench files {len(kb)}", flush=True)
+    if not kb:
+        print("filter: no --kernelbench-dir given: the KernelBench similarity filter is off", flush=True)
+
+    seeds = mine_seeds()                                                       # 1. mine
+    funnel, seen, kept_rows = new_funnel(), set(), {}
+    max_cands = cfg.max_candidates or 20 * cfg.num_tasks + 50
+    step, start, rate = 0, 0, 0.5
+    while True:
+        # Compose more candidates than we still need (by the yield so far), filter them, repeat.
+        need = cfg.num_tasks - len(kept_rows)
+        count = min(max_cands - start, max(cfg.workers * 2, math.ceil(need / max(rate, 0.05) * 1.2)))
+        cands = compose(start, count, seeds, cfg, backend, seen, funnel)     # 2. compose
+        start += count
+        cands = filter_similar(cands, kb, cfg, funnel)                        # 3a. cheap filters
+        results = filter_by_execution(cands, cfg, backend, work / "filtered.jsonl")  # 3b. execution
+        for c in cands:
+            r = results[result_key(c, cfg, backend)]
+            funnel["execution"]["in"] += 1
+            if r["kept"]:
+                funnel["execution"]["out"] += 1
+                kept_rows[c["index"]] = dict(ops=c["ops"], data_source=c["data_source"], code=c["code"],
+                                             eager_ms=r["eager_ms"], compile_ms=r["compile_ms"], input_shape=c["shape"])
+            else:
+                funnel["execution"]["drops"][_reason_class(r["drop"])] += 1
+        rate = max(funnel["execution"]["out"], 1) / max(funnel["compose"]["in"], 1)
+        step += 1
+        print(f"round {step} | composed {start} | candidates {funnel['compose']['out']} | kept {len(kept_rows)}/{cfg.num_tasks}"
+              f" | yield {100 * rate:.0f}% | {time.time() - t0:.0f} s", flush=True)
+        if len(kept_rows) >= cfg.num_tasks or start >= max_cands:
+            break
+    rows = [kept_rows[i] for i in sorted(kept_rows)][:cfg.num_tasks]  # first N by stream index: same seed, same set
+    if len(rows) < cfg.num_tasks:
+        print(f"synth.py: warning: only {len(rows)} of {cfg.num_tasks} tasks after {max_cands} candidates", file=sys.stderr)
+    div = diversity(rows)
+    funnel_json = {"config": {k: v for k, v in dataclasses.asdict(cfg).items()}, "backend": backend,
+                   "seeds": len(seeds), "stages": {k: dict(v, drops=dict(v["drops"])) for k, v in funnel.items()},
+                   "kept": len(rows), "seconds": round(time.time() - t0, 1), "diversity": div}
+    n_train, n_test = save(rows, out, work, cfg, funnel_json)                 # 4. report
+    shutil.rmtree(work, ignore_errors=True)
+    print(report(funnel, div, len(seeds), len(rows), n_train, n_test, time.time() - t0))
+    print(f"saved {out} (train {n_train}, test {n_test}) and {out / 'funnel.json'}")
+    return 0
+
+
+def _reason_class(why: str) -> str:
+    """Group drop reasons for the funnel (numbers removed)."""
+    for prefix in ("too fast", "too slow", "eager failed", "torch.compile failed", "child process"):
+        if why.startswith(prefix):
+            return prefix
+    return why
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "_mine":
+        _mine_child(sys.argv[2])
+    elif len(sys.argv) == 3 and sys.argv[1] == "_filter":
+        _filter_child(sys.argv[2])
+    else:
+        sys.exit(main())
