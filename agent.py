@@ -130,8 +130,10 @@ def run_tool(name: str, args: dict, ws: Path, task_code: str, backend: str, cfg:
     ws = ws.resolve()
     try:
         if name == "bash":
-            r = env.run_sandboxed(["/bin/bash", "-c", args["command"]], ws, cfg.bash_timeout, mem_gb=8.0,
-                                  output_limit=cfg.obs_chars)
+            # `cd "$0"` first: the jail bind-mounts the workspace writable *after* the child's cwd was set, so
+            # relative paths would still resolve through the old, read-only mount
+            r = env.run_sandboxed(["/bin/bash", "-c", 'cd -- "$0" && eval "$1"', str(ws), args["command"]], ws,
+                                  cfg.bash_timeout, mem_gb=8.0, output_limit=cfg.obs_chars)
             out = (r.stdout + (("\n[stderr]\n" + r.stderr) if r.stderr.strip() else "")).strip()
             if (ws / "model.py").read_text() != task_code:  # bash can write anything in the workspace
                 (ws / "model.py").write_text(task_code)
@@ -348,6 +350,26 @@ def _rotate_half(x):
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
+def _layer_pre(layer, x, cos, sin, H: int, KV: int, hd: int):
+    """Decode step, before attention: norm, q/k/v projections, RoPE on q and k together."""
+    import torch
+    a, B = layer.self_attn, x.shape[0]
+    h = layer.input_layernorm(x)
+    q = a.q_proj(h).view(B, H, hd)
+    k = a.k_proj(h).view(B, KV, hd)
+    v = a.v_proj(h).view(B, KV, 1, hd)
+    if hasattr(a, "q_norm"):  # Qwen3
+        q, k = a.q_norm(q), a.k_norm(k)
+    qk = torch.cat([q, k], 1)[:, :, None]  # (B, H+KV, 1, hd)
+    return qk * cos + _rotate_half(qk) * sin, v
+
+
+def _layer_post(layer, x, o):
+    """Decode step, after attention: output projection, residuals, norm, MLP."""
+    x = x + layer.self_attn.o_proj(o)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
 class FastEngine:
     """Batched generation for Llama-family decoders with a static KV cache of `n_slots` rows. A call
     to generate() gives each prompt the slot holding its longest cached prefix, prefills only the new
@@ -358,7 +380,7 @@ class FastEngine:
     SUPPORTED = {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
 
     def __init__(self, model, max_context: int, n_slots: int, use_graphs=None, check_every: int = 32,
-                 prefill_tokens: int | None = None):
+                 prefill_chunk: int | None = None, prefill_elems: int | None = None, compile_layers: bool = False):
         import torch
         self.model = model
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -373,7 +395,19 @@ class FastEngine:
         self.T, self.B = int(max_context), int(n_slots)
         self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
         self.check_every = check_every
-        self.prefill_tokens = prefill_tokens or (32768 if self.device.type == "cuda" else 4096)
+        # compile_layers: torch.compile fuses the elementwise work around attention (norms, RoPE, residuals,
+        # SiLU*up) into a few kernels, halving kernels per step; experimental (numerics differ in the last bits)
+        self._pre, self._post = _layer_pre, _layer_post
+        if compile_layers:
+            import torch._dynamo
+            for knob in ("cache_size_limit", "recompile_limit"):
+                if hasattr(torch._dynamo.config, knob):
+                    setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 256))
+            self._pre = torch.compile(_layer_pre, dynamic=False)
+            self._post = torch.compile(_layer_post, dynamic=False)
+        cuda = self.device.type == "cuda"
+        self.prefill_chunk = prefill_chunk or (1024 if cuda else 256)  # tokens per sequence per prefill forward
+        self.prefill_elems = prefill_elems or (2**30 if cuda else 2**25)  # attention scores per prefill forward
         dev = self.device
         with torch.no_grad():  # RoPE table for every position, computed by the model's own rotary module
             cos, sin = dec.rotary_emb(torch.zeros(1, device=dev, dtype=torch.float32),
@@ -400,15 +434,14 @@ class FastEngine:
 
     # -- the transformer, on the static cache --------------------------------------------------
     def _forward(self, ids, P, idx, Tb):
-        """ids (b, S) tokens at positions P (b, S) of slots idx (b,) (None = all slots, decode).
-        Writes their K/V into the cache, attends over cache[:, :Tb], returns hidden states (b, S, D)."""
+        """Prefill: ids (b, S) tokens at positions P (b, S) of slots idx (b,). Writes their K/V into the
+        cache, attends over cache[:, :Tb] with the fused SDPA kernel, returns hidden states (b, S, D)."""
         import torch
         b, S = ids.shape
         Pc = P.clamp(max=self.T)
         cos, sin = self.cos[Pc][:, None], self.sin[Pc][:, None]  # (b, 1, S, hd)
-        g = self.H // self.KV
-        rows = self.ar[:, None] if idx is None else idx[:, None]  # (b, 1)
-        valid = self.arT[:Tb][None, None, None, None, :] <= P[:, None, None, :, None]  # (b, 1, 1, S, Tb) causal
+        rows = idx[:, None]  # (b, 1)
+        valid = self.arT[:Tb][None, None, None, :] <= P[:, None, :, None]  # (b, 1, S, Tb) causal mask
         x = self.embed(ids)
         for l, layer in enumerate(self.layers):
             a = layer.self_attn
@@ -424,13 +457,10 @@ class FastEngine:
             kc, vc = self.k[l], self.v[l]  # (B, KV, T+1, hd)
             kc[rows, :, Pc] = k.transpose(1, 2)  # index_put with (b, S) indices: (b, S, KV, hd)
             vc[rows, :, Pc] = v.transpose(1, 2)
-            K = kc[:, :, :Tb] if idx is None else kc[idx, :, :Tb]  # (b, KV, Tb, hd)
-            V = vc[:, :, :Tb] if idx is None else vc[idx, :, :Tb]
-            qg = q.reshape(b, self.KV, g * S, self.hd)  # head h uses kv head h // g, as HF's repeat_kv
-            w = torch.matmul(qg, K.transpose(-1, -2)).view(b, self.KV, g, S, Tb) * self.scale
-            w = w.masked_fill(~valid, float("-inf"))
-            w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype).view(b, self.KV, g * S, Tb)
-            o = torch.matmul(w, V).view(b, self.H, S, self.hd).transpose(1, 2).reshape(b, S, self.H * self.hd)
+            K, V = kc[idx, :, :Tb], vc[idx, :, :Tb]  # (b, KV, Tb, hd)
+            o = torch.nn.functional.scaled_dot_product_attention(q, K, V, attn_mask=valid,
+                                                                 scale=self.scale, enable_gqa=True)  # (b, H, S, hd)
+            o = o.transpose(1, 2).reshape(b, S, self.H * self.hd)
             x = x + a.o_proj(o)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x
@@ -445,9 +475,34 @@ class FastEngine:
         u = torch.rand_like(logits).clamp_(1e-20, 1.0)
         return (logits * self.inv_temp - torch.log(-torch.log(u))).argmax(-1)
 
-    def _decode_step(self, Tb, sampled):
+    def _decode_forward(self, Tb):
+        """One decode step for all B slots: token self.tok at position self.pos. The same math as
+        _forward with fewer kernels (it is replayed 10^5 times): one scatter per cache write, scale and
+        causal mask fused into the score GEMM (baddbmm), RoPE on q and k together. Returns (B, 1, D)."""
         import torch
-        x = self._forward(self.tok[:, None], self.pos[:, None], None, Tb)
+        B, KV, H, hd = self.B, self.KV, self.H, self.hd
+        g = H // KV
+        P = self.pos.clamp(max=self.T)  # (B,)
+        cos, sin = self.cos[P][:, None, None], self.sin[P][:, None, None]  # (B, 1, 1, hd)
+        widx = P.view(B, 1, 1, 1).expand(B, KV, 1, hd)  # scatter index of the new K/V row
+        bias = torch.zeros(B, 1, Tb, dtype=self.dtype, device=self.device).masked_fill_(
+            self.arT[:Tb][None, None] > self.pos[:, None, None], float("-inf"))
+        bias = bias[:, None].expand(B, KV, 1, Tb).reshape(B * KV, 1, Tb)  # additive causal mask
+        x = self.embed(self.tok[:, None])  # (B, 1, D)
+        for l, layer in enumerate(self.layers):
+            qk, v = self._pre(layer, x, cos, sin, H, KV, hd)  # (B, H+KV, 1, hd) roped q and k, (B, KV, 1, hd)
+            kc, vc = self.k[l], self.v[l]  # (B, KV, T+1, hd)
+            kc.scatter_(2, widx, qk[:, H:])
+            vc.scatter_(2, widx, v)
+            qg = qk[:, :H].reshape(B * KV, g, hd)  # head h uses kv head h // g, as HF's repeat_kv
+            w = torch.baddbmm(bias, qg, kc[:, :, :Tb].view(B * KV, Tb, hd).transpose(1, 2), alpha=self.scale)
+            w = torch.softmax(w, dim=-1)  # (B*KV, g, Tb)
+            o = torch.bmm(w, vc[:, :, :Tb].view(B * KV, Tb, hd))  # (B*KV, g, hd)
+            x = self._post(layer, x, o.view(B, 1, H * hd))
+        return x
+
+    def _decode_step(self, Tb, sampled):
+        x = self._decode_forward(Tb)
         nxt = self._pick(x[:, -1], sampled)  # (B,)
         self.out.index_copy_(1, self.step.clamp(max=self.T).view(1), nxt[:, None])
         self.tok.copy_(nxt)
@@ -506,32 +561,36 @@ class FastEngine:
         return res
 
     def _prefill(self, items, sampled):
-        """items: [(slot, start, new_tokens)], each slot's tokens before `start` are cached. Batched in
-        chunks of similar length. Returns {slot: first generated token} (device tensors)."""
+        """items: [(slot, start, new_tokens)], each slot's tokens before `start` are cached. Long inputs
+        go in pieces of `prefill_chunk` tokens (piece k of every item in round k); a round is batched in
+        groups whose attention scores stay under `prefill_elems`. Returns {slot: first generated token}."""
         import torch
-        firsts = {}
-        items = sorted(items, key=lambda it: len(it[2]))
-        i = 0
-        while i < len(items):
-            j = i + 1
-            while j < len(items) and (j + 1 - i) * len(items[j][2]) <= self.prefill_tokens:
-                j += 1
-            chunk, i = items[i:j], j
-            S = len(chunk[-1][2])
-            ids = torch.zeros(len(chunk), S, dtype=torch.long)
-            for r, (_, _, t) in enumerate(chunk):
-                ids[r, :len(t)] = torch.tensor(t, dtype=torch.long)
-            starts = torch.tensor([st for _, st, _ in chunk])
-            lens = torch.tensor([len(t) for _, _, t in chunk])
-            P = starts[:, None] + torch.arange(S)[None]  # (b, S); pads sit past each prompt's end
-            idx = torch.tensor([s for s, _, _ in chunk])
-            Tb = self.bucket(int((starts + lens).max()))
-            dev = self.device
-            x = self._forward(ids.to(dev), P.to(dev), idx.to(dev), Tb)
-            last = x[torch.arange(len(chunk), device=dev), (lens - 1).to(dev)]  # (b, D)
-            nxt = self._pick(last, sampled)
-            for r, (s, _, _) in enumerate(chunk):
-                firsts[s] = nxt[r]
+        firsts, C, dev = {}, self.prefill_chunk, self.device
+        pending = list(items)
+        while pending:
+            rnd = sorted(((s, st, t[:C], len(t) <= C) for s, st, t in pending), key=lambda it: len(it[2]))
+            pending = [(s, st + C, t[C:]) for s, st, t in pending if len(t) > C]
+            i = 0
+            while i < len(rnd):
+                j = i + 1
+                while j < len(rnd) and (j + 1 - i) * len(rnd[j][2]) * self.H * self.bucket(
+                        max(st + len(t) for _, st, t, _ in rnd[i:j + 1])) <= self.prefill_elems:
+                    j += 1
+                chunk, i = rnd[i:j], j
+                S = len(chunk[-1][2])
+                ids = torch.zeros(len(chunk), S, dtype=torch.long)
+                for r, (_, _, t, _) in enumerate(chunk):
+                    ids[r, :len(t)] = torch.tensor(t, dtype=torch.long)
+                starts = torch.tensor([st for _, st, _, _ in chunk])
+                lens = torch.tensor([len(t) for _, _, t, _ in chunk])
+                P = starts[:, None] + torch.arange(S)[None]  # (b, S); pads sit past each input's end
+                idx = torch.tensor([s for s, _, _, _ in chunk])
+                x = self._forward(ids.to(dev), P.to(dev), idx.to(dev), self.bucket(int((starts + lens).max())))
+                last = x[torch.arange(len(chunk), device=dev), (lens - 1).to(dev)]  # (b, D)
+                nxt = self._pick(last, sampled)
+                for r, (s, _, _, final) in enumerate(chunk):
+                    if final:
+                        firsts[s] = nxt[r]
         return firsts
 
     def generate(self, prompts, max_new_tokens, temperature=0.0, stop=()):
@@ -588,6 +647,10 @@ class FastEngine:
             # valid K/V now: the prompt plus every generated token but the last (it was never fed)
             self.slot_tokens[s] = list(prompts[i]) + gen[:-1] if gen else list(prompts[i][:r])
         return results
+
+    def reset(self):
+        """Forget every cached prefix (benchmarks: time a cold prefill)."""
+        self.slot_tokens = [[] for _ in range(self.B)]
 
     def release(self):
         self.graphs.clear()

@@ -1,0 +1,298 @@
+"""agent.py: the tool loop end to end (scripted policy, a loopback OpenAI server), robustness of tool
+calls, token-exact trajectories, the fast engine's greedy equivalence with HF generate, the CLI."""
+import http.server
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import agent
+import env
+
+ROOT = Path(__file__).resolve().parents[1]
+RELU = (ROOT / "examples" / "relu.py").read_text()
+# exact bytes of the honest CPU solution: its build is already in the shared content-hash cache
+RELU_CPP = (ROOT / "examples" / "relu_cpu" / "kernels" / "relu.cpp").read_text()
+RELU_NEW = (ROOT / "examples" / "relu_cpu" / "model_new.py").read_text()
+CHATML = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def tiny_tokenizer():
+    """A byte-level tokenizer (256 byte tokens + ChatML specials) built in memory: no downloads."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tk = Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, []))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tk.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = CHATML
+    return tok
+
+
+def tiny_model(tok, layers=2, seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
+                      tie_word_embeddings=True, initializer_range=0.3)  # large init: diverse greedy outputs
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The 2 cores are shared: intra-op threads of tiny matmuls contend (10x slower under load)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, tok):
+    d = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model(tok).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+class Scripted:
+    """Test double: replies[k] is every episode's k-th model turn, returned as token ids + the stop token."""
+    kind = "hf"
+
+    def __init__(self, tok, replies):
+        self.tokenizer, self.replies, self.calls = tok, replies, 0
+        self.stop = [tok.convert_tokens_to_ids("<|im_end|>")]
+        self.outputs = []  # what this "model" produced, per call
+
+    def generate(self, prompts, max_new_tokens, temperature=0.0, stop=None):
+        text = self.replies[min(self.calls, len(self.replies) - 1)]
+        self.calls += 1
+        out = [self.tokenizer(text, add_special_tokens=False)["input_ids"] + self.stop for _ in prompts]
+        self.outputs.append(out)
+        return out
+
+
+def call(name, **args):
+    return f"I will call {name}.\n<tool_call>{json.dumps({'name': name, 'arguments': args})}</tool_call>"
+
+
+def test_scripted_episode_reaches_reward_and_trajectory_is_token_exact(tok, tmp_path):
+    replies = [call("write_file", path="kernels/relu.cpp", content=RELU_CPP),
+               call("write_file", path="model_new.py", content=RELU_NEW),
+               call("compile"), call("profile"), call("finish")]
+    pol = Scripted(tok, replies)
+    ep = agent.run_episodes(pol, [{"task_id": "relu", "code": RELU}], backend="cpu", max_turns=8, out_dir=tmp_path,
+                            max_context=60000)[0]
+    assert ep["reward"] >= 1 and ep["verdict"]["correct"], ep["verdict"]
+    assert ep["finished"] and ep["n_turns"] == 5 and ep["malformed_calls"] == 0
+    assert [t["tool"] for t in ep["turns"]] == ["write_file", "write_file", "compile", "profile", "finish"]
+    assert ep["turns"][2]["verdict"]["compiled"] and ep["turns"][3]["verdict"]["correct"]
+    assert ep["verdict"] == ep["turns"][3]["verdict"]  # unchanged workspace: the last profile is the final score
+    assert ep["turns"][0]["args"]["content"] == RELU_CPP
+    # mask check: exactly the masked-in tokens are the model's outputs, in order
+    assert len(ep["tokens"]) == len(ep["loss_mask"])
+    masked = [t for t, m in zip(ep["tokens"], ep["loss_mask"]) if m]
+    produced = [t for out in pol.outputs for t in out[0]]
+    assert masked == produced
+    assert tok.decode(masked) == "".join(r + "<|im_end|>" for r in replies)
+    for t, out in zip(ep["turns"], pol.outputs):  # turn boundaries point at the model's tokens
+        assert ep["tokens"][t["start"]:t["end"]] == out[0]
+    # observations are rendered through the chat template and appended as tokens
+    between = tok.decode(ep["tokens"][ep["turns"][0]["end"]:ep["turns"][1]["start"]])
+    assert between.startswith("\n<|im_start|>user\n<tool_response>\nwrote kernels/relu.cpp")
+    assert between.endswith("<|im_start|>assistant\n")
+    back = agent.load_episodes(tmp_path / "trajectories.jsonl")
+    assert back[0]["tokens"] == ep["tokens"] and back[0]["reward"] == ep["reward"]
+    assert (Path(ep["workspace"]) / "kernels" / "relu.cpp").read_text() == RELU_CPP
+
+
+def test_bad_calls_give_clear_observations(tok, tmp_path):
+    replies = ["I think I should just answer in prose.",  # no call
+               '<tool_call>{"name": "write_file", "arguments": {"path": "x.cu", </tool_call>',  # broken JSON
+               call("rm_rf", path="/"),  # unknown tool
+               call("read_file", path="../../etc/passwd"),  # path escape
+               call("write_file", path="model.py", content="x = 1"),  # read-only reference
+               call("write_file"),  # missing arguments
+               call("edit_file", path="model_new.py", old="no such text", new="y"),
+               call("bash", command="echo hi; echo model > model.py"),
+               call("bash", command="sleep 30"),  # timeout
+               call("finish")]
+    pol = Scripted(tok, replies)
+    ep = agent.run_episodes(pol, [{"task_id": "bad", "code": RELU}], backend="cpu", max_turns=12, out_dir=tmp_path, max_context=60000,
+                            bash_timeout=2.0)[0]
+    obs = [t["observation"] for t in ep["turns"]]
+    assert "no tool call found" in obs[0] and "<tool_call>" in obs[0]
+    assert "invalid JSON" in obs[1]
+    assert "unknown tool 'rm_rf'" in obs[2]
+    assert "escapes the workspace" in obs[3]
+    assert "read-only" in obs[4]
+    assert "needs the argument" in obs[5] and "path" in obs[5]
+    assert "occurs 0 times" in obs[6]
+    assert obs[7].startswith("exit code 0") and "hi" in obs[7] and "reverted" in obs[7]
+    assert "timed out" in obs[8]
+    assert ep["malformed_calls"] == 4 and ep["n_turns"] == 10 and ep["finished"]
+    assert [t["tool"] for t in ep["turns"]][:3] == [None, None, None]
+    assert (Path(ep["workspace"]) / "model.py").read_text() == RELU  # the reference was never changed
+    assert ep["reward"] == -1 and not ep["verdict"]["compiled"]  # the starter has no kernel
+
+
+def test_parse_tool_call_variants():
+    assert agent.parse_tool_call('<tool_call>\n{"name": "compile", "arguments": {}}\n</tool_call>')[:2] == ("compile", {})
+    # OpenAI-style string arguments, raw newlines inside strings, missing closing tag (stopped generation)
+    n, a, e = agent.parse_tool_call('<tool_call>{"name": "write_file", "arguments": "{\\"path\\": \\"a.cpp\\", \\"content\\": \\"x\\"}"}')
+    assert (n, a, e) == ("write_file", {"path": "a.cpp", "content": "x"}, None)
+    n, a, e = agent.parse_tool_call('<tool_call>{"name": "write_file", "arguments": {"path": "a.cpp", "content": "l1\nl2"}}</tool_call>')
+    assert e is None and a["content"] == "l1\nl2"
+    assert agent.parse_tool_call('<tool_call>[1, 2]</tool_call>')[2].startswith("malformed")
+
+
+def test_single_turn_parse_and_score(tok):
+    text = ("Here is my solution.\n**kernels/relu.cpp**\n```cpp\n" + RELU_CPP.rstrip("\n") + "\n```\n"
+            "```python\n# file: model_new.py\n" + RELU_NEW.rstrip("\n") + "\n```\n```python\n# model.py\nx = 1\n```\n")
+    files = agent.parse_single_turn(text)
+    assert files == {"kernels/relu.cpp": RELU_CPP, "model_new.py": RELU_NEW}
+    assert agent.parse_single_turn("```cpp ../evil.cpp\nint x;\n```") == {}
+    v = agent.score_files(files, {"code": RELU}, backend="cpu", stage="compile")
+    assert v.compiled and not v.violations
+    ids = agent.single_turn_prompt({"task_id": "relu", "code": RELU}, tok, backend="cpu")
+    assert "kernels/op.cpp" in tok.decode(ids) and tok.decode(ids).endswith("<|im_start|>assistant\n")
+
+
+def test_fast_engine_matches_hf_greedy(tok):
+    from agent import FastEngine
+    model = tiny_model(tok)
+    stop = [tok.eos_token_id]
+
+    def hf(p, n):
+        out = model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False, eos_token_id=stop, pad_token_id=tok.pad_token_id)
+        return out[0, len(p):].tolist()
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 17, 40)]
+    eng = FastEngine(model, 400, 4, check_every=8)
+    ours = eng.generate(prompts, 24, 0.0, stop)
+    assert ours == [hf(p, 24) for p in prompts]
+    assert len({tuple(o) for o in ours}) == 3 and all(len(set(o)) > 5 for o in ours)  # not a degenerate model
+    # next turn: prompts extended (in another order) reuse their cached prefix and still match
+    more = [p + o + torch.randint(0, 256, (7,), generator=g).tolist() for p, o in zip(prompts, ours)]
+    more = [more[2], more[0], more[1]]
+    assert eng.generate(more, [30, 5, 12], 0.0, stop) == [hf(more[0], 30), hf(more[1], 5), hf(more[2], 12)]
+    assert sorted(len(s) for s in eng.slot_tokens)[1:] == sorted(len(p) + n - 1 for p, n in zip(more, (30, 5, 12)))
+    # a stop token ends a sequence (and is kept); sampling respects budgets
+    first = ours[0][3]
+    cut = eng.generate([prompts[0]], 24, 0.0, [first])[0]
+    assert cut == ours[0][:ours[0].index(first) + 1]
+    sampled = eng.generate(prompts, [10, 3, 7], 1.0, [])
+    assert [len(s) for s in sampled] == [10, 3, 7]
+
+
+def test_hf_policy_rollouts_are_token_exact(tiny_dir, tok, tmp_path):
+    """The real batched loop with a (random) local model: every model turn is what greedy HF generate
+    gives for the exact token prefix, observations are masked out, context limits end episodes."""
+    pol = agent.load_policy("hf", model=str(tiny_dir), device="cpu", max_context=9000)
+    assert pol.engine_kind == "fast" and pol.stop == [tok.convert_tokens_to_ids("<|im_end|>")]
+    tasks = [{"task_id": "a", "code": RELU}, {"task_id": "b", "code": RELU.replace("4096", "1024")}]
+    eps = agent.run_episodes(pol, tasks, backend="cpu", max_turns=2, max_context=8600, max_new_tokens=40,
+                             temperature=0.0, out_dir=tmp_path, progress=False)
+    for ep in eps:
+        assert ep["n_turns"] >= 1 and ep["malformed_calls"] == ep["n_turns"]  # a random model calls no tool
+        assert len(ep["tokens"]) == len(ep["loss_mask"]) <= 8600
+        for t in ep["turns"]:
+            prefix, out = ep["tokens"][:t["start"]], ep["tokens"][t["start"]:t["end"]]
+            assert all(ep["loss_mask"][t["start"]:t["end"]]) and len(out) <= 40
+            ref = pol.model.generate(input_ids=torch.tensor([prefix]), max_new_tokens=len(out), do_sample=False,
+                                     eos_token_id=pol.stop, pad_token_id=tok.pad_token_id)[0, len(prefix):].tolist()
+            assert out == ref
+        assert sum(ep["loss_mask"]) == sum(t["end"] - t["start"] for t in ep["turns"])
+    assert len(agent.load_episodes(tmp_path / "trajectories.jsonl")) == 2
+
+
+class FakeOpenAI(http.server.BaseHTTPRequestHandler):
+    """Chat-completions on loopback: replies from a script; mixes structured tool_calls and <tool_call> text."""
+    script, requests = [], []
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        FakeOpenAI.requests.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
+        n = sum(m["role"] == "assistant" for m in body["messages"])
+        msg = FakeOpenAI.script[min(n, len(FakeOpenAI.script) - 1)]
+        data = json.dumps({"id": "x", "object": "chat.completion", "choices": [
+            {"index": 0, "message": dict(role="assistant", **msg), "finish_reason": "stop"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
+
+
+def structured(name, i, **args):
+    return {"content": None, "tool_calls": [{"id": f"call_{i}", "type": "function",
+                                             "function": {"name": name, "arguments": json.dumps(args)}}]}
+
+
+def test_cli_openai_policy_on_loopback_server(tmp_path):
+    FakeOpenAI.script = [structured("write_file", 0, path="kernels/relu.cpp", content=RELU_CPP),
+                         {"content": call("write_file", path="model_new.py", content=RELU_NEW)},
+                         structured("verify", 2), {"content": "Done. " + call("finish")}]
+    FakeOpenAI.requests = []
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeOpenAI)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        r = subprocess.run([sys.executable, str(ROOT / "agent.py"), "--problem", str(ROOT / "examples" / "relu.py"),
+                            "--policy", "openai", "--base-url", f"http://127.0.0.1:{srv.server_port}/v1",
+                            "--model", "fake", "--backend", "cpu", "--max-turns", "6", "--out", str(tmp_path), "--json"],
+                           capture_output=True, text=True, timeout=240, env=dict(os.environ, OPENAI_API_KEY="sk-test"))
+    finally:
+        srv.shutdown()
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["reward"] >= 1 and summary["turns"] == 4 and summary["verdict"]["correct"], r.stdout[-3000:]
+    assert "call: write_file(path='kernels/relu.cpp', content=<" in r.stdout and "observation: wrote" in r.stdout
+    req = FakeOpenAI.requests
+    assert len(req) == 4 and req[0]["path"] == "/v1/chat/completions" and req[0]["auth"] == "Bearer sk-test"
+    assert {t["function"]["name"] for t in req[0]["body"]["tools"]} == set(agent.TOOL_ARGS)
+    tool_msgs = [m for m in req[1]["body"]["messages"] if m["role"] == "tool"]
+    assert tool_msgs and tool_msgs[0]["tool_call_id"] == "call_0" and "wrote kernels/relu.cpp" in tool_msgs[0]["content"]
+    assert "<tool_response>" in req[2]["body"]["messages"][-1]["content"]  # text calls get text responses
+    ep = agent.load_episodes(tmp_path / "trajectories.jsonl")[0]
+    assert ep["messages"][0]["role"] == "system" and ep["turns"][2]["verdict"]["correct"]
+
+
+def test_cli_bad_input_is_one_line(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "agent.py"), "--problem", str(tmp_path / "nope.py")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == f"error: no such problem file: {tmp_path / 'nope.py'}"
+
+
+@pytest.mark.slow
+def test_cli_embedded_model_offline(tmp_path):
+    """The default policy: SmolLM2-135M-Instruct from the installed GGUF, no network."""
+    r = subprocess.run([sys.executable, str(ROOT / "agent.py"), "--problem", str(ROOT / "examples" / "relu.py"),
+                        "--backend", "cpu", "--max-turns", "1", "--max-new-tokens", "24", "--out", str(tmp_path), "--json"],
+                       capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["turns"] == 1 and "reward" in summary
+    ep = agent.load_episodes(tmp_path / "trajectories.jsonl")[0]
+    n_model = ep["turns"][0]["end"] - ep["turns"][0]["start"]
+    assert 1 <= n_model <= 24 and sum(ep["loss_mask"]) == n_model
+    assert "--- relu turn 1 ---" in r.stdout
