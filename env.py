@@ -78,6 +78,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -196,34 +197,41 @@ class SandboxResult:
         return None
 
 
-_ISOLATION: list | None = None  # the unshare prefix that worked here, probed once per process
+_ISOLATION: dict = {}  # {"cpu"|"cuda": the unshare prefix that worked here}, probed once per process
 _PASS_ENV = ("PATH", "LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_PATH", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES",
              "NVIDIA_DRIVER_CAPABILITIES", "CC", "CXX", "NVCC_CCBIN", "TORCH_CUDA_ARCH_LIST", "CUDA_AGENT_CACHE",
              "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+_ISOLATION_LOCK = threading.Lock()
+_CUDA_PROBE = "import torch; torch.zeros(1, device='cuda').add_(1); torch.cuda.synchronize()"
 
 
-def isolation() -> list:
-    """Probe once which Linux namespaces we may create. Returns the command prefix."""
-    global _ISOLATION
-    if _ISOLATION is not None:
-        return _ISOLATION
+def isolation(kind: str = "cpu") -> list:
+    """Probe once which Linux namespaces we may create (for CUDA: in which a CUDA context still works;
+    some GPU VMs refuse CUDA inside a PID or mount namespace). Returns the command prefix."""
+    with _ISOLATION_LOCK:  # evaluate() starts two children at once; probe once, publish once
+        if kind not in _ISOLATION:
+            _ISOLATION[kind] = _probe_isolation(kind)
+    return _ISOLATION[kind]
+
+
+def _probe_isolation(kind: str) -> list:
     user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
-    tries = [["--net", "--pid", "--fork", "--kill-child", "--mount"], ["--net", "--pid", "--fork", "--kill-child"], ["--net"]]
-    _ISOLATION = []
-    if shutil.which("unshare") and os.environ.get("CUDA_AGENT_NO_NAMESPACES") != "1":
-        with tempfile.TemporaryDirectory() as d:
-            for flags in tries:
-                mnt = str(int("--mount" in flags))
-                cmd = ["unshare", *user, *flags, sys.executable, "-E", str(ENV_PY), "_jail", mnt, d, "--", "true"]
-                if subprocess.run(cmd, capture_output=True, timeout=30).returncode == 0:
-                    _ISOLATION = ["unshare", *user, *flags]
-                    break
-    missing = {"network": "--net", "pid": "--pid", "filesystem": "--mount"}
-    lost = [k for k, f in missing.items() if f not in _ISOLATION]
+    tries = [["--net", "--pid", "--fork", "--kill-child", "--mount"], ["--net", "--mount"],
+             ["--net", "--pid", "--fork", "--kill-child"], ["--net"], []]
+    probe = [sys.executable, "-c", _CUDA_PROBE if kind == "cuda" else "pass"]
+    if not shutil.which("unshare") or os.environ.get("CUDA_AGENT_NO_NAMESPACES") == "1":
+        tries = [[]]
+    with tempfile.TemporaryDirectory() as d:
+        for flags in tries:
+            prefix = ["unshare", *user, *flags] if flags else []
+            if run_sandboxed(probe, d, 120, mem_gb=None, kind=kind, prefix=prefix).returncode == 0:
+                break
+    lost = [k for k, f in {"network": "--net", "pid": "--pid", "filesystem": "--mount"}.items() if f not in prefix]
     if lost:
-        print(f"env.py: cannot create Linux {'/'.join(lost)} namespaces here; candidates run with process groups"
-              " and rlimits only (see env.py's docstring)", file=sys.stderr)
-    return _ISOLATION
+        print(f"env.py: cannot create Linux {'/'.join(lost)} namespaces here{' for CUDA' if kind == 'cuda' else ''};"
+              " candidates run with the remaining isolation, process groups and rlimits (see env.py's docstring)",
+              file=sys.stderr)
+    return prefix
 
 
 def _jail(new_mount_ns: bool, writable: list[str], argv: list[str]):
@@ -246,22 +254,39 @@ def _jail(new_mount_ns: bool, writable: list[str], argv: list[str]):
                 if mp.startswith(("/proc", "/sys", "/dev")) or any(mp == w or mp.startswith(w + "/") for w in writable):
                     continue
                 mount(None, mp, MS_REMOUNT | MS_BIND | MS_RDONLY)  # best effort per mount point
+            os.chdir(os.getcwd())  # re-enter the cwd through the new writable bind mount
     os.execvp(argv[0], argv)
 
 
 def _cgroup(name: str, pids_max: int, mem_bytes: int | None) -> list[Path]:
-    """Create per-child pids (and memory) cgroups where the cgroup v1 tree is writable."""
+    """Per-child pids (and memory) cgroups where the cgroup tree is writable (v1 or v2)."""
     made = []
+    root = Path("/sys/fs/cgroup")
+    if (root / "cgroup.controllers").exists():  # cgroup v2: one directory holds both limits
+        try:
+            base = root / "cuda-agent-mini"
+            base.mkdir(exist_ok=True)
+            for d in (root, base):
+                with contextlib.suppress(OSError):
+                    (d / "cgroup.subtree_control").write_text("+pids +memory")
+            d = base / name
+            d.mkdir()
+            made.append(d)
+            (d / "pids.max").write_text(str(pids_max))
+            if mem_bytes:
+                (d / "memory.max").write_text(str(mem_bytes))
+        except OSError:
+            pass
+        return made
     for ctrl, files in (("pids", {"pids.max": pids_max}), ("memory", {"memory.limit_in_bytes": mem_bytes})):
-        root = Path("/sys/fs/cgroup") / ctrl
-        if not (root / "cgroup.procs").exists() or (ctrl == "memory" and mem_bytes is None):
+        if not (root / ctrl / "cgroup.procs").exists() or (ctrl == "memory" and mem_bytes is None):
             continue
-        d = root / "cuda-agent-mini" / name
+        d = root / ctrl / "cuda-agent-mini" / name
         try:
             d.mkdir(parents=True, exist_ok=True)
+            made.append(d)
             for f, v in files.items():
                 (d / f).write_text(str(v))
-            made.append(d)
         except OSError:
             pass
     return made
@@ -269,13 +294,14 @@ def _cgroup(name: str, pids_max: int, mem_bytes: int | None) -> list[Path]:
 
 def run_sandboxed(argv: list[str], cwd: str | Path, timeout: float, *, writable=(), mem_gb: float | None = 16.0,
                   cpu_s: float | None = None, env: dict | None = None, pass_fds=(), output_limit: int = 20_000,
-                  max_tasks: int = 1024) -> SandboxResult:
+                  max_tasks: int = 1024, kind: str = "cpu", prefix: list | None = None) -> SandboxResult:
     """Run argv in a child process that cannot hurt us: own session and process group, PID/net/mount
     namespaces where available, cgroup or rlimit caps, scrubbed environment, wall-clock timeout.
     `cwd` and `writable` stay writable; everything else is read-only where the OS allows it.
-    stdout/stderr are kept to `output_limit` characters each (head and tail)."""
+    stdout/stderr are kept to `output_limit` characters each (head and tail). kind="cuda" for children
+    that use the GPU (no address-space limit, namespaces that CUDA tolerates here)."""
     cwd = str(Path(cwd).resolve())
-    prefix = isolation()
+    prefix = isolation(kind) if prefix is None else prefix
     child_env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
     child_env.update(HOME=cwd, TMPDIR=cwd, LANG="C.UTF-8", PYTHONDONTWRITEBYTECODE="1", **(env or {}))
     cmd = list(argv)
@@ -283,10 +309,9 @@ def run_sandboxed(argv: list[str], cwd: str | Path, timeout: float, *, writable=
         ws = [cwd, *[str(Path(w).resolve()) for w in writable]]
         cmd = [*prefix, sys.executable, "-E", str(ENV_PY), "_jail", str(int("--mount" in prefix)), *ws, "--", *argv]
     groups = _cgroup(uuid.uuid4().hex, max_tasks, int(mem_gb * 2**30) if mem_gb else None)
-    if mem_gb and not any(g.parent.parent.name == "memory" for g in groups):
-        mem_limit = int(mem_gb * 2**30) if env is None or env.get("CUDA_AGENT_NO_AS") != "1" else None
-    else:
-        mem_limit = None
+    # RLIMIT_AS breaks CUDA's address-space reservations; a memory cgroup (where writable) is used instead.
+    has_mem_cgroup = any((g / "memory.max").exists() or (g / "memory.limit_in_bytes").exists() for g in groups)
+    mem_limit = int(mem_gb * 2**30) if mem_gb and not has_mem_cgroup and kind != "cuda" else None
 
     def limits():  # runs in the child between fork and exec
         for g in groups:
@@ -314,7 +339,9 @@ def run_sandboxed(argv: list[str], cwd: str | Path, timeout: float, *, writable=
             os.killpg(p.pid, signal.SIGKILL)  # also reaps stragglers that kept our process group
         p.wait()
         for g in groups:  # leftover tasks in the cgroup (escaped the group): kill, then remove it
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, ValueError):
+                if (g / "cgroup.kill").exists():
+                    (g / "cgroup.kill").write_text("1")
                 for pid in (g / "cgroup.procs").read_text().split():
                     os.kill(int(pid), signal.SIGKILL)
             for _ in range(50):
@@ -954,13 +981,12 @@ def evaluate(workspace, backend: str = "auto", reference: str | None = None, cfg
                 (run / name / "spec.json").write_text(json.dumps(spec))
                 extra = {"TORCHINDUCTOR_CACHE_DIR": str(CACHE_DIR / "inductor"), "TRITON_CACHE_DIR": str(CACHE_DIR / "triton"),
                          "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
-                if backend == "cuda":
-                    extra["CUDA_AGENT_NO_AS"] = "1"  # RLIMIT_AS breaks CUDA's address-space reservations
                 writable = [CACHE_DIR / "inductor", CACHE_DIR / "triton"] if name == "ref" else []
                 for w in writable:
                     w.mkdir(parents=True, exist_ok=True)
                 results[name] = run_sandboxed([sys.executable, "-E", "-B", str(ENV_PY), "_child", str(run / name / "spec.json")],
-                                              run / name, cfg.timeout, writable=writable, mem_gb=cfg.mem_gb, env=extra, pass_fds=[fd])
+                                              run / name, cfg.timeout, writable=writable, mem_gb=cfg.mem_gb, env=extra, pass_fds=[fd],
+                                              kind=backend)
             finally:
                 os.close(fd)
 
