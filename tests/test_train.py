@@ -1,0 +1,320 @@
+"""train.py: the math (GAE with tool-token gaps, clipped losses, whitening, explained variance), the RFT
+filter, the GPU plan of --env-gpus, a CPU learning test (PPO raises a synthetic reward), the tiny
+end-to-end run with a kill -9 and --resume, every bad input, and a 2-process accelerate launch (gloo)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import env
+import train
+
+ROOT = Path(__file__).resolve().parents[1]
+RELU = (ROOT / "examples" / "relu.py").read_text()  # byte-identical to the cached example (no new builds)
+
+
+def run_cli(args, timeout=600, **kw):
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, **kw)
+
+
+@pytest.fixture(scope="module")
+def relu_dataset(tmp_path_factory):
+    """A synth.py-format dataset (DatasetDict train/test) of the relu example."""
+    import datasets
+    row = {"ops": ["torch.relu"], "data_source": "torch#1", "code": RELU, "eager_ms": None, "compile_ms": None}
+    path = tmp_path_factory.mktemp("data") / "relu"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([row, row, row]),
+                          "test": datasets.Dataset.from_list([row])}).save_to_disk(str(path))
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# GAE and losses against hand-computed values
+# ----------------------------------------------------------------------------------------------
+def test_gae_skips_tool_tokens_and_carries_values():
+    # model tokens at 0, 1, 4; positions 2-3 are tool output whose "values" (9.0) must be ignored
+    mask = torch.tensor([[1., 1., 0., 0., 1.]])
+    values = torch.tensor([[0.5, 0.2, 9.0, 9.0, 0.4]])
+    rewards = torch.tensor([[0., 0., 0., 0., 1.]])
+    adv, ret = train.gae(rewards, values, mask, gamma=1.0, lam=0.95)
+    # by hand: d4 = 1 - 0.4 = 0.6; d1 = 0.4 - 0.2 = 0.2, A1 = 0.2 + 0.95 * 0.6 = 0.77;
+    #          d0 = 0.2 - 0.5 = -0.3, A0 = -0.3 + 0.95 * 0.77 = 0.4315
+    assert torch.allclose(adv, torch.tensor([[0.4315, 0.77, 0., 0., 0.6]]), atol=1e-6)
+    assert torch.allclose(ret, torch.tensor([[0.9315, 0.97, 0., 0., 1.0]]), atol=1e-6)
+
+
+def test_gae_discounts_per_model_token_and_handles_padding():
+    # gamma 0.9, lambda 1: advantages are discounted returns minus values; a tool gap is not a time step
+    mask = torch.tensor([[1., 0., 1., 1.], [1., 1., 0., 0.]])  # row 2: two model tokens then padding
+    values = torch.tensor([[0.1, 5.0, 0.2, 0.3], [0.0, 0.5, 7.0, 7.0]])
+    rewards = torch.tensor([[0., 0., 0., 2.], [0., 1., 0., 0.]])
+    adv, ret = train.gae(rewards, values, mask, gamma=0.9, lam=1.0)
+    assert torch.allclose(ret[0], torch.tensor([0.9 * 0.9 * 2, 0., 0.9 * 2, 2.]), atol=1e-6)
+    assert torch.allclose(adv[0], torch.tensor([1.62 - 0.1, 0., 1.8 - 0.2, 2. - 0.3]), atol=1e-6)
+    assert torch.allclose(ret[1], torch.tensor([0.9, 1.0, 0., 0.]), atol=1e-6)
+    assert torch.allclose(adv[1], torch.tensor([0.9, 0.5, 0., 0.]), atol=1e-6)
+    # lambda 0: one-step TD errors
+    adv0, _ = train.gae(rewards, values, mask, gamma=1.0, lam=0.0)
+    assert torch.allclose(adv0[0], torch.tensor([0.2 - 0.1, 0., 0.3 - 0.2, 2. - 0.3]), atol=1e-6)
+
+
+def test_policy_loss_asymmetric_clip():
+    logp = torch.log(torch.tensor([1.5, 1.5, 0.5, 0.5, 1.1]))
+    old = torch.zeros(5)
+    adv = torch.tensor([1., -1., 1., -1., 2.])
+    loss, clipped = train.policy_loss(logp, old, adv, eps_low=0.2, eps_high=0.28)
+    # A>0, r=1.5 -> capped at 1 + 0.28; A<0, r=1.5 -> unclipped (pessimistic); A>0, r=0.5 -> unclipped;
+    # A<0, r=0.5 -> capped at 1 - 0.2; inside the trust region -> plain -A r
+    assert torch.allclose(loss, torch.tensor([-1.28, 1.5, -0.5, 0.8, -2.2]), atol=1e-5)
+    assert clipped.tolist() == [1., 0., 0., 1., 0.]
+
+
+def test_value_loss_clipped_and_whitening_and_explained_variance():
+    v, old, ret = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 0.0]), torch.tensor([1.0, 0.1])
+    # first: v moved 1.0 but the clipped value (0.5) is farther from the return -> max picks 0.5 * 0.5^2
+    assert torch.allclose(train.value_loss(v, old, ret, clip=0.5), torch.tensor([0.125, 0.005]), atol=1e-6)
+    x = torch.tensor([[1., 2., 100.], [3., 4., 5.]])
+    m = torch.tensor([[1., 1., 0.], [1., 1., 0.]])
+    w = train.masked_whiten(x, m)
+    assert w[0, 2] == 0 and w[1, 2] == 0
+    sel = w[m > 0]
+    assert abs(float(sel.mean())) < 1e-6 and abs(float((sel ** 2).mean()) - 1) < 1e-4
+    assert train.explained_variance([1., 2., 3.], [1., 2., 3.]) == pytest.approx(1.0)
+    assert train.explained_variance([2., 2., 2.], [1., 2., 3.]) == pytest.approx(0.0)  # the mean explains nothing
+    assert train.explained_variance([1., 2., 4.], [1., 2., 3.]) == pytest.approx(1 - (2 / 9) / (2 / 3))
+    assert train.explained_variance([1., 2.], [5., 5.]) is None
+
+
+# ----------------------------------------------------------------------------------------------
+# RFT filter, data order, GPU plan
+# ----------------------------------------------------------------------------------------------
+def ep(reward, calls, malformed=0):
+    return {"reward": reward, "malformed_calls": malformed,
+            "turns": [{"tool": t, "args": a} for t, a in calls], "tokens": [], "loss_mask": []}
+
+
+def test_rft_filter_keeps_only_clean_successes():
+    w = ("write_file", {"path": "kernels/k.cu", "content": "x"})
+    c, v, f = ("compile", {}), ("verify", {}), ("finish", {})
+    good = ep(2, [w, c, v, f])
+    eps = [good, ep(-1, [w, c, f]), ep(3, [w, c, c, f]), ep(1, [w, c, ("bash", {"command": "ls"}), f], malformed=1),
+           ep(1, [w, c, w, c, w, c, f]), ep(1, [w, ("hack", {}), f])]
+    kept, dropped = train.rft_filter(eps, known_tools=("write_file", "compile", "verify", "finish", "bash"))
+    assert kept == [good]
+    assert dropped == {"reward <= 0": 1, "repeated identical tool call": 1, "malformed tool call": 1, "loop": 1,
+                       "unknown tool": 1}
+
+
+def test_step_tasks_disjoint_per_step_and_full_coverage():
+    n, per, world = 13, 2, 3  # 2 whole steps per pass over the data (12 tasks), 1 task left over per pass
+    passes = []
+    for step in range(8):
+        parts = [train.step_tasks(n, step, per, world, r, seed=1) for r in range(world)]
+        flat = [i for p in parts for i in p]
+        assert len(set(flat)) == len(flat)  # ranks never share a task within a step
+        passes.append(flat)
+    for k in range(0, 8, 2):
+        assert len(set(passes[k] + passes[k + 1])) == 12  # no task twice within a pass
+    assert len(set(sum(passes, []))) == 13  # the dropped remainder differs between passes
+    assert train.step_tasks(2, 0, 2, 2, 1, seed=0) == train.step_tasks(2, 0, 2, 2, 0, seed=0)  # fewer tasks than a step
+    assert train.step_tasks(n, 3, per, world, 1, seed=1) == train.step_tasks(n, 3, per, world, 1, seed=1)
+
+
+def test_gpu_plan_env_gpus():
+    eight = [str(i) for i in range(8)]
+    # no dedicated GPUs: each rank trains and times on its own GPU
+    assert [train.gpu_plan(eight, 8, r) for r in (0, 7)] == [{"train": "0", "env": "0"}, {"train": "7", "env": "7"}]
+    # 6 trainers + 2 timing GPUs: timing round-robins over the last two
+    plans = [train.gpu_plan(eight, 6, r, env_gpus=2) for r in range(6)]
+    assert [p["train"] for p in plans] == ["0", "1", "2", "3", "4", "5"]
+    assert [p["env"] for p in plans] == ["6", "7", "6", "7", "6", "7"]
+    # ids follow CUDA_VISIBLE_DEVICES, not 0..n-1
+    assert train.gpu_plan(["3", "5", "7"], 2, 1, env_gpus=1) == {"train": "5", "env": "7"}
+    with pytest.raises(env.UsageError, match="need 9 GPUs"):
+        train.gpu_plan(eight, 8, 0, env_gpus=1)
+    with pytest.raises(env.UsageError, match="none are visible"):
+        train.gpu_plan([], 1, 0, env_gpus=1)
+    assert train.gpu_plan([], 1, 0) == {"train": None, "env": None}
+
+
+# ----------------------------------------------------------------------------------------------
+# Proof that it learns: PPO on a synthetic reward, with a tool-output gap in every sequence
+# ----------------------------------------------------------------------------------------------
+def test_ppo_learns_a_synthetic_reward():
+    """A random 2-layer model over 16 tokens. Each rollout: prompt, 4 sampled tokens, 3 forced "tool"
+    tokens (loss mask 0, and they ARE the target token, so a bug that trains on them would be rewarded
+    for nothing), 4 more sampled tokens. Reward = share of sampled tokens equal to TARGET, the token the
+    initial policy likes least. PPO must take the mean reward from < 0.2 to > 0.6 within 25 updates."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: one thread is several times faster on a busy 2-core machine
+    V = 16
+    # initializer_range 0.3: with HF's default 0.02 the frozen tied embeddings cap every logit near 0,
+    # so no adapter could make any token likely (a property of the toy, not of PPO)
+    lm = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                                      initializer_range=0.3))
+    with torch.no_grad():
+        TARGET = int(lm(input_ids=torch.tensor([[1, 2, 3]])).logits[0, -1].argmin())
+    cfg = train.Config(lora_r=8, lora_alpha=16, actor_lr=3e-2, critic_lr=3e-2, lr_warmup=0, minibatches=2, micro_batch=8,
+                       ppo_epochs=2)
+    pm, head = train.add_adapters(lm, cfg, "cpu")
+    opts = {"actor": train.make_optimizer(train.adapter_params(pm, "actor"), cfg.actor_lr, 0),
+            "critic": train.make_optimizer(train.adapter_params(pm, "critic") + list(head.parameters()), cfg.critic_lr, 0)}
+
+    def sample(ids, n):  # (B, T) -> (B, T + n), plain ancestral sampling with the actor
+        for _ in range(n):
+            with torch.no_grad():
+                logits = pm(input_ids=ids).logits[:, -1].float()
+            ids = torch.cat([ids, torch.multinomial(torch.softmax(logits, -1), 1)], 1)
+        return ids
+
+    B, history = 16, []
+    mask = [0, 0, 0] + [1] * 4 + [0] * 3 + [1] * 4
+    for step in range(25):
+        pm.set_adapter("actor")
+        ids = sample(torch.tensor([[1, 2, 3]] * B), 4)
+        ids = sample(torch.cat([ids, torch.full((B, 3), TARGET)], 1), 4)
+        seqs = [{"tokens": row, "loss_mask": mask, "reward": sum(t == TARGET for t, m in zip(row, mask) if m) / 8}
+                for row in ids.tolist()]
+        history.append(sum(s["reward"] for s in seqs) / B)
+        stats = train.ppo_update(pm, head, opts, seqs, cfg, "cpu")
+        assert 0 <= stats["clipfrac"] <= 1 and stats["entropy"] > 0
+        if step >= 5 and sum(history[-3:]) / 3 > 0.8:
+            break
+    torch.set_num_threads(threads)
+    print("mean reward per PPO step:", [round(h, 2) for h in history])
+    assert sum(history[:2]) / 2 < 0.2, history
+    assert max(sum(history[i:i + 3]) / 3 for i in range(len(history) - 2)) > 0.6, history
+
+
+def test_collate_and_logprobs_only_touch_model_tokens():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    lm = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2))
+    pm, head = train.add_adapters(lm, train.Config(lora_r=4), "cpu")
+    seqs = [{"tokens": [1, 2, 3, 4, 5], "loss_mask": [1, 0, 1, 0, 1]}, {"tokens": [1, 2], "loss_mask": [0, 1]}]
+    ids, attn, act = train.collate(seqs, "cpu")
+    assert act.tolist() == [[False, False, True, False, True], [False, True, False, False, False]]  # token 0: no predecessor
+    logp, ent = train.action_logprobs(pm, ids, attn, act)
+    assert logp.shape == (3,) and bool((logp < 0).all()) and bool((ent > 0).all())
+    with torch.no_grad():  # the same numbers as a full forward
+        full = torch.log_softmax(pm(input_ids=ids[:1], attention_mask=attn[:1]).logits[0].float(), -1)
+    assert torch.allclose(logp[:2], torch.stack([full[1, 3], full[3, 5]]), atol=1e-5)
+    assert train.action_values(pm, head, ids, attn, act).shape == (3,)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad inputs: one line, exit 2, before any model is loaded
+# ----------------------------------------------------------------------------------------------
+def bad(capsys, argv):
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("train.py: error: ") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def test_bad_inputs(tmp_path, relu_dataset, capsys):
+    import datasets
+    rd = str(tmp_path / "run")
+    common = ["--preset", "tiny", "--backend", "cpu", "--run-dir", rd]
+    assert "needs a finished warmup stage" in bad(capsys, ["--stage", "rft", *common, "--dataset", str(relu_dataset)])
+    assert "needs a finished rft stage" in bad(capsys, ["--stage", "critic", *common])
+    assert "unknown model 'no-such-org/no-such-model-xyz'" in bad(
+        capsys, ["--stage", "warmup", *common, "--dataset", str(relu_dataset), "--model", "no-such-org/no-such-model-xyz"])
+    nocode = tmp_path / "nocode"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([{"text": "x"}]),
+                          "test": datasets.Dataset.from_list([{"text": "y"}])}).save_to_disk(str(nocode))
+    assert "missing column(s) code" in bad(capsys, ["--stage", "warmup", *common, "--dataset", str(nocode)])
+    empty = tmp_path / "empty"
+    feats = datasets.Features({"code": datasets.Value("string")})
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([], features=feats),
+                          "test": datasets.Dataset.from_list([], features=feats)}).save_to_disk(str(empty))
+    assert "is empty" in bad(capsys, ["--stage", "warmup", *common, "--dataset", str(empty)])
+    assert "not a synth.py output" in bad(capsys, ["--stage", "warmup", *common, "--dataset", str(tmp_path)])
+    assert "needs tasks" in bad(capsys, ["--stage", "warmup", *common])
+    assert "--env-gpus needs the cuda backend" in bad(capsys, ["--stage", "warmup", *common, "--env-gpus", "1"])
+    assert "--set" in bad(capsys, ["--stage", "warmup", *common, "--set", "no_such_key=1"])
+    # a finished stage is not silently overwritten
+    (Path(rd) / "warmup").mkdir(parents=True)
+    (Path(rd) / "warmup" / "latest.json").write_text(json.dumps({"step": 0, "ckpt": "ckpt-000000", "done": True}))
+    assert "pass --resume" in bad(capsys, ["--stage", "warmup", *common, "--dataset", str(relu_dataset)])
+    # and through the real command line: one line on stderr, exit code 2, quickly
+    t0 = time.time()
+    r = run_cli(["--stage", "ppo", *common])
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "needs a finished critic stage" in r.stderr, r.stderr
+    assert time.time() - t0 < 60
+
+
+# ----------------------------------------------------------------------------------------------
+# The documented command, interrupted by kill -9 and resumed
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_stage_all_tiny_with_kill_and_resume(tmp_path, relu_dataset):
+    """`python train.py --stage all --preset tiny --backend cpu --run-dir DIR` is killed (-9) while it
+    trains on warm-up step 2, then resumed: the resumed run reuses step 2's scored rollouts, finishes
+    every stage, evaluates, and leaves standard PEFT adapters."""
+    rd = tmp_path / "run"
+    rd.mkdir()
+    import shutil
+    shutil.copytree(relu_dataset, rd / "data")  # as if synthesised by an earlier run (synth.py has its own tests)
+    cmd = [sys.executable, str(ROOT / "train.py"), "--stage", "all", "--preset", "tiny", "--backend", "cpu", "--run-dir", str(rd)]
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    step2 = rd / "warmup" / "rollouts" / "step-000001-rank0.jsonl"
+    deadline = time.time() + 400
+    while not step2.exists() and p.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    out1 = p.communicate()[0]
+    assert step2.exists(), out1[-3000:]
+    assert json.loads((rd / "warmup" / "latest.json").read_text()) == {"step": 0, "ckpt": "ckpt-000000", "done": False}
+    mtime = step2.stat().st_mtime_ns
+    r = subprocess.run(cmd + ["--resume"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = r.stdout
+    assert "warmup: resuming after step 1" in out and "warmup 2/2: reusing 2 scored rollouts" in out, out
+    assert step2.stat().st_mtime_ns == mtime  # not generated or scored again
+    for s in ("warmup", "rft", "critic", "ppo"):
+        assert json.loads((rd / s / "latest.json").read_text())["done"], s
+    lines = [json.loads(x) for x in (rd / "metrics.jsonl").read_text().splitlines()]
+    steps = [(x["stage"], x["step"]) for x in lines if "step" in x and "event" not in x]
+    assert steps == [("warmup", 1), ("warmup", 2), ("rft", 1), ("critic", 1), ("ppo", 1), ("ppo", 2)], steps
+    step_lines = [x for x in out.splitlines() if x.startswith(("warmup 2/2 |", "ppo 1/2 |", "ppo 2/2 |"))]
+    assert len(step_lines) == 3 and all(" | reward " in x and " | clip " in x and "ETA" in x for x in step_lines), out
+    assert "rft: kept " in out and "held-out" in out and "done in" in out
+    assert any(x.get("event") == "eval" and x["n"] == 1 for x in lines)
+    # the checkpoint is a standard PEFT adapter on the saved base model
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    ck = rd / "ppo" / json.loads((rd / "ppo" / "latest.json").read_text())["ckpt"]
+    m = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(rd / "base")), str(ck / "actor"))
+    assert m(input_ids=torch.tensor([[1, 2, 3]])).logits.shape[-1] > 1000
+    assert (ck / "value_head.pt").is_file() and (ck / "critic" / "adapter_config.json").is_file()
+
+
+# ----------------------------------------------------------------------------------------------
+# Two ranks through accelerate on CPU (gloo)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_accelerate_two_processes_cpu(tmp_path, relu_dataset):
+    rd = tmp_path / "run"
+    cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no", str(ROOT / "train.py"), "--stage", "warmup", "--preset", "tiny", "--backend", "cpu",
+           "--run-dir", str(rd), "--dataset", str(relu_dataset), "--set", "warmup_steps=1"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.count("train | stages warmup") == 1 and "ranks 2" in r.stdout  # rank 0 prints
+    rows = [json.loads(x) for x in (rd / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["stage"] == "warmup" and rows[0]["n"] == 4  # 2 rollouts per rank, gathered
+    assert sorted(p.name for p in (rd / "warmup" / "rollouts").iterdir()) == ["step-000000-rank0.jsonl", "step-000000-rank1.jsonl"]
+    assert json.loads((rd / "warmup" / "latest.json").read_text())["done"]
