@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import inspect
 import json
 import math
 import os
@@ -75,7 +76,9 @@ def parse_args(argv=None):
     g.add_argument("--base-url", help="OpenAI-compatible endpoint for --policy openai")
     g.add_argument("--mode", default="agent", choices=["agent", "single"])
     g.add_argument("--max-turns", type=int, default=200, help="agent turns per task (the paper evaluates with <= 200)")
-    g.add_argument("--batch", type=int, default=8, help="tasks per agent.run_episodes call (results are saved after each)")
+    g.add_argument("--batch", type=int, default=8, help="tasks generated together (results are saved after each batch)")
+    g.add_argument("--max-new-tokens", type=int, help="tokens per model turn (default: agent.py's 1024; single mode 2048)")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy, for evaluation)")
     g = p.add_argument_group("how")
     g.add_argument("--backend", default="auto", help="auto | cuda | cpu")
     g.add_argument("--workers", type=int, help="parallel scoring processes (default: one per visible GPU; 1 on CPU)")
@@ -173,7 +176,7 @@ def pct(x):
 
 
 def times(x):
-    return "-" if x is None else f"{x:.2f}x"
+    return "-" if x is None else f"{x:.2f}x" if x >= 0.1 else f"{x:.2g}x"
 
 
 def num(x, fmt="{:.1f}"):
@@ -238,8 +241,20 @@ def load_bench_dir(bench_dir: str, levels: list[str] | None) -> list[dict]:
     return sorted(tasks, key=lambda t: (int(t["level"]), t["num"], t["name"]))
 
 
+def hub_reachable(host="huggingface.co", timeout=3.0) -> bool:
+    import socket
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
 def load_hub(levels: list[str] | None) -> list[dict]:
-    """The public KernelBench dataset (splits level_1...; columns code, level, name, problem_id)."""
+    """The public KernelBench dataset (splits level_1...; columns code, level, name, problem_id). Offline, only a
+    copy already in the datasets cache works (checked first, so an offline machine fails in seconds)."""
+    if not hub_reachable():
+        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"  # the local cache, no retries
     try:
         import datasets
         tasks = []
@@ -250,7 +265,8 @@ def load_hub(levels: list[str] | None) -> list[dict]:
                               "code": row["code"]})
     except Exception as e:  # noqa: BLE001 - offline, no such split, hub down: one line, not a traceback
         why = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        raise env.UsageError(f"cannot load {HUB_ID} from the hub (offline?): {why}. "
+        offline = " (this machine cannot reach huggingface.co)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
+        raise env.UsageError(f"cannot load {HUB_ID} from the hub{offline}: {why}. "
                              "Pass --bench-dir with a local copy (KernelBench/KernelBench has level1/ level2/ level3/)")
     return sorted(tasks, key=lambda t: (int(t["level"]), t["num"]))
 
@@ -491,7 +507,9 @@ def time_reference(job: dict) -> dict:
     try:
         with tempfile.TemporaryDirectory(prefix="ref-", dir=env.CACHE_DIR) as run:
             Path(run, "model.py").write_text(task["code"])
-            Path(run, "spec.json").write_text(json.dumps({"backend": backend, "lock_fd": fd, "n_timed": env.Config.n_timed}))
+            run = str(Path(run).resolve())  # absolute paths: in the child, only the bind-mounted run dir is writable
+            Path(run, "spec.json").write_text(json.dumps({"backend": backend, "lock_fd": fd, "n_timed": env.Config.n_timed,
+                                                          "dir": run}))
             writable = [env.CACHE_DIR / "inductor", env.CACHE_DIR / "triton"]
             for w in writable:
                 w.mkdir(parents=True, exist_ok=True)
@@ -499,8 +517,10 @@ def time_reference(job: dict) -> dict:
                      "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
             if backend == "cuda":
                 extra["CUDA_AGENT_NO_AS"] = "1"  # as in env.py: RLIMIT_AS breaks CUDA
-            r = env.run_sandboxed([sys.executable, "-E", "-B", str(EVAL_PY), "_reference", "spec.json"], run, job["timeout"],
-                                  writable=writable, env=extra, pass_fds=[fd])
+            # kind= (newer env.py): CUDA children get the namespaces in which a CUDA context works
+            kind = {"kind": backend} if "kind" in inspect.signature(env.run_sandboxed).parameters else {}
+            r = env.run_sandboxed([sys.executable, "-E", "-B", str(EVAL_PY), "_reference", f"{run}/spec.json"], run, job["timeout"],
+                                  writable=writable, env=extra, pass_fds=[fd], **kind)
             res = Path(run, "result.json")
             if r.crash or not res.exists():
                 tail = env.error_excerpt(r.stderr, 6) if r.stderr.strip() else ""
@@ -524,7 +544,7 @@ def _reference_child(spec_path: str):
         import torch
         device = torch.device("cuda" if spec["backend"] == "cuda" else "cpu")
         torch.set_num_threads(os.cpu_count() or 1)
-        s = importlib.util.spec_from_file_location("reference_model", "model.py")
+        s = importlib.util.spec_from_file_location("reference_model", Path(spec["dir"]) / "model.py")
         mod = importlib.util.module_from_spec(s)
         s.loader.exec_module(mod)
         torch.manual_seed(0)
@@ -538,7 +558,7 @@ def _reference_child(spec_path: str):
         result["compile_ms"], _ = env.time_callable(compiled, sets, n_timed=spec["n_timed"], lock_fd=spec["lock_fd"])
     except BaseException as e:  # noqa: BLE001
         result["error"] = f"{type(e).__name__}: {str(e)[:500]}"
-    Path("result.json").write_text(json.dumps(result))
+    Path(spec["dir"], "result.json").write_text(json.dumps(result))
     sys.stdout.flush()
     os._exit(0)
 
@@ -588,39 +608,80 @@ def run_jobs(fn, jobs: list, backend: str, workers: int):
 # ----------------------------------------------------------------------------------------------
 # Policies (agent.py): the ReAct agent, or one answer per task
 # ----------------------------------------------------------------------------------------------
-def run_policy(policy, chunk: list, mode: str, max_turns: int, backend: str, out: Path) -> list[dict]:
-    """Episodes for a chunk of tasks -> task rows. Trajectories are saved under out/trajectories/."""
+def run_policy(policy, chunk: list, mode: str, backend: str, out: Path, gen: dict) -> list[dict]:
+    """Episodes for a chunk of tasks -> task rows. gen: max_turns, max_new_tokens, temperature, timeout.
+    Trajectories (agent.py's episode dicts) are appended to out/episodes/trajectories.jsonl; each row points to
+    its line. Workspaces stay in out/episodes/workspaces/."""
     import agent
     t0 = time.monotonic()
-    traj_dir = out / "trajectories"
-    traj_dir.mkdir(parents=True, exist_ok=True)
-    rows = []
+    ep_dir = out / "episodes"
+    ep_dir.mkdir(parents=True, exist_ok=True)
+    traj = ep_dir / "trajectories.jsonl"
+    first_line = 1 + (sum(1 for _ in open(traj)) if traj.exists() else 0)
     if mode == "agent":
-        episodes = agent.run_episodes(policy, chunk, backend=backend, max_turns=max_turns, out_dir=str(out / "episodes"))
-    else:  # single: one answer, parsed into files, scored like any workspace
-        episodes = agent.run_single_turn(policy, chunk, backend=backend, out_dir=str(out / "episodes"))
+        kw = {k: gen[k] for k in ("max_new_tokens", "temperature") if gen.get(k) is not None}
+        episodes = agent.run_episodes(policy, chunk, backend=backend, max_turns=gen["max_turns"], out_dir=str(ep_dir),
+                                      eval_timeout=gen["timeout"], **kw)
+    else:
+        episodes = single_turn_episodes(policy, chunk, backend, ep_dir, gen)
+        agent.save_episodes(traj, episodes, append=True)
     per_task = (time.monotonic() - t0) / max(1, len(chunk))
-    for task, ep in zip(chunk, episodes):
-        path = traj_dir / (re.sub(r"[^\w.-]", "_", task["task_id"]) + ".json")
-        path.write_text(json.dumps({k: v for k, v in ep.items() if k != "verdict"}, default=str))
+    rows = []
+    for i, (task, ep) in enumerate(zip(chunk, episodes)):
         tokens = ep.get("tokens")
-        files = ep.get("files") or {}
-        if not files and ep.get("workspace") and Path(ep["workspace"]).is_dir():
-            files = workspace_files(Path(ep["workspace"]))
+        ws = Path(ep["workspace"]) if ep.get("workspace") else None
         rows.append({"task_id": task["task_id"], "level": task["level"], "name": task["name"], "solution": None,
                      "verdict": ep.get("verdict") or failed_verdict(backend, "the episode produced no verdict"),
-                     "n_turns": ep.get("n_turns"), "n_tokens": len(tokens) if tokens is not None else None,
-                     "trajectory": str(path), "files": files, "finished": ep.get("finished"),
-                     "seconds": round(per_task, 2)})
+                     "n_turns": ep.get("n_turns"), "n_tokens": len(tokens) if tokens else None,
+                     "trajectory": f"{traj}:{first_line + i}", "workspace": str(ws) if ws else None,
+                     "files": workspace_files(ws) if ws and ws.is_dir() else {}, "finished": ep.get("finished"),
+                     "end_reason": ep.get("end_reason"), "seconds": round(per_task, 2)})
     return rows
+
+
+def single_turn_episodes(policy, chunk: list, backend: str, ep_dir: Path, gen: dict) -> list[dict]:
+    """The paper's "no agent loop" baseline: one answer per task (agent.single_turn_prompt), parsed into files
+    (agent.parse_single_turn) and scored in a fresh workspace (agent.score_files)."""
+    import agent
+    from concurrent.futures import ThreadPoolExecutor
+    max_new, temp = gen.get("max_new_tokens") or 2048, gen.get("temperature") or 0.0
+    if policy.kind == "openai":  # a server: text only (tokens when the policy has a local tokenizer)
+        with ThreadPoolExecutor(8) as pool:
+            msgs = list(pool.map(lambda t: policy.chat(agent.single_turn_messages(t, backend), None, max_new, temp), chunk))
+        texts = [m.get("content") or "" for m in msgs]
+        prompts, outs = [[] for _ in chunk], [[] for _ in chunk]
+    else:
+        tok = policy.tokenizer
+        prompts = [agent.single_turn_prompt(t, tok, backend) for t in chunk]
+        outs = policy.generate(prompts, max_new, temperature=temp)
+        texts = [tok.decode(o, skip_special_tokens=True) for o in outs]
+    eps = []
+    for i, (task, text) in enumerate(zip(chunk, texts)):
+        ws = ep_dir / "workspaces" / ("single-" + re.sub(r"[^\w.-]", "_", task["task_id"]))
+        if ws.exists():
+            shutil.rmtree(ws)  # left by an interrupted run
+        eps.append({"task_id": task["task_id"], "tokens": list(prompts[i]) + list(outs[i]),
+                    "loss_mask": [0] * len(prompts[i]) + [1] * len(outs[i]), "text": text,
+                    "files": agent.parse_single_turn(text), "n_turns": 1, "finished": True, "workspace": str(ws)})
+
+    def score(ep_task):
+        ep, task = ep_task
+        try:
+            return agent.score_files(ep["files"], task, backend, workspace=Path(ep["workspace"]), timeout=gen["timeout"]).to_dict()
+        except Exception as e:  # noqa: BLE001 - a task failure
+            return failed_verdict(backend, f"{type(e).__name__}: {str(e)[:500]}")
+    with ThreadPoolExecutor(4) as pool:  # builds overlap; env.py serialises the timed sections per device
+        for ep, v in zip(eps, pool.map(score, zip(eps, chunk))):
+            ep["verdict"], ep["reward"] = v, v["reward"]
+    return eps
 
 
 # ----------------------------------------------------------------------------------------------
 # The run: importable for train.py
 # ----------------------------------------------------------------------------------------------
 def run_eval(tasks: list[dict], *, mode: str, out_dir, backend: str = "auto", policy=None, solutions: dict | None = None,
-             max_turns: int = 200, batch: int = 8, timeout: float = env.Config.timeout,
-             compile_timeout: float = env.Config.compile_timeout, workers: int | None = None,
+             max_turns: int = 200, batch: int = 8, max_new_tokens: int | None = None, temperature: float = 0.0,
+             timeout: float = env.Config.timeout, compile_timeout: float = env.Config.compile_timeout, workers: int | None = None,
              settings: dict | None = None, quiet: bool = False) -> dict:
     """Evaluate tasks and write out_dir/{run.json, tasks.jsonl, results.json}; returns the results dict
     ({"overall": summarize(...), "levels": {...}, ...}). mode: agent | single | solutions | reference.
@@ -665,7 +726,8 @@ def run_eval(tasks: list[dict], *, mode: str, out_dir, backend: str = "auto", po
             yield from run_jobs(score_solution, jobs, backend, workers)
         else:
             for i in range(0, len(todo), batch):  # results are saved after every batch
-                yield from run_policy(policy, todo[i:i + batch], mode, max_turns, backend, out)
+                yield from run_policy(policy, todo[i:i + batch], mode, backend, out, dict(
+                    max_turns=max_turns, max_new_tokens=max_new_tokens, temperature=temperature, timeout=timeout))
 
     bar = tqdm(total=len(todo), desc=f"eval {mode}", unit="task", disable=quiet or not todo, file=sys.stderr)
     with open(tasks_file, "a") as f:
@@ -789,14 +851,19 @@ def main(argv=None) -> int:
                 import agent
             except ImportError as e:
                 raise env.UsageError(f"--mode {a.mode} needs agent.py, which cannot be imported: {e}")
-            settings.update(policy=a.policy, model=a.model, max_turns=a.max_turns if mode == "agent" else 1)
+            settings.update(policy=a.policy, model=a.model, max_turns=a.max_turns if mode == "agent" else 1, temperature=a.temperature)
             policy = agent.load_policy(a.policy, model=a.model, base_url=a.base_url)
         results = run_eval(tasks, mode=mode, out_dir=a.out, backend=backend, policy=policy, solutions=solutions,
-                           max_turns=a.max_turns, batch=a.batch, timeout=a.timeout, compile_timeout=a.compile_timeout,
+                           max_turns=a.max_turns, batch=a.batch, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
+                           timeout=a.timeout, compile_timeout=a.compile_timeout,
                            workers=a.workers, settings=settings)
     except env.UsageError as e:
         print(f"evaluate.py: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # e.g. the policy's server stopped answering: finished tasks are kept
+        print(f"evaluate.py: error: {str(e).splitlines()[0][:300]}; finished tasks are saved in {a.out}, re-run to resume",
+              file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"evaluate.py: interrupted; finished tasks are saved in {a.out}/tasks.jsonl, re-run to resume", file=sys.stderr)
         return 130

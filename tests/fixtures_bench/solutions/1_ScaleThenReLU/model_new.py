@@ -1,5 +1,6 @@
-"""Cheating: falls back to PyTorch ops; the compiled kernel is a decoy that is never called.
-Expected: failure (env's dispatch monitor flags aten.mul / aten.relu)."""
+"""Known-good but slow: correct, yet it runs the (correct) kernel 256 times per call. The problem is small
+(16k elements: eager PyTorch runs it single-threaded in microseconds), so this is never faster than eager
+or torch.compile, whatever the machine's load. Expected: pass, not faster (reward 1)."""
 import torch
 import torch.nn as nn
 import cuda_extension
@@ -11,4 +12,6 @@ class ModelNew(nn.Module):
         self.scale = nn.Parameter(torch.randn(dim))
 
     def forward(self, x):
-        return torch.relu(x * self.scale)
+        for _ in range(256):
+            y = cuda_extension.forward(x, self.scale)
+        return y

@@ -1,5 +1,5 @@
-"""Known-good but slow: correct, yet it runs the (correct) kernel 32 times per call, so it is never
-faster than eager or torch.compile. Expected: pass, not faster (reward 1)."""
+"""Cheating: falls back to PyTorch ops; the compiled kernel is a decoy that is never called.
+Expected: failure (env's dispatch monitor flags aten.mul / aten.relu)."""
 import torch
 import torch.nn as nn
 import cuda_extension
@@ -11,6 +11,4 @@ class ModelNew(nn.Module):
         self.scale = nn.Parameter(torch.randn(dim))
 
     def forward(self, x):
-        for _ in range(32):
-            y = cuda_extension.forward(x, self.scale)
-        return y
+        return torch.relu(x * self.scale)
