@@ -1,0 +1,243 @@
+"""synth.py: mining, composition, every filter (each proven by a crafted bad task), determinism, bad input,
+interrupted runs, and a subprocess smoke run of the documented CLI. CPU only; ~3-4 minutes on 2 cores
+(torch.compile on CPU costs seconds per distinct graph, so the runs are small)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import synth  # noqa: E402
+
+KB = ROOT / "tests" / "fixtures_synth" / "kernelbench"
+# A wide CPU window keeps the yield high (few candidates, few compiles); the filter test uses a narrow one.
+CLI = ["--num-tasks", "2", "--backend", "cpu", "--seed", "1", "--workers", "2", "--window-ms", "0.05", "20",
+       "--kernelbench-dir", str(KB)]
+
+
+def run_cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "synth.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def seeds():
+    return synth.mine_seeds(verbose=False)
+
+
+@pytest.fixture(scope="module")
+def run_a(tmp_path_factory):
+    """The documented CLI, small: the dataset every other end-to-end test looks at."""
+    out = tmp_path_factory.mktemp("synth") / "a"
+    r = run_cli("--out", str(out), *CLI)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return out, r
+
+
+def rows_of(path):
+    return [dict(r, split=s) for s in ("train", "test") for r in synth.load_tasks(str(path), s)]
+
+
+# ---------------------------------------------------------------------------------------------- mine
+def test_mining_finds_hundreds_of_seeds_from_every_source(seeds):
+    names = {s["name"] for s in seeds}
+    sources = {s["source"] for s in seeds}
+    assert len(seeds) >= 200, len(seeds)
+    assert sources == {"torch", "torch.nn", "torch.nn.functional", "torch.special", "torch.linalg", "transformers"}
+    assert {"nn.Conv2d", "nn.Linear", "nn.GroupNorm", "torch.tanh", "torch.cumsum", "transformers.gelu_new",
+            "transformers.LlamaRMSNorm"} <= names
+    # random, view and identity-in-eval-mode operators are skipped at mining time, with a reason
+    assert not names & {"nn.Dropout", "torch.rand_like", "torch.t", "nn.BatchNorm2d", "nn.Identity"}
+    assert all(s["ranks"] and set(s["ranks"]) <= {2, 3, 4, 5} for s in seeds)
+
+
+# ---------------------------------------------------------------------------------------------- compose
+def test_compose_is_deterministic_follows_the_mix_and_emits_kernelbench_format(seeds):
+    import torch
+    by = {s["name"]: s for s in seeds}
+    cfg = synth.Config(window_ms=(0.1, 10.0), seed=3)
+    a = [synth.compose_one(i, seeds, by, cfg, "cpu") for i in range(60)]
+    b = [synth.compose_one(i, seeds, by, cfg, "cpu") for i in range(60)]
+    assert a == b
+    ok = [c for c in a if "drop" not in c]
+    assert len(ok) >= 45
+    assert sum(c["data_source"] == "torch#2" for c in ok) > 0.6 * len(ok)  # the paper's mix: 84% torch#2
+    for c in ok[:10]:
+        assert c["data_source"] == "transformers" or c["data_source"] == f"torch#{len(c['ops'])}"
+        mod = types.ModuleType("task")
+        exec(c["code"], mod.__dict__)
+        assert mod.BATCH == c["shape"][0]  # module-level size constants
+        with torch.device("meta"):  # the emitted code runs as is (shapes only, meta tensors)
+            out = mod.Model(*mod.get_init_inputs())(*[torch.empty(c["shape"], device="meta")])
+        assert isinstance(out, torch.Tensor)
+    # --max-ops bounds the chain length
+    cfg2 = synth.Config(window_ms=(0.1, 10.0), max_ops=1)
+    assert all(len(c["ops"]) == 1 for c in (synth.compose_one(i, seeds, by, cfg2, "cpu") for i in range(20)) if "drop" not in c)
+
+
+def test_duplicates_are_dropped(seeds):
+    funnel, seen = synth.new_funnel(), set()
+    cfg = synth.Config(window_ms=(0.1, 10.0))
+    first = synth.compose(0, 15, seeds, cfg, "cpu", seen, funnel)
+    again = synth.compose(0, 15, seeds, cfg, "cpu", seen, funnel)  # the same candidates once more
+    assert first and not again
+    assert funnel["compose"]["drops"]["duplicate of an earlier candidate"] == len(first)
+    # same ops, different sizes: still a duplicate
+    code = first[0]["code"]
+    assert synth.structure_key(code) == synth.structure_key(code.replace(f"BATCH = {first[0]['shape'][0]}", "BATCH = 12345"))
+
+
+# ---------------------------------------------------------------------------------------------- filters
+def task(forward, inputs="torch.randn(256, 1024)", init=""):
+    return (f"import torch\nimport torch.nn as nn\n\n\nclass Model(nn.Module):\n    def __init__(self):\n"
+            f"        super().__init__()\n{init}\n    def forward(self, x):\n        {forward}\n\n\n"
+            f"def get_inputs():\n    return [{inputs}]\n\n\ndef get_init_inputs():\n    return []\n")
+
+
+def test_each_execution_filter_drops_its_crafted_bad_task(tmp_path):
+    crafted = {
+        "good": task("return torch.tanh(x) * 2.0"),
+        "random": task("return x + torch.rand_like(x)"),
+        "constant": task("return x - x"),
+        "identity": task("return torch.relu(x)", inputs="torch.rand(256, 1024)"),  # ReLU on U[0,1): output == input
+        "nonfinite": task("return torch.log(x)"),
+        "too_fast": task("return torch.tanh(x)", inputs="torch.randn(4, 4)"),
+        "too_slow": task("for _ in range(8):\n            x = torch.tanh(x @ x)\n        return x", inputs="torch.randn(512, 512)"),
+        "crash": task("import ctypes; return ctypes.string_at(0)"),  # a real segmentation fault
+        "broken": task("return self.missing(x)"),
+    }
+    cands = [{"code": c, "name": n} for n, c in crafted.items()]
+    cfg = synth.Config(window_ms=(0.05, 5.0), workers=1, batch_size=len(cands))
+    res = synth.filter_by_execution(cands, cfg, "cpu", resume_file=tmp_path / "filtered.jsonl")
+    got = {c["name"]: res[synth.result_key(c, cfg, "cpu")] for c in cands}
+    assert got["good"]["kept"], got["good"]
+    assert 0.05 <= got["good"]["eager_ms"] <= 5.0 and got["good"]["compile_ms"] > 0
+    expect = {"random": "nondeterministic", "constant": "constant output", "identity": "output equals its input",
+              "nonfinite": "non-finite", "too_fast": "too fast", "too_slow": "too slow", "crash": "child process crashed",
+              "broken": "eager failed"}
+    for name, why in expect.items():
+        assert not got[name]["kept"] and got[name]["drop"].startswith(why), (name, got[name])
+    # every result was recorded as it arrived; a re-run reads them back instead of re-running anything
+    assert len((tmp_path / "filtered.jsonl").read_text().splitlines()) == len(cands)
+    t0 = time.time()
+    assert synth.filter_by_execution(cands, cfg, "cpu", resume_file=tmp_path / "filtered.jsonl") == res
+    assert time.time() - t0 < 2
+
+
+def test_kernelbench_near_duplicate_is_dropped_and_others_kept(seeds):
+    kb = synth.load_kernelbench(str(KB))
+    copy = (KB / "19_ReLU.py").read_text()
+    near = copy.replace("batch_size", "N").replace("dim", "D").replace("16384", "512").replace("(x", "(inp") \
+        .replace("relu(x)", "relu(inp)").replace('"""Applies', '"""Computes')
+    assert near != copy
+    by = {s["name"]: s for s in seeds}
+    gen = [c for c in (synth.compose_one(i, seeds, by, synth.Config(window_ms=(0.1, 10.0)), "cpu") for i in range(10))
+           if "drop" not in c]
+    funnel = synth.new_funnel()
+    kept = synth.filter_similar([{"code": near}] + gen, kb, synth.Config(), funnel)
+    assert len(kept) == len(gen) and funnel["similarity"]["out"] == len(gen)
+    assert synth.most_similar(near, kb)[1] == "19_ReLU.py"
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+def test_cli_smoke_writes_dataset_funnel_and_report(run_a):
+    out, r = run_a
+    rows = rows_of(out)
+    assert len(rows) == 2 and {x["split"] for x in rows} == {"train", "test"}
+    funnel = json.loads((out / "funnel.json").read_text())
+    st = funnel["stages"]
+    assert st["compose"]["in"] >= st["compose"]["out"] >= st["execution"]["in"] >= st["execution"]["out"] >= 2
+    assert funnel["kept"] == 2 and funnel["diversity"]["mix"]["torch#2"]["paper_pct"] == 84.0
+    for line in ("mine: ", "stage", "execution", "mix: torch#1", "saved"):
+        assert line in r.stdout, line
+    assert not Path(str(out) + ".partial").exists()
+    for x in rows:
+        assert set(x) >= {"ops", "data_source", "code", "eager_ms", "compile_ms"}
+        assert x["data_source"] in ("transformers", f"torch#{len(x['ops'])}")
+        assert 0.05 <= x["eager_ms"] <= 20 and x["compile_ms"] > 0
+
+
+def test_every_row_runs_and_compile_agrees_with_eager(run_a, monkeypatch):
+    import torch
+    from env import CACHE_DIR
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(CACHE_DIR / "inductor"))  # the filter's compiled graphs
+    for x in rows_of(run_a[0]):
+        mod = types.ModuleType("task")
+        exec(x["code"], mod.__dict__)
+        assert {"Model", "get_inputs", "get_init_inputs", "BATCH"} <= set(vars(mod))
+        torch.manual_seed(0)
+        model = mod.Model(*mod.get_init_inputs()).eval()
+        a, b = mod.get_inputs(), mod.get_inputs()
+        with torch.no_grad():
+            ya, yb, yc = model(*a), model(*b), torch.compile(model)(*a)
+        torch.testing.assert_close(yc, ya, atol=1e-2, rtol=1e-2)
+        assert not torch.allclose(ya, yb, atol=1e-2, rtol=1e-2)  # depends on its input
+
+
+def test_interrupted_run_resumes_and_same_seed_gives_same_dataset(run_a, tmp_path):
+    out = tmp_path / "b"
+    partial = Path(str(out) + ".partial")
+    p = subprocess.Popen([sys.executable, "synth.py", "--out", str(out), *CLI], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and p.poll() is None:  # interrupt as soon as the first result is on disk
+        f = partial / "filtered.jsonl"
+        if f.exists() and f.read_text().strip():
+            break
+        time.sleep(0.2)
+    interrupted = p.poll() is None
+    if interrupted:
+        p.send_signal(signal.SIGINT)
+    stdout, stderr = p.communicate(timeout=120)
+    if interrupted:
+        assert p.returncode == 130, stderr[-2000:]
+        assert "Traceback" not in stderr and "interrupted" in stderr
+        assert not out.exists()  # DIR is only ever written complete
+        assert (partial / "filtered.jsonl").read_text().strip()
+    r = run_cli("--out", str(out), *CLI)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = rows_of(run_a[0]), rows_of(out)
+    strip = lambda rows: [(x["split"], x["ops"], x["data_source"], x["code"]) for x in rows]
+    assert strip(a) == strip(b)
+    # a re-run over an existing output replaces it atomically, and a different seed gives different tasks
+    r = run_cli("--out", str(out), *[("2" if a == "1" and CLI[i - 1] == "--seed" else a) for i, a in enumerate(CLI)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [x["code"] for x in rows_of(out)] != [x["code"] for x in a]
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--max-ops", "0"], "--max-ops"),
+    (["--num-tasks", "0"], "--num-tasks"),
+    (["--kernelbench-dir", "/nonexistent/kb"], "--kernelbench-dir"),
+    (["--window-ms", "5", "1"], "--window-ms"),
+])
+def test_bad_input_gives_one_clear_line(args, msg, tmp_path):
+    r = run_cli("--out", str(tmp_path / "o"), "--backend", "cpu", *args, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("synth.py: error:") and msg in lines[0], r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_unwritable_or_foreign_out_gives_one_clear_line(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    for out in (f / "sub" / "o", foreign):
+        r = run_cli("--out", str(out), "--backend", "cpu", timeout=120)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("synth.py: error: --out"), r.stderr
+    assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+def test_load_tasks_rejects_a_folder_that_is_not_ours(tmp_path):
+    with pytest.raises(synth.UsageError):
+        synth.load_tasks(str(tmp_path), "train")
