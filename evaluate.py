@@ -481,15 +481,15 @@ def score_solution(job: dict) -> dict:
     row = {"task_id": task["task_id"], "level": task["level"], "name": task["name"], "solution": job["solution"],
            "trajectory": None, "n_turns": None, "n_tokens": None, "files": {}, "notes": []}
     try:
+        ws = Path(job["ws"])
         if job["solution"] is None:
             raise ConversionError("no solution for this task in SOL_DIR")
-        ws = Path(job["ws"])
         row["notes"] = prepare_workspace(task, Path(job["solution"]), ws, backend)
         row["files"] = workspace_files(ws)
         row["verdict"] = env.evaluate(ws, backend=backend, reference=task["code"], timeout=job["timeout"],
                                       compile_timeout=job["compile_timeout"]).to_dict()
     except ConversionError as e:
-        row["verdict"] = failed_verdict(backend, f"solution not usable: {e}")
+        row["verdict"] = failed_verdict(backend, str(e) if job["solution"] is None else f"solution not usable: {e}")
     except Exception as e:  # noqa: BLE001 - a task failure, never the run's
         row["verdict"] = failed_verdict(backend, f"{type(e).__name__}: {str(e)[:500]}")
     row["seconds"] = round(time.monotonic() - t0, 2)

@@ -205,20 +205,13 @@ def test_solutions_end_to_end(run_a):
 
 
 @pytest.mark.slow
-def test_resume_skips_done_tasks_and_redoes_a_cut_line(run_a):
+def test_resume_skips_done_tasks(run_a):
     r, out = run_a
     before = last_json(r)
     again = cli("--solutions", FIX / "solutions", "--bench-dir", BENCH, "--backend", "cpu", "--out", out, "--json")
     assert "resuming" in again.stdout and "task 1/" not in again.stdout
     same = last_json(again)
     assert {k: same[k] for k in ("n", "pass_rate", "faster_compile_rate")} == {k: before[k] for k in ("n", "pass_rate", "faster_compile_rate")}
-    # a run killed while writing its last line: that task (only) runs again
-    lines = (out / "tasks.jsonl").read_text().splitlines()
-    cut = [l for l in lines if "level1/1_ScaledReLU" not in l]
-    (out / "tasks.jsonl").write_text("\n".join(cut) + "\n" + '{"task_id": "level1/1_Sca')
-    redo = cli("--solutions", FIX / "solutions", "--bench-dir", BENCH, "--backend", "cpu", "--out", out, "--json")
-    assert "task 1/1 | level1/1_ScaledReLU | reward -1" in redo.stdout
-    assert last_json(redo)["pass_rate"] == before["pass_rate"]
     # a different kind of run in the same folder is refused (no lost work)
     other = cli("--solutions", FIX / "solutions_bad", "--bench-dir", BENCH, "--backend", "cpu", "--out", out)
     one_line_error(other, "holds a different run")
@@ -290,15 +283,24 @@ def scripted_server():
 @pytest.mark.parametrize("mode,turns", [("agent", 3), ("single", 1)])
 def test_policy_modes_with_scripted_server(scripted_server, tmp_path, mode, turns):
     out = tmp_path / mode
-    r = cli("--bench-dir", BENCH, "--levels", "2", "--mode", mode, "--policy", "openai", "--model", "scripted",
-            "--base-url", scripted_server, "--backend", "cpu", "--out", out, "--json")
+    if mode == "agent":  # a KernelBench folder
+        bench, task_id, level = ["--bench-dir", BENCH, "--levels", "2"], "level2/1_ScaleThenReLU", "2"
+    else:  # our synthetic split (a synth.py output folder), holding the same problem
+        import datasets
+        code = (BENCH / "level2" / "1_ScaleThenReLU.py").read_text()
+        row = {"code": [code], "ops": [["torch.mul", "torch.relu"]], "data_source": ["torch#2"]}
+        datasets.DatasetDict({"train": datasets.Dataset.from_dict(row), "test": datasets.Dataset.from_dict(row)}).save_to_disk(tmp_path / "ds")
+        bench, task_id, level = ["--bench", "synth", "--dataset", tmp_path / "ds", "--split", "test"], "test/00000", "torch#2"
+    r = cli(*bench, "--mode", mode, "--policy", "openai", "--model", "scripted", "--base-url", scripted_server,
+            "--backend", "cpu", "--out", out, "--json")
     o = last_json(r)
     assert (o["n"], o["pass_rate"], o["mean_turns"]) == (1, 1.0, turns)
+    assert list(json.loads((out / "results.json").read_text())["levels"]) == [level]
     row = json.loads((out / "tasks.jsonl").read_text())
-    assert row["files"]["kernels/relu.cpp"] == RELU_CPP
+    assert row["task_id"] == task_id and row["files"]["kernels/relu.cpp"] == RELU_CPP
     path, line = row["trajectory"].rsplit(":", 1)
     ep = json.loads(Path(path).read_text().splitlines()[int(line) - 1])
-    assert ep["task_id"] == "level2/1_ScaleThenReLU" and ep["verdict"]["correct"]
+    assert ep["task_id"] == task_id and ep["verdict"]["correct"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -350,10 +352,32 @@ def test_missing_solution_counts_as_failure(tmp_path):
     sol = tmp_path / "sol"
     (sol / "1_ScaleThenReLU" / "kernels").mkdir(parents=True)
     (sol / "1_ScaleThenReLU" / "model_new.py").write_text("import os\n")  # a banned import: fails in the static scan
-    r = cli("--solutions", sol, "--bench-dir", BENCH, "--backend", "cpu", "--out", tmp_path / "o", "--json")
-    o = last_json(r)
+    r = cli("--solutions", sol, "--bench-dir", BENCH, "--backend", "cpu", "--out", tmp_path / "o", "--json", "--workers", "2")
+    o = last_json(r)  # (two worker processes: the parallel path)
     assert (o["n"], o["pass_rate"]) == (3, 0.0)
     assert "2 of 3 tasks have no solution" in r.stderr
     rows = [json.loads(l) for l in (tmp_path / "o" / "tasks.jsonl").read_text().splitlines()]
     assert sum("no solution for this task" in (x["verdict"]["error"] or "") for x in rows) == 2
     assert any("import of os" in " ".join(x["verdict"]["violations"]) for x in rows)
+    # resume after a kill that cut the last line short: that task (only) runs again
+    lines = (tmp_path / "o" / "tasks.jsonl").read_text().splitlines()
+    keep = [l for l in lines if "level1/2_ScaledReLUEye" not in l]
+    (tmp_path / "o" / "tasks.jsonl").write_text("\n".join(keep) + "\n" + '{"task_id": "level1/2_Sca')
+    redo = cli("--solutions", sol, "--bench-dir", BENCH, "--backend", "cpu", "--out", tmp_path / "o", "--json")
+    assert "task 1/1 | level1/2_ScaledReLUEye | reward -1" in redo.stdout and "task 2/" not in redo.stdout
+    assert last_json(redo)["n"] == 3
+
+
+@pytest.mark.gpu
+def test_cuda_solutions_honest_pass_cheats_fail(tmp_path):
+    """On a GPU: the CUDA fixture solutions (single file with functions=, and a workspace with a pure .cu)."""
+    o = last_json(cli("--solutions", FIX / "solutions_cuda", "--bench-dir", BENCH, "--backend", "cuda", "--out", tmp_path / "c", "--json"))
+    rows = {json.loads(l)["task_id"]: json.loads(l)["verdict"] for l in (tmp_path / "c" / "tasks.jsonl").read_text().splitlines()}
+    assert rows["level1/2_ScaledReLUEye"]["correct"] and rows["level2/1_ScaleThenReLU"]["correct"], rows
+    assert not rows["level1/1_ScaledReLU"]["correct"] and "cached by pointer" in rows["level1/1_ScaledReLU"]["error"]
+    assert o["pass_rate"] == 2 / 3
+    r = cli("--solutions", FIX / "solutions_cuda_bad", "--bench-dir", BENCH, "--backend", "cuda", "--out", tmp_path / "d", "--json")
+    assert last_json(r)["pass_rate"] == 0.0
+    rows = {json.loads(l)["task_id"]: json.loads(l)["verdict"] for l in (tmp_path / "d" / "tasks.jsonl").read_text().splitlines()}
+    assert "aten." in rows["level1/1_ScaledReLU"]["violations"][0]
+    assert "values differ" in rows["level1/2_ScaledReLUEye"]["error"]

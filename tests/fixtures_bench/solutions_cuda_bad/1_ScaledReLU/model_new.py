@@ -1,0 +1,14 @@
+"""CUDA, cheating, workspace format: PyTorch fallback; the compiled kernel is a decoy.
+Expected: failure (dispatch monitor)."""
+import torch
+import torch.nn as nn
+import cuda_extension
+
+
+class ModelNew(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):
+        return torch.relu(x * self.scale)
