@@ -586,24 +586,6 @@ def error_excerpt(text: str, max_lines: int = 16) -> str:
     return "\n".join(l if len(l) < 240 else l[:237] + "..." for l in picked[:max_lines])
 
 
-def torch_pch(tc: dict, timeout: float) -> list:
-    """Flags that pre-include a precompiled <torch/extension.h>, built once per toolchain: parsing
-    torch's headers is most of a binding file's compile time. [] when it cannot be built."""
-    d = CACHE_DIR / "pch" / tc["id"]
-    header, gch = d / "torch_pch.h", d / "torch_pch.h.gch"
-    with file_lock(CACHE_DIR / "locks" / f"pch-{tc['id']}.lock"):
-        if not gch.exists() and not (d / "failed.txt").exists():
-            d.mkdir(parents=True, exist_ok=True)
-            header.write_text("#include <torch/extension.h>\n")
-            part = d / "torch_pch.part.gch"
-            r = run_sandboxed([*tc["cxx"], "-x", "c++-header", str(header), "-o", str(part)], d, timeout, mem_gb=None)
-            if r.returncode == 0:
-                os.replace(part, gch)
-            elif not r.timed_out:  # a real failure: don't retry on every build
-                (d / "failed.txt").write_text(r.stderr[-4000:])
-    return ["-include", str(header)] if gch.exists() else []
-
-
 def build(files: dict, backend: str, timeout: float = 600.0) -> Build:
     """Compile every source into the object cache, then link the module. Killed builds leave
     nothing behind: objects are renamed into place only when complete, locks are flocks."""
@@ -634,8 +616,6 @@ def build(files: dict, backend: str, timeout: float = 600.0) -> Build:
                 if obj.exists():
                     return
                 tool = tc["nvcc"] if p.endswith(".cu") else tc["cxx"]
-                if p.endswith(".cpp") and "torch/extension.h" in files[p] and os.environ.get("CUDA_AGENT_NO_PCH") != "1":
-                    tool = tool + torch_pch(tc, max(1.0, deadline - time.monotonic()))
                 part = Path(tmp) / f"{keys[p]}.o.part"
                 cmd = [*tool, f"-I{tmp}", f"-I{tmp}/kernels", "-c", str(Path(tmp) / p), "-o", str(part)]
                 r = run_sandboxed(cmd, tmp, max(1.0, deadline - time.monotonic()), mem_gb=None, output_limit=40_000)
