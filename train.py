@@ -503,6 +503,7 @@ class Ctx:
     test: list = dataclasses.field(default_factory=list)
     tb: object = None
     known_tools: tuple = ()
+    gen_s: float = 0.0  # seconds spent in policy.generate (the rest of a rollout is tool/env time)
 
     @property
     def main(self):
@@ -539,6 +540,7 @@ def save_checkpoint(ctx: Ctx, stage: str, step: int, opts: dict, done: bool, ext
     Rank 0 writes (the ranks' weights and optimiser states are identical: gradients are all-reduced)."""
     import torch
     sd = ctx.run_dir / stage
+    check_in_sync(ctx)
     if ctx.main:
         name = f"ckpt-{step:06d}"
         tmp = sd / f".tmp-{name}"
@@ -554,6 +556,20 @@ def save_checkpoint(ctx: Ctx, stage: str, step: int, opts: dict, done: bool, ext
             if old.name != name:
                 shutil.rmtree(old, ignore_errors=True)
     barrier()
+
+
+def check_in_sync(ctx: Ctx):
+    """Ranks must hold identical weights (same init, all-reduced gradients); a checksum catches a bug
+    before rank 0's checkpoint silently stands for diverged ranks."""
+    if not dist_on():
+        return
+    import torch
+    with torch.no_grad():
+        s = float(sum(p.double().sum() for n, p in ctx.pm.named_parameters() if "lora_" in n)
+                  + sum(p.double().sum() for p in ctx.head.parameters()))
+    sums = gather([s])
+    if max(sums) - min(sums) > 1e-6 * max(1.0, abs(sums[0])):
+        raise RuntimeError(f"ranks hold different weights (checksums {sums}); refusing to checkpoint")
 
 
 def load_checkpoint(ctx: Ctx, stage: str, adapters=("actor", "critic"), head=True, opts=None) -> dict:
@@ -735,7 +751,7 @@ def ppo_stage(ctx: Ctx, stage: str, n_steps: int, resume: bool):
         return
     t_begin, rows = time.time(), []
     for step in range(start, n_steps):
-        t0 = time.time()
+        t0, ctx.gen_s = time.time(), 0.0
         tasks = [ctx.train[i] for i in step_tasks(len(ctx.train), step, cfg.tasks_per_step, ctx.world, ctx.rank, cfg.seed)]
         import torch
         torch.manual_seed(cfg.seed * 7919 + step * 101 + ctx.rank)  # sampling: reproducible per (step, rank)
@@ -749,14 +765,15 @@ def ppo_stage(ctx: Ctx, stage: str, n_steps: int, resume: bool):
         ctx.policy.release()  # the engine's KV cache holds keys/values of the weights about to change
         t_roll = time.time() - t0
         upd = ppo_update(ctx.pm, ctx.head, opts, fit_context(eps, cfg.max_context), cfg, ctx.device)
-        row = {**rollout_stats(gather(eps)), **upd, "rollout_s": round(t_roll, 2), "update_s": round(time.time() - t0 - t_roll, 2)}
+        row = {**rollout_stats(gather(eps)), **upd, "rollout_s": round(t_roll, 2), "generate_s": round(ctx.gen_s, 2),
+               "env_s": round(t_roll - ctx.gen_s, 2), "update_s": round(time.time() - t0 - t_roll, 2), "reused": reused}
         rows.append(row)
         t_step = time.time() - t0
         done_here = step + 1 - start
         log_step(ctx, stage, step, n_steps, row, t_step, (time.time() - t_begin) / done_here * (n_steps - step - 1))
         if (step + 1) % cfg.ckpt_every == 0 or step + 1 == n_steps:
             save_checkpoint(ctx, stage, step, opts, done=step + 1 == n_steps)
-    stage_end(ctx, stage, rows)
+    stage_end(ctx, stage, rows, steps=n_steps)
 
 
 def stage_end(ctx: Ctx, stage: str, rows: list, **extra):
@@ -764,7 +781,8 @@ def stage_end(ctx: Ctx, stage: str, rows: list, **extra):
     last = rows[-max(1, len(rows) // 2):] if rows else []
     keys = ("reward", "compile", "correct", "faster", "faster_c")
     rec = {"event": "stage_end", "stage": stage, "steps": len(rows),
-           **{k: sum(r[k] for r in last) / len(last) for k in keys if last and all(k in r for r in last)}, **extra}
+           **{k: sum(r[k] for r in last) / len(last) for k in keys if last and all(k in r for r in last)}}
+    rec.update(extra)
     log_event(ctx, rec)
 
 
@@ -975,7 +993,9 @@ def summary_table(run_dir: Path, ev: dict | None) -> str:
             r = json.loads(line)
             if r.get("event") == "stage_end":
                 ends[r["stage"]] = r
-    num = lambda x, spec: "-" if x is None else f"{x:{spec}}"
+    def num(x, spec):  # "-" padded to the column width when there is no number
+        width = spec.lstrip("+").split(".")[0]
+        return f"{'-':>{width or 1}}" if x is None else f"{x:{spec}}"
     lines = [f"{'stage':<10} {'steps':>5} {'reward':>7} {'compile':>7} {'correct':>7} {'>eager':>7} {'>compile':>8}  note",
              "-" * 72]
     for s in STAGES:
@@ -1016,12 +1036,21 @@ def check_model(name: str | None):
         if not (p / "config.json").is_file():
             raise env.UsageError(f"unknown model {name!r}: the folder has no config.json")
         return
+    import socket
+    from huggingface_hub import try_to_load_from_cache
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return  # in the local Hugging Face cache
+    try:
+        socket.getaddrinfo("huggingface.co", 443)  # offline: say so now instead of after the hub's retries
+    except OSError:
+        raise env.UsageError(f"unknown model {name!r}: not a local folder, a .gguf file, or in the Hugging Face cache "
+                             "(and the hub is unreachable)")
     try:
         from transformers import AutoConfig
         AutoConfig.from_pretrained(name)
     except Exception as e:  # noqa: BLE001  (OSError, ValueError, HTTP errors: all mean "cannot use it")
         raise env.UsageError(f"unknown model {name!r}: not a local folder, a .gguf file, or a model on the Hugging Face "
-                             f"hub/cache ({type(e).__name__})")
+                             f"hub ({type(e).__name__})")
 
 
 def tiny_tokenizer():
@@ -1072,6 +1101,9 @@ def build_policy(cfg: Config, run_dir: Path, device: str, main_rank: bool):
 def load_split(src: str, split: str) -> list:
     """Tasks of one split as evaluate.py's task dicts; a missing column is a one-line error."""
     import synth
+    state = Path(src) / split / "state.json"
+    if state.is_file() and not json.loads(state.read_text()).get("_data_files"):
+        return []  # a saved split with no rows (datasets cannot even load those back)
     ds = synth.load_tasks(src, split)
     cols = list(ds.column_names) if hasattr(ds, "column_names") else sorted({k for r in ds for k in r})
     missing = [c for c in REQUIRED_COLUMNS if c not in cols]
@@ -1232,6 +1264,15 @@ def run(cfg: Config, a, stages: list, src: str | None) -> int:
             pass
     ctx = Ctx(cfg=cfg, run_dir=run_dir, rank=rank, world=world, device=device, backend=backend, policy=policy, pm=pm,
               head=head, train=train, test=test, tb=tb, known_tools=tuple(agent.TOOL_ARGS))
+    generate = policy.generate
+
+    def timed_generate(*args, **kw):  # what the time split (generate / env / update) is measured with
+        t = time.time()
+        try:
+            return generate(*args, **kw)
+        finally:
+            ctx.gen_s += time.time() - t
+    policy.generate = timed_generate
     n_params = sum(p.numel() for p in pm.parameters())
     ctx.say(f"train | stages {' '.join(stages)} | preset {cfg.preset} | model {cfg.model or agent.DEFAULT_MODEL} "
             f"({n_params / 1e6:.1f}M params, LoRA r={cfg.lora_r}) | tasks {len(train)} train / {len(test)} held-out | "

@@ -217,6 +217,7 @@ def test_collate_and_logprobs_only_touch_model_tokens():
 # Bad inputs: one line, exit 2, before any model is loaded
 # ----------------------------------------------------------------------------------------------
 def bad(capsys, argv):
+    capsys.readouterr()  # drop earlier output (progress bars of dataset writes)
     assert train.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("train.py: error: ") and "\n" not in err and "Traceback" not in err, err
@@ -237,8 +238,8 @@ def test_bad_inputs(tmp_path, relu_dataset, capsys):
     assert "missing column(s) code" in bad(capsys, ["--stage", "warmup", *common, "--dataset", str(nocode)])
     empty = tmp_path / "empty"
     feats = datasets.Features({"code": datasets.Value("string")})
-    datasets.DatasetDict({"train": datasets.Dataset.from_list([], features=feats),
-                          "test": datasets.Dataset.from_list([], features=feats)}).save_to_disk(str(empty))
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"code": []}, features=feats),
+                          "test": datasets.Dataset.from_dict({"code": []}, features=feats)}).save_to_disk(str(empty))
     assert "is empty" in bad(capsys, ["--stage", "warmup", *common, "--dataset", str(empty)])
     assert "not a synth.py output" in bad(capsys, ["--stage", "warmup", *common, "--dataset", str(tmp_path)])
     assert "needs tasks" in bad(capsys, ["--stage", "warmup", *common])
@@ -309,12 +310,12 @@ def test_accelerate_two_processes_cpu(tmp_path, relu_dataset):
     rd = tmp_path / "run"
     cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
            "--dynamo_backend", "no", str(ROOT / "train.py"), "--stage", "warmup", "--preset", "tiny", "--backend", "cpu",
-           "--run-dir", str(rd), "--dataset", str(relu_dataset), "--set", "warmup_steps=1"]
+           "--run-dir", str(rd), "--dataset", str(relu_dataset), "--set", "warmup_steps=1", "--set", "tasks_per_step=1"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.count("train | stages warmup") == 1 and "ranks 2" in r.stdout  # rank 0 prints
     rows = [json.loads(x) for x in (rd / "metrics.jsonl").read_text().splitlines()]
-    assert rows[0]["stage"] == "warmup" and rows[0]["n"] == 4  # 2 rollouts per rank, gathered
+    assert rows[0]["stage"] == "warmup" and rows[0]["n"] == 2  # one rollout per rank, gathered
     assert sorted(p.name for p in (rd / "warmup" / "rollouts").iterdir()) == ["step-000000-rank0.jsonl", "step-000000-rank1.jsonl"]
     assert json.loads((rd / "warmup" / "latest.json").read_text())["done"]
