@@ -672,8 +672,9 @@ class HFPolicy:
     model.generate otherwise (engine="hf" forces it)."""
     kind = "hf"
 
-    def __init__(self, model, tokenizer, max_context=8192, engine="auto"):
+    def __init__(self, model, tokenizer, max_context=8192, engine="auto", engine_kw=None):
         self.model, self.tokenizer, self.max_context = model, tokenizer, max_context
+        self.engine_kw = dict(engine_kw or {})  # FastEngine options, e.g. {"compile_layers": True}
         mt = getattr(getattr(model, "config", None), "model_type", None)
         self.engine_kind = "fast" if engine in ("auto", "fast") and mt in FastEngine.SUPPORTED else "hf"
         if engine == "fast" and self.engine_kind != "fast":
@@ -694,7 +695,7 @@ class HFPolicy:
                     self.engine = None
                     if torch.cuda.is_available():
                         torch.cuda.empty_cache()
-                    self.engine = FastEngine(self.model, self.max_context, len(prompts))
+                    self.engine = FastEngine(self.model, self.max_context, len(prompts), **self.engine_kw)
                 return self.engine.generate(prompts, max_new_tokens, temperature, stop)
             return self._hf_generate(prompts, max_new_tokens, temperature, stop)
         finally:
@@ -766,7 +767,7 @@ class OpenAIPolicy:
 
 
 def load_policy(kind="hf", model=None, base_url=None, device=None, dtype=None, max_context=8192, engine="auto",
-                tokenizer=None, api_key=None, **kw):
+                tokenizer=None, api_key=None, engine_kw=None, **kw):
     """hf: a local folder, hub id, .gguf file, or None for the embedded SmolLM2-135M-Instruct. openai:
     `model` is the server's model name; `tokenizer` (optional) a local tokenizer for approximate tokens."""
     if kind == "openai":
@@ -799,7 +800,7 @@ def load_policy(kind="hf", model=None, base_url=None, device=None, dtype=None, m
     except OSError as e:
         raise env.UsageError(f"cannot load model {model!r}: {str(e).splitlines()[0]}")
     lm.eval()
-    return HFPolicy(lm, tok, max_context=max_context, engine=engine)
+    return HFPolicy(lm, tok, max_context=max_context, engine=engine, engine_kw=engine_kw)
 
 
 # ----------------------------------------------------------------------------------------------
