@@ -795,8 +795,11 @@ def check_task(code: str, spec: dict, torch, lock_fd) -> dict:
         try:
             with torch.no_grad():
                 outs = [model(*x) for x in sets]
+                sync()
+                t_once = time.perf_counter()
                 again = model(*sets[0])
                 sync()
+                t_once = (time.perf_counter() - t_once) * 1e3  # one run: skips full timing when far outside
             if not all(isinstance(t, torch.Tensor) for o in outs for t in leaves(o)):
                 return {"kept": False, "drop": "output is not a tensor"}
             if not close(outs[0], again, 1e-5):
@@ -807,6 +810,8 @@ def check_task(code: str, spec: dict, torch, lock_fd) -> dict:
                 return {"kept": False, "drop": "constant output: the same for different inputs"}
             if all(any(close(o, xi, 1e-2) for xi in x if isinstance(xi, torch.Tensor)) for o, x in zip(outs, sets)):
                 return {"kept": False, "drop": "output equals its input (the op is the identity on these inputs)"}
+            if t_once > 3 * hi:
+                return {"kept": False, "drop": f"too slow: eager {t_once:.3g} ms (one run) > {hi:g} ms", "eager_ms": t_once}
             eager_ms, _ = env.time_callable(model, sets[:2], n_timed=spec["n_timed"], min_s=spec["min_timed_s"], warmup=2)
         finally:
             fcntl.flock(lock_fd, fcntl.LOCK_UN)
@@ -1064,16 +1069,22 @@ def run(cfg: Config, out: Path, backend: str, kb: list, work: Path, t0: float) -
     """mine -> (compose -> filter)* -> save + report."""
     seeds = mine_seeds()                                                       # 1. mine
     funnel, seen, kept_rows = new_funnel(), set(), {}
+    secs = {"mine": round(time.time() - t0, 1), "compose": 0.0, "similarity": 0.0, "execution": 0.0}
+    tick = lambda: time.time()
     max_cands = cfg.max_candidates or 20 * cfg.num_tasks + 50
-    step, start, rate = 0, 0, 0.5
+    step, start, rate = 0, 0, 0.6  # (a guess of the yield, until measured)
     while True:
         # Compose more candidates than we still need (by the yield so far), filter them, repeat.
         need = cfg.num_tasks - len(kept_rows)
         count = min(max_cands - start, max(cfg.workers * 2, math.ceil(need / max(rate, 0.05) * 1.2)))
+        t = tick()
         cands = compose(start, count, seeds, cfg, backend, seen, funnel)     # 2. compose
         start += count
+        t, secs["compose"] = tick(), secs["compose"] + tick() - t
         cands = filter_similar(cands, kb, cfg, funnel)                        # 3a. cheap filters
+        t, secs["similarity"] = tick(), secs["similarity"] + tick() - t
         results = filter_by_execution(cands, cfg, backend, work / "filtered.jsonl")  # 3b. execution
+        secs["execution"] += tick() - t
         for c in cands:
             r = results[result_key(c, cfg, backend)]
             funnel["execution"]["in"] += 1
@@ -1095,7 +1106,8 @@ def run(cfg: Config, out: Path, backend: str, kb: list, work: Path, t0: float) -
     div = diversity(rows)
     funnel_json = {"config": {k: v for k, v in dataclasses.asdict(cfg).items()}, "backend": backend,
                    "seeds": len(seeds), "stages": {k: dict(v, drops=dict(v["drops"])) for k, v in funnel.items()},
-                   "kept": len(rows), "seconds": round(time.time() - t0, 1), "diversity": div}
+                   "kept": len(rows), "seconds": round(time.time() - t0, 1),
+                   "stage_seconds": {k: round(v, 1) for k, v in secs.items()}, "diversity": div}
     n_train, n_test = save(rows, out, work, cfg, funnel_json)                 # 4. report
     shutil.rmtree(work, ignore_errors=True)
     print(report(funnel, div, len(seeds), len(rows), n_train, n_test, time.time() - t0))

@@ -62,11 +62,12 @@ def test_compose_is_deterministic_follows_the_mix_and_emits_kernelbench_format(s
     import torch
     by = {s["name"]: s for s in seeds}
     cfg = synth.Config(window_ms=(0.1, 10.0), seed=3)
-    a = [synth.compose_one(i, seeds, by, cfg, "cpu") for i in range(60)]
-    b = [synth.compose_one(i, seeds, by, cfg, "cpu") for i in range(60)]
-    assert a == b
+    a = [synth.compose_one(i, seeds, by, cfg, "cpu") for i in range(30)]
+    b = [synth.compose_one(i, seeds, by, cfg, "cpu") for i in range(30)]
+    assert a == b  # same seed, same candidates; another seed, other candidates
+    assert a != [synth.compose_one(i, seeds, by, synth.Config(window_ms=(0.1, 10.0), seed=4), "cpu") for i in range(30)]
     ok = [c for c in a if "drop" not in c]
-    assert len(ok) >= 45
+    assert len(ok) >= 20
     assert sum(c["data_source"] == "torch#2" for c in ok) > 0.6 * len(ok)  # the paper's mix: 84% torch#2
     for c in ok[:10]:
         assert c["data_source"] == "transformers" or c["data_source"] == f"torch#{len(c['ops'])}"
@@ -78,7 +79,7 @@ def test_compose_is_deterministic_follows_the_mix_and_emits_kernelbench_format(s
         assert isinstance(out, torch.Tensor)
     # --max-ops bounds the chain length
     cfg2 = synth.Config(window_ms=(0.1, 10.0), max_ops=1)
-    assert all(len(c["ops"]) == 1 for c in (synth.compose_one(i, seeds, by, cfg2, "cpu") for i in range(20)) if "drop" not in c)
+    assert all(len(c["ops"]) == 1 for c in (synth.compose_one(i, seeds, by, cfg2, "cpu") for i in range(10)) if "drop" not in c)
 
 
 def test_duplicates_are_dropped(seeds):
@@ -101,8 +102,8 @@ def task(forward, inputs="torch.randn(256, 1024)", init=""):
 
 
 def test_each_execution_filter_drops_its_crafted_bad_task(tmp_path):
+    """One child checks every crafted task; the segfault kills it, and the rest run in a fresh child."""
     crafted = {
-        "good": task("return torch.tanh(x) * 2.0"),
         "random": task("return x + torch.rand_like(x)"),
         "constant": task("return x - x"),
         "identity": task("return torch.relu(x)", inputs="torch.rand(256, 1024)"),  # ReLU on U[0,1): output == input
@@ -116,8 +117,7 @@ def test_each_execution_filter_drops_its_crafted_bad_task(tmp_path):
     cfg = synth.Config(window_ms=(0.05, 5.0), workers=1, batch_size=len(cands))
     res = synth.filter_by_execution(cands, cfg, "cpu", resume_file=tmp_path / "filtered.jsonl")
     got = {c["name"]: res[synth.result_key(c, cfg, "cpu")] for c in cands}
-    assert got["good"]["kept"], got["good"]
-    assert 0.05 <= got["good"]["eager_ms"] <= 5.0 and got["good"]["compile_ms"] > 0
+    # (tasks that pass every filter: see the end-to-end tests below; a compile costs ~10 s here)
     expect = {"random": "nondeterministic", "constant": "constant output", "identity": "output equals its input",
               "nonfinite": "non-finite", "too_fast": "too fast", "too_slow": "too slow", "crash": "child process crashed",
               "broken": "eager failed"}
@@ -146,6 +146,7 @@ def test_kernelbench_near_duplicate_is_dropped_and_others_kept(seeds):
 
 
 # ---------------------------------------------------------------------------------------------- end to end
+@pytest.mark.slow
 def test_cli_smoke_writes_dataset_funnel_and_report(run_a):
     out, r = run_a
     rows = rows_of(out)
@@ -180,35 +181,33 @@ def test_every_row_runs_and_compile_agrees_with_eager(run_a, monkeypatch):
         assert not torch.allclose(ya, yb, atol=1e-2, rtol=1e-2)  # depends on its input
 
 
+@pytest.mark.slow
 def test_interrupted_run_resumes_and_same_seed_gives_same_dataset(run_a, tmp_path):
     out = tmp_path / "b"
     partial = Path(str(out) + ".partial")
-    p = subprocess.Popen([sys.executable, "synth.py", "--out", str(out), *CLI], cwd=ROOT, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    # One candidate per child, so results reach the resume file one at a time; Ctrl-C after the first.
+    p = subprocess.Popen([sys.executable, "synth.py", "--out", str(out), *CLI, "--batch-size", "1", "--workers", "1"],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
-    while time.time() < deadline and p.poll() is None:  # interrupt as soon as the first result is on disk
+    while time.time() < deadline and p.poll() is None:
         f = partial / "filtered.jsonl"
         if f.exists() and f.read_text().strip():
             break
         time.sleep(0.2)
-    interrupted = p.poll() is None
-    if interrupted:
-        p.send_signal(signal.SIGINT)
-    stdout, stderr = p.communicate(timeout=120)
-    if interrupted:
-        assert p.returncode == 130, stderr[-2000:]
-        assert "Traceback" not in stderr and "interrupted" in stderr
-        assert not out.exists()  # DIR is only ever written complete
-        assert (partial / "filtered.jsonl").read_text().strip()
-    r = run_cli("--out", str(out), *CLI)
+    assert p.poll() is None, "the run ended before it could be interrupted"
+    p.send_signal(signal.SIGINT)
+    stdout, stderr = p.communicate(timeout=60)
+    assert p.returncode == 130, stderr[-2000:]
+    assert "Traceback" not in stderr and "Re-run the same command to resume" in stderr
+    assert not out.exists()  # DIR is only ever written complete
+    n_done = len((partial / "filtered.jsonl").read_text().splitlines())
+    assert n_done >= 1
+    r = run_cli("--out", str(out), *CLI)  # resumes: reuses the recorded results, filters the rest
     assert r.returncode == 0, r.stderr[-3000:]
-    a, b = rows_of(run_a[0]), rows_of(out)
+    assert not partial.exists()
+    # same seed, same dataset (run_a used the same arguments; batching and interruption do not matter)
     strip = lambda rows: [(x["split"], x["ops"], x["data_source"], x["code"]) for x in rows]
-    assert strip(a) == strip(b)
-    # a re-run over an existing output replaces it atomically, and a different seed gives different tasks
-    r = run_cli("--out", str(out), *[("2" if a == "1" and CLI[i - 1] == "--seed" else a) for i, a in enumerate(CLI)])
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert [x["code"] for x in rows_of(out)] != [x["code"] for x in a]
+    assert strip(rows_of(run_a[0])) == strip(rows_of(out))
 
 
 @pytest.mark.parametrize("args, msg", [
