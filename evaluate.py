@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import env
@@ -598,11 +599,8 @@ def run_jobs(fn, jobs: list, backend: str, workers: int):
         for fut in as_completed(futures):
             try:
                 yield fut.result()
-            except Exception as e:  # noqa: BLE001 - a dead worker fails its task only
-                job = futures[fut]
-                t = job["task"]
-                yield {"task_id": t["task_id"], "level": t["level"], "name": t["name"], "seconds": 0.0,
-                       "verdict": failed_verdict(backend, f"worker died: {type(e).__name__}: {e}"), "error": str(e)}
+            except BrokenProcessPool:  # a worker was killed (out of host memory?); candidates never run in it
+                raise RuntimeError("a worker process died; finished tasks are saved")
 
 
 # ----------------------------------------------------------------------------------------------

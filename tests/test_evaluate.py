@@ -370,7 +370,9 @@ def test_missing_solution_counts_as_failure(tmp_path):
 
 @pytest.mark.gpu
 def test_cuda_solutions_honest_pass_cheats_fail(tmp_path):
-    """On a GPU: the CUDA fixture solutions (single file with functions=, and a workspace with a pure .cu)."""
+    """On a GPU: single files with load_inline(cuda_sources, functions=) and workspaces built from the env GPU
+    tests' kernels (tests/env_cases/cuda). Honest ones pass; a Python and a C++ pointer cache, a PyTorch
+    fallback and an operand bug fail."""
     o = last_json(cli("--solutions", FIX / "solutions_cuda", "--bench-dir", BENCH, "--backend", "cuda", "--out", tmp_path / "c", "--json"))
     rows = {json.loads(l)["task_id"]: json.loads(l)["verdict"] for l in (tmp_path / "c" / "tasks.jsonl").read_text().splitlines()}
     assert rows["level1/2_ScaledReLUEye"]["correct"] and rows["level2/1_ScaleThenReLU"]["correct"], rows
@@ -379,5 +381,6 @@ def test_cuda_solutions_honest_pass_cheats_fail(tmp_path):
     r = cli("--solutions", FIX / "solutions_cuda_bad", "--bench-dir", BENCH, "--backend", "cuda", "--out", tmp_path / "d", "--json")
     assert last_json(r)["pass_rate"] == 0.0
     rows = {json.loads(l)["task_id"]: json.loads(l)["verdict"] for l in (tmp_path / "d" / "tasks.jsonl").read_text().splitlines()}
-    assert "aten." in rows["level1/1_ScaledReLU"]["violations"][0]
-    assert "values differ" in rows["level1/2_ScaledReLUEye"]["error"]
+    assert "cached by pointer" in rows["level1/1_ScaledReLU"]["error"]
+    assert "aten." in rows["level1/2_ScaledReLUEye"]["violations"][0]
+    assert "values differ" in rows["level2/1_ScaleThenReLU"]["error"]

@@ -1,4 +1,6 @@
-"""CUDA, known-wrong, workspace format: scales by the first row of x. Expected: failure."""
+"""CUDA, cheating, workspace format: PyTorch fallback; the compiled kernels are decoys.
+kernels/ are tests/env_cases/cuda/ops.cu + ops_binding.cpp byte for byte (one build shared with the env GPU tests).
+Expected: failure (dispatch monitor)."""
 import torch
 import torch.nn as nn
 import cuda_extension
@@ -10,4 +12,4 @@ class ModelNew(nn.Module):
         self.scale = nn.Parameter(torch.randn(dim))
 
     def forward(self, x):
-        return cuda_extension.forward(x, x[0])
+        return torch.relu(x * self.scale)
