@@ -848,7 +848,9 @@ def run_episodes(policy, tasks, backend="auto", max_turns=None, max_context=None
     stop_text = ""
     if not openai:
         stop_ids = policy.stop
-        stop_text = tok.decode([stop_ids[0]]) if stop_ids else ""
+        t1 = render(tok, [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}], False)
+        ends = [tok.decode([i]) for i in stop_ids]  # the template's end-of-turn token, e.g. <|im_end|>
+        stop_text = next((e for e in ends if e and e in t1.split("A")[-1]), ends[0] if ends else "")
         for ep, task in zip(eps, tasks):
             ep["tokens"] = episode_prompt(task, tok, backend)
             ep["loss_mask"] = [0] * len(ep["tokens"])
@@ -865,15 +867,23 @@ def run_episodes(policy, tasks, backend="auto", max_turns=None, max_context=None
     if progress and len(eps) > 1:
         from tqdm import tqdm
         bar = tqdm(total=cfg.max_turns, desc="agent turns", unit="turn")
-    for turn_i in range(cfg.max_turns):
+    for _ in range(cfg.max_turns):
         live = [ep for ep in eps if not ep["_done"]]
         if not live:
             break
         # 1. generate: one batch for every episode still running
         if openai:
-            replies = list(pool.map(lambda ep: policy.chat(ep["messages"], TOOLS, cfg.max_new_tokens, cfg.temperature), live))
+            def ask(ep):
+                try:
+                    return policy.chat(ep["messages"], TOOLS, cfg.max_new_tokens, cfg.temperature)
+                except RuntimeError as e:  # the server gave up on this episode: end it, keep the others
+                    ep["_done"], ep["end_reason"] = True, f"api_error: {e}"
+                    return None
+            replies = list(pool.map(ask, live))
             calls = []
             for ep, msg in zip(live, replies):
+                if msg is None:
+                    continue
                 text = msg.get("content") or ""
                 tcs = msg.get("tool_calls") or []
                 ep["messages"].append({k: v for k, v in {"role": "assistant", "content": text,
@@ -915,7 +925,10 @@ def run_episodes(policy, tasks, backend="auto", max_turns=None, max_context=None
             ep, name, args, err = c[:4]
             if err:
                 return f"error: {err}", None, False
-            return run_tool(name, args, Path(ep["workspace"]), ep["_code"], backend, cfg)
+            try:
+                return run_tool(name, args, Path(ep["workspace"]), ep["_code"], backend, cfg)
+            except Exception as e:  # noqa: BLE001  (a harness failure is reported to the model, never fatal)
+                return f"error: the {name} tool failed: {type(e).__name__}: {e}", None, False
         results = list(pool.map(act, calls))
         # 3. append observations
         for c, (obs, verdict, ok) in zip(calls, results):
@@ -969,7 +982,10 @@ def run_episodes(policy, tasks, backend="auto", max_turns=None, max_context=None
             (ws / "model.py").write_text(ep["_code"])
         if ep["_last"] is not None and ep["_last"][0] == workspace_key(ws):
             return ep["_last"][1]
-        return env.evaluate(ws, backend, reference=ep["_code"], stage="profile", timeout=cfg.eval_timeout).to_dict()
+        try:
+            return env.evaluate(ws, backend, reference=ep["_code"], stage="profile", timeout=cfg.eval_timeout).to_dict()
+        except Exception as e:  # noqa: BLE001
+            return env.Verdict(backend=backend, error=f"final evaluation failed: {type(e).__name__}: {e}").to_dict()
     for ep, v in zip(eps, pool.map(final, eps)):
         ep["verdict"], ep["reward"] = v, v["reward"]
         for k in ("_done", "_last", "_code"):
