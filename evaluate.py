@@ -1,10 +1,15 @@
 """evaluate.py: KernelBench-style evaluation of policies and of ready-made kernels, in env.py's hardened harness.
 
-Tiny run (CPU, the fixture bench shipped with the tests, ~1 min):
-    python evaluate.py --solutions tests/fixtures_bench/solutions --bench-dir tests/fixtures_bench/bench --backend cpu --out runs/eval_fixture
-    python evaluate.py --bench-dir tests/fixtures_bench/bench --levels 2 --reference-only --backend cpu --out runs/ref_fixture
-Real runs (H200; KernelBench from the hub when online, or a local copy with level1/ level2/ level3/ folders):
-    python evaluate.py --bench kernelbench --levels 1,2,3 --bench-dir KernelBench/KernelBench --policy hf --model runs/train/final --mode agent --out runs/eval_kb
+Tiny runs (CPU; the fixture bench of the tests: 3 problems, honest / wrong / cheating solutions; ~1-2 min each):
+    python evaluate.py --solutions tests/fixtures_bench/solutions --bench-dir tests/fixtures_bench/bench --backend cpu --out runs/eval_fix
+    python evaluate.py --solutions tests/fixtures_bench/solutions_bad --bench-dir tests/fixtures_bench/bench --backend cpu --out runs/eval_fix_bad
+    python evaluate.py --bench-dir tests/fixtures_bench/bench --levels 2 --reference-only --backend cpu --out runs/ref_fix
+    python evaluate.py --compare runs/eval_fix/results.json runs/eval_fix_bad/results.json
+    python evaluate.py --bench-dir tests/fixtures_bench/bench --levels 2 --mode agent --max-turns 4 --backend cpu --out runs/eval_agent
+Real runs (GPU; KernelBench from the hub when online, else a local copy with level1/ level2/ level3/ folders;
+one scoring process per visible GPU, so an 8-GPU node scores 8 tasks at a time):
+    python evaluate.py --bench kernelbench --levels 1,2,3 --policy hf --model runs/train/final --mode agent --out runs/eval_kb
+    python evaluate.py --bench kernelbench --bench-dir KernelBench/KernelBench --policy openai --base-url http://localhost:8000/v1 --model M --mode single --out runs/eval_single
     python evaluate.py --bench synth --dataset data/ops6k --split test --policy hf --model runs/train/final --out runs/eval_synth
     python evaluate.py --solutions other_system/ --bench-dir KernelBench/KernelBench --backend cuda --out runs/eval_other
     python evaluate.py --bench-dir KernelBench/KernelBench --reference-only --backend cuda --out runs/ref_kb
@@ -778,6 +783,8 @@ def compare(path_a: str, path_b: str) -> str:
             raise env.UsageError(f"{p} is a --reference-only run; compare scoring runs")
         res.append(r)
     names = [Path(p).parent.name or p for p in (path_a, path_b)]
+    if names[0] == names[1]:
+        names = [str(Path(p).parent) for p in (path_a, path_b)]
     metrics = [("n", "n", str), ("pass", "pass_rate", pct), (">eager", "faster_eager_rate", pct),
                (">compile", "faster_compile_rate", pct), ("fast_1", "fast_1", pct), ("geo vs eager", "geomean_speedup_eager", times),
                ("geo vs compile", "geomean_speedup_compile", times), ("turns", "mean_turns", num), ("tokens", "mean_tokens", num)]
@@ -788,7 +795,8 @@ def compare(path_a: str, path_b: str) -> str:
         for label, key, fmt in metrics:
             cells = [fmt(m.get(key)) if m else "-" for m in ms]
             paper = PAPER.get(g, {}).get(key)
-            lines.append(f"| {g if label == 'n' else ''} | {label} | {cells[0]} | {cells[1]} | {fmt(paper) if paper is not None else ''} |")
+            name = "" if label != "n" else f"level {g}" if g.isdigit() else g
+            lines.append(f"| {name} | {label} | {cells[0]} | {cells[1]} | {fmt(paper) if paper is not None else ''} |")
     return "\n".join(lines) + "\n\nPaper: CUDA Agent (Seed1.6 230B MoE, RL-trained) on KernelBench L1/L2/L3 = 100/100/50 tasks, its GPUs."
 
 

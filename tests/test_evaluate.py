@@ -303,6 +303,40 @@ def test_policy_modes_with_scripted_server(scripted_server, tmp_path, mode, turn
     assert ep["task_id"] == task_id and ep["verdict"]["correct"]
 
 
+class CharTokenizer:
+    """A stand-in tokenizer (one token per character) so the hf code path runs without loading a model."""
+    chat_template = ""
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **kw):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(map(chr, ids))
+
+
+class ScriptedHFPolicy:
+    kind, tokenizer, stop = "hf", CharTokenizer(), [0]
+
+    def generate(self, prompts, max_new_tokens, temperature=0.0, stop=None):
+        return [[ord(c) for c in SINGLE_ANSWER] for _ in prompts]
+
+
+@pytest.mark.slow
+def test_run_eval_api_single_mode_with_hf_style_policy(tmp_path):
+    """The importable entry point train.py uses, on the hf code path (token ids in, token ids out)."""
+    task = evaluate.load_bench_dir(str(BENCH), ["2"])[0]
+    res = evaluate.run_eval([task], mode="single", policy=ScriptedHFPolicy(), out_dir=tmp_path / "s", backend="cpu", quiet=True)
+    assert (res["overall"]["n"], res["overall"]["pass_rate"], res["overall"]["mean_turns"]) == (1, 1.0, 1)
+    row = json.loads((tmp_path / "s" / "tasks.jsonl").read_text())
+    import agent
+    prompt = CharTokenizer().apply_chat_template(agent.single_turn_messages(task, "cpu"))
+    assert row["n_tokens"] == len(prompt) + len(SINGLE_ANSWER)  # prompt + generated ids, kept as generated
+    assert json.loads((tmp_path / "s" / "results.json").read_text())["overall"] == res["overall"]
+
+
 # ----------------------------------------------------------------------------------------------
 # Compare, chart, bad inputs
 # ----------------------------------------------------------------------------------------------
@@ -316,7 +350,7 @@ def test_compare(tmp_path):
     assert "| runA | runB | CUDA Agent (paper) |" in r.stdout
     assert "| overall | n | 6 | 3 |" in r.stdout
     assert "|  | pass | 66.7% | 100.0% | 98.8% |" in r.stdout and "|  | >compile | 33.3% | 66.7% | 96.8% |" in r.stdout
-    assert "| 3 | n | 1 | - |" in r.stdout  # a level only run A has
+    assert "| level 3 | n | 1 | - |" in r.stdout  # a level only run A has
     one_line_error(cli("--compare", tmp_path / "runA" / "results.json", tmp_path / "nope.json"), "no such results file")
 
 
