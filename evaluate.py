@@ -77,7 +77,7 @@ def parse_args(argv=None):
     g = p.add_argument_group("who solves the tasks")
     g.add_argument("--solutions", metavar="SOL_DIR", help="score ready-made kernels instead of a policy")
     g.add_argument("--reference-only", action="store_true", help="time eager vs torch.compile per task; no candidate")
-    g.add_argument("--policy", default="hf", help="agent.load_policy kind: hf | openai | ...")
+    g.add_argument("--policy", default="hf", help="agent.load_policy kind: hf (local model) | openai (any compatible server)")
     g.add_argument("--model", help="model name or path for the policy (default: agent.py's default)")
     g.add_argument("--base-url", help="OpenAI-compatible endpoint for --policy openai")
     g.add_argument("--mode", default="agent", choices=["agent", "single"])
@@ -108,7 +108,9 @@ def beats(t_ms, t0_ms) -> bool:
 
 def summarize(rows) -> dict:
     """Metrics over a list of task rows. A row is a tasks.jsonl record ({"verdict": {...}, "n_turns", "n_tokens",
-    "seconds"}) or a bare env.Verdict dict. Rates are over ALL rows (a failure counts 0); geomeans over correct rows."""
+    "seconds"}) or a bare env.Verdict (or its dict). Rates are over ALL rows (a failure counts 0); geomeans over
+    correct rows."""
+    rows = [r.to_dict() if hasattr(r, "to_dict") else r for r in rows]
     n = len(rows)
     verdicts = [(r.get("verdict", r) if isinstance(r, dict) else None) or {} for r in rows]
     ok = [v for v in verdicts if v.get("correct")]

@@ -99,6 +99,7 @@ def test_summarize_per_level_and_empty():
     assert e["n"] == 0 and e["pass_rate"] is None and e["geomean_speedup_compile"] is None
     # bare verdict dicts work too (train.py may pass env verdicts directly)
     assert evaluate.summarize([v for _, v, *_ in CRAFTED])["faster_compile_rate"] == 2 / 6
+    assert evaluate.summarize([env.Verdict(**{**v, "speedup_eager": None}) for _, v, *_ in CRAFTED[:2]])["faster_eager_rate"] == 0.5
     table = evaluate.table(dict(res, mode="solutions"))
     assert "| level 2 | 3 | 66.7% | 0.0% | 33.3% |" in table
 
