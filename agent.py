@@ -390,7 +390,7 @@ class FastEngine:
         self.H, self.KV = cfg.num_attention_heads, cfg.num_key_value_heads
         self.hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.H
         self.scale = self.layers[0].self_attn.scaling
-        p = next(model.parameters())
+        p = self.embed.weight  # the base weights' dtype (peft keeps LoRA adapters in float32)
         self.device, self.dtype = p.device, p.dtype
         self.T, self.B = int(max_context), int(n_slots)
         self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
@@ -599,6 +599,12 @@ class FastEngine:
         import torch
         if not prompts:
             return []
+        # cached K/V are only valid for the weights that computed them: any in-place update (an optimizer
+        # step, load_state_dict) bumps a parameter's version counter and drops every cached prefix
+        version = sum(p._version for p in self.model.parameters())
+        if version != getattr(self, "weights_version", None):
+            self.reset()
+            self.weights_version = version
         if len(prompts) > self.B:
             raise ValueError(f"{len(prompts)} prompts but the engine has {self.B} slots")
         budgets = max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(prompts)
@@ -689,6 +695,9 @@ class HFPolicy:
         self.model.eval()  # no dropout while sampling (peft LoRA dropout included)
         try:
             if self.engine_kind == "fast":
+                adapters = tuple(getattr(self.model, "active_adapters", None) or ())
+                if self.engine is not None and getattr(self.engine, "adapters", adapters) != adapters:
+                    self.engine.graphs.clear()  # graphs captured which LoRA adapters were active: recapture
                 if self.engine is None or self.engine.model is not self.model or self.engine.B < len(prompts):
                     if self.engine is not None:
                         self.engine.release()
@@ -696,6 +705,7 @@ class HFPolicy:
                     if torch.cuda.is_available():
                         torch.cuda.empty_cache()
                     self.engine = FastEngine(self.model, self.max_context, len(prompts), **self.engine_kw)
+                self.engine.adapters = adapters
                 return self.engine.generate(prompts, max_new_tokens, temperature, stop)
             return self._hf_generate(prompts, max_new_tokens, temperature, stop)
         finally:

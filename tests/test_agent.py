@@ -201,6 +201,30 @@ def test_fast_engine_matches_hf_greedy(tok):
     assert [len(s) for s in sampled] == [10, 3, 7]
 
 
+def test_fast_engine_with_peft_lora_follows_weight_updates(tok):
+    """train.py wraps policy.model with peft LoRA and updates it in place: generation must follow."""
+    import peft
+    lm = peft.get_peft_model(tiny_model(tok, seed=3), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))
+    pol = agent.HFPolicy(lm, tok, max_context=256)
+    assert pol.engine_kind == "fast"
+    prompts = [[5, 6, 7, 8, 9], list(range(40, 73))]
+
+    def hf(p):
+        return lm.generate(input_ids=torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=pol.stop,
+                           pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
+    before = pol.generate(prompts, 16, temperature=0.0)
+    assert before == [hf(p) for p in prompts]
+    with torch.no_grad():  # an "optimizer step" on the adapters only
+        for n, p in lm.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    after = pol.generate(prompts, 16, temperature=0.0)
+    assert after == [hf(p) for p in prompts] and after != before
+    lm.train()
+    pol.generate(prompts, 4, temperature=1.0)
+    assert lm.training  # the mode is restored after sampling
+
+
 def test_hf_policy_rollouts_are_token_exact(tiny_dir, tok, tmp_path):
     """The real batched loop with a (random) local model: every model turn is what greedy HF generate
     gives for the exact token prefix, observations are masked out, context limits end episodes."""
