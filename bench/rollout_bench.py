@@ -5,6 +5,9 @@
     python bench/rollout_bench.py --device cuda
     # with the embedded SmolLM2-135M-Instruct weights instead (also checks greedy agreement on a real model)
     python bench/rollout_bench.py --device cuda --gguf
+    # multi-turn rollouts (agent episodes): 4 turns, 64 "tool observation" tokens appended between turns;
+    # HF generate re-reads the whole history every turn, FastEngine prefills only the new tokens
+    python bench/rollout_bench.py --device cuda --turns 4
     # tiny smoke run on a CPU
     python bench/rollout_bench.py --device cpu --tiny --batch 1,4 --prompt-len 32 --new-tokens 16
 
@@ -33,6 +36,8 @@ ap.add_argument("--new-tokens", type=int, default=256)
 ap.add_argument("--configs", default="dynamic,static,ours", help="subset of dynamic,static,ours,ours-eager,ours-compile")
 ap.add_argument("--gguf", action="store_true", help="load the embedded SmolLM2-135M-Instruct weights")
 ap.add_argument("--tiny", action="store_true", help="a 2-layer model (CPU smoke test)")
+ap.add_argument("--turns", type=int, default=1, help="generate, append --obs-tokens, generate again...")
+ap.add_argument("--obs-tokens", type=int, default=64)
 ap.add_argument("--warmup-tokens", type=int, default=None, help="new tokens of the warm-up run (default: --new-tokens)")
 ap.add_argument("--json", default=None, help="also write the results here")
 args = ap.parse_args()
@@ -63,7 +68,7 @@ model.eval()
 model.generation_config.eos_token_id = None  # every configuration generates exactly --new-tokens tokens
 model.generation_config.pad_token_id = 0
 V = model.config.vocab_size
-T = args.prompt_len + args.new_tokens
+T = args.prompt_len + args.turns * args.new_tokens + (args.turns - 1) * args.obs_tokens
 N = args.new_tokens
 W = args.warmup_tokens or N
 
@@ -93,9 +98,19 @@ def ours_run(prompts, n, mode):
             torch.cuda.empty_cache()
         engines[key] = agent.FastEngine(model, T, len(prompts), use_graphs=(mode != "ours-eager") and dev.type == "cuda",
                                         compile_layers=mode == "ours-compile")
-    eng = engines[key]
-    eng.reset()  # a cold prefill every run: no prefix reuse between the warm-up and the timed run
-    return eng.generate(prompts, n, 0.0, [])
+    return engines[key].generate(prompts, n, 0.0, [])
+
+
+def episode(run, prompts, n):
+    """--turns turns: each appends the outputs and --obs-tokens fixed "observation" tokens. Returns all outputs."""
+    for e in engines.values():
+        e.reset()  # a cold start every run: no prefix reuse between the warm-up and the timed run
+    seqs, outs = [list(p) for p in prompts], []
+    for t in range(args.turns):
+        out = run(seqs, n)
+        outs.append(out)
+        seqs = [s + o + list(range(10, 10 + args.obs_tokens)) for s, o in zip(seqs, out)]
+    return [sum((o[i] for o in outs), []) for i in range(len(prompts))]
 
 
 rows = []
@@ -107,30 +122,31 @@ for B in [int(b) for b in args.batch.split(",")]:
         run = {"dynamic": lambda p, n: hf_run(p, n, False), "static": lambda p, n: hf_run(p, n, True)}.get(
             name, lambda p, n, name=name: ours_run(p, n, name))
         try:
-            run(prompts, W)  # warm-up: kernels, autotuning, graph capture
+            episode(run, prompts, W)  # warm-up: kernels, autotuning, graph capture
             sync()
             t0 = time.perf_counter()
-            out = run(prompts, N)
+            out = episode(run, prompts, N)
             sync()
             dt = time.perf_counter() - t0
         except Exception as e:  # noqa: BLE001  (one failing configuration must not hide the others)
             rows.append({"batch": B, "config": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             print(f"batch {B:3d} | {name:12s} | FAILED {rows[-1]['error']}", flush=True)
             continue
-        assert all(len(o) == N for o in out), "every configuration must produce exactly --new-tokens tokens"
+        N_all = N * args.turns
+        assert all(len(o) == N_all for o in out), "every configuration must produce exactly --new-tokens tokens per turn"
         if name == "static":
             ref = out
         same = None if ref is None else sum(a == b for a, b in zip(out, ref)) / B
-        prefix = None if ref is None else sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), N)
+        prefix = None if ref is None else sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), N_all)
                                               for a, b in zip(out, ref)) / B
-        rows.append({"batch": B, "config": name, "seconds": dt, "tok_s": B * N / dt, "ms_per_step": dt / N * 1e3,
+        rows.append({"batch": B, "config": name, "seconds": dt, "tok_s": B * N_all / dt, "ms_per_step": dt / N_all * 1e3,
                      "same_as_static": same, "common_prefix": prefix})
-        print(f"batch {B:3d} | {name:12s} | {B * N / dt:10.1f} tok/s | {dt / N * 1e3:8.2f} ms/step | "
+        print(f"batch {B:3d} | {name:12s} | {B * N_all / dt:10.1f} tok/s | {dt / N_all * 1e3:8.2f} ms/step | "
               f"same as HF static {'-' if same is None else f'{same:.0%}'} | mean common prefix "
-              f"{'-' if prefix is None else f'{prefix:.0f}/{N}'}", flush=True)
+              f"{'-' if prefix is None else f'{prefix:.0f}/{N_all}'}", flush=True)
 
 print(f"\n{'device':>8}: {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'} | dtype {dtype} | prompt "
-      f"{args.prompt_len} | new {N} | model {'SmolLM2-135M-Instruct (GGUF)' if args.gguf else 'SmolLM2-135M arch, random'}"
+      f"{args.prompt_len} | new {N} x {args.turns} turn(s) | model {'SmolLM2-135M-Instruct (GGUF)' if args.gguf else 'SmolLM2-135M arch, random'}"
       f"{' (tiny)' if args.tiny else ''} | torch {torch.__version__}")
 print("| configuration | " + " | ".join(f"batch {b}" for b in args.batch.split(",")) + " |")
 print("|---|" + "---|" * len(args.batch.split(",")))
