@@ -28,6 +28,7 @@ generation, in env.py scoring, and in the update (train.py logs generate_s / env
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import os
@@ -139,7 +140,9 @@ def bench_trl(name, device, dtype, B, P, R, a) -> dict:
     cfg_cls = getattr(__import__(m.__name__.rsplit(".", 1)[0] + ".ppo_config", fromlist=["PPOConfig"]), "PPOConfig")
     lm, mcfg = load_model(name, device, dtype)
     torch.manual_seed(0)
-    value = AutoModelForSequenceClassification.from_config(mcfg, num_labels=1).to(device=device, dtype=dtype)
+    vcfg = copy.deepcopy(mcfg)
+    vcfg.num_labels = 1
+    value = AutoModelForSequenceClassification.from_config(vcfg).to(device=device, dtype=dtype)
     tok = _tokenizer()
     rng = random.Random(0)
     steps = a.repeats + 1  # the first step is warm-up
