@@ -76,6 +76,7 @@ class Config:
     max_candidates: int = 0  # give up after composing this many; 0 = 20 * num_tasks + 50
     n_timed: int = 10  # timed runs per measurement (env.time_callable)
     min_timed_s: float = 0.05
+    mem_cap_gb: float = 0.0  # bytes one task may touch (estimated); 0 = 4 GiB on CUDA, 0.25 GiB on CPU
 
 
 # Constructor arguments introspection cannot guess, by parameter name: f(shape, rng) -> value.
@@ -526,7 +527,7 @@ def compose_one(index: int, seeds: list[dict], seeds_by_name: dict, cfg: Config,
             _, est, nbytes = meta_run(seeds_by_name, steps, sh, backend)
         except Exception:  # noqa: BLE001 - batch size changes a shape the chain depends on
             break
-        if nbytes > MEM_CAP[backend] or est > hi:
+        if nbytes > (cfg.mem_cap_gb * 2**30 if cfg.mem_cap_gb else MEM_CAP[backend]) or est > hi:
             break
         best = (sh, est)
         if est >= target:
@@ -540,22 +541,83 @@ def compose_one(index: int, seeds: list[dict], seeds_by_name: dict, cfg: Config,
             "shape": list(shape), "est_ms": est}
 
 
-def compose_llm(index: int, seeds: list[dict], cfg: Config, backend: str) -> dict:
-    """--composer llm: ask agent.py's policy to write the composition (as the paper did). Same filters apply."""
+LLM_PROMPT = """Write a self-contained Python module in KernelBench format that applies these PyTorch operators \
+in sequence, each to the previous one's output: {ops}.
+The input is one float32 tensor of shape {shape}. Requirements: `import torch` and `import torch.nn as nn` at the top \
+(and any other import an operator needs); module-level integer size constants; `class Model(nn.Module)` with \
+`__init__` and `forward(self, x)`; `get_inputs()` returning a list with one `torch.randn(...)` tensor built from the \
+constants; `get_init_inputs()` returning the constructor arguments (a list). Here is a correct example you may \
+rewrite in your own style:
+```python
+{code}```
+Answer with one ```python code block and nothing else."""
+
+
+def _llm_code(text: str) -> str | None:
+    """The first ```python block (or the whole text) if it parses and has the KernelBench names."""
+    if "```" in text:
+        part = text.split("```", 2)[1]
+        text = part[len("python"):] if part.startswith("python") else part
     try:
-        import agent  # noqa: F401
+        names = {n.name for n in ast.parse(text).body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+    except SyntaxError:
+        return None
+    return text.strip() + "\n" if {"Model", "get_inputs", "get_init_inputs"} <= names else None
+
+
+def compose_llm(plans: list[dict], cfg: Config, policy) -> list[dict]:
+    """--composer llm: the rule composer picks the operators and a shape that fits (a plan); an LLM, through
+    agent.py's policy, writes the module (as the paper did). Its code goes through the same filters; an
+    answer that is not KernelBench format, or leaves out a requested operator, is dropped here."""
+    import agent
+    prompts = []
+    for c in plans:
+        msg = LLM_PROMPT.format(ops=", ".join(c["ops"]), shape=tuple(c["shape"]), code=c["code"])
+        prompts.append(agent.encode(policy.tokenizer, agent.render(policy.tokenizer, [{"role": "user", "content": msg}], True)))
+    answers = []
+    for i in range(0, len(prompts), 64):  # batches of 64 bound the KV cache
+        try:
+            answers += policy.generate(prompts[i:i + 64], max_new_tokens=1024, temperature=0.0)
+        except Exception as e:  # noqa: BLE001 - agent.py is another component: say where it broke, in one line
+            raise UsageError(f"--composer llm: agent.py's policy failed to generate ({type(e).__name__}: {str(e)[:150]})")
+    out = []
+    for c, ids in zip(plans, answers):
+        code = _llm_code(policy.tokenizer.decode(ids, skip_special_tokens=True))
+        if code is None:
+            out.append({"drop": "llm answer is not a KernelBench-format module"})
+        elif not all(o.split(".")[-1].split("[")[0] in code for o in c["ops"]):
+            out.append({"drop": "llm answer leaves out a requested operator"})
+        else:
+            out.append(dict(c, code=code))
+    return out
+
+
+def load_composer_policy(cfg: Config):
+    """agent.py's policy for --composer llm (None for the rule composer). One clear error if unusable."""
+    if cfg.composer != "llm":
+        return None
+    try:
+        import agent
+        return agent.load_policy("hf", model=cfg.model)
+    except env.UsageError as e:
+        raise UsageError(f"--composer llm: {e}")
     except Exception as e:  # noqa: BLE001
-        raise UsageError(f"--composer llm needs agent.py's model backends, which are not usable yet ({type(e).__name__}: {e})")
-    raise UsageError("--composer llm needs a text-generation entry point in agent.py, which does not exist yet; use --composer rule")
+        raise UsageError(f"--composer llm needs agent.py's model backends, which failed: {type(e).__name__}: {str(e)[:200]}")
 
 
-def compose(start: int, count: int, seeds: list[dict], cfg: Config, backend: str, seen: set, funnel: dict) -> list[dict]:
+def compose(start: int, count: int, seeds: list[dict], cfg: Config, backend: str, seen: set, funnel: dict,
+            policy=None) -> list[dict]:
     """Candidates number start..start+count-1, minus those that fail to compose or duplicate an earlier one."""
     from tqdm import tqdm
     by_name = {s["name"]: s for s in seeds}
+    cands = [compose_one(i, seeds, by_name, cfg, backend)
+             for i in tqdm(range(start, start + count), desc="compose", unit="cand", leave=False, file=sys.stderr)]
+    if policy is not None:
+        plans = [c for c in cands if "drop" not in c]
+        written = iter(compose_llm(plans, cfg, policy))
+        cands = [c if "drop" in c else next(written) for c in cands]
     out = []
-    for i in tqdm(range(start, start + count), desc="compose", unit="cand", leave=False, file=sys.stderr):
-        c = compose_one(i, seeds, by_name, cfg, backend) if cfg.composer == "rule" else compose_llm(i, seeds, cfg, backend)
+    for c in cands:
         funnel["compose"]["in"] += 1
         if "drop" in c:
             funnel["compose"]["drops"][c["drop"]] += 1
@@ -810,6 +872,7 @@ def check_task(code: str, spec: dict, torch, lock_fd) -> dict:
                 return {"kept": False, "drop": "constant output: the same for different inputs"}
             if all(any(close(o, xi, 1e-2) for xi in x if isinstance(xi, torch.Tensor)) for o, x in zip(outs, sets)):
                 return {"kept": False, "drop": "output equals its input (the op is the identity on these inputs)"}
+            del sets[2], outs[2], again  # device memory: keep only what the compile check needs
             if t_once > 3 * hi:
                 return {"kept": False, "drop": f"too slow: eager {t_once:.3g} ms (one run) > {hi:g} ms", "eager_ms": t_once}
             eager_ms, _ = env.time_callable(model, sets[:2], n_timed=spec["n_timed"], min_s=spec["min_timed_s"], warmup=2)
@@ -874,6 +937,14 @@ def new_funnel() -> dict:
     return {"compose": stage(), "similarity": stage(), "execution": stage()}
 
 
+def op_source(name: str) -> str:
+    """"nn.Conv2d" -> "torch.nn", "F.gelu" -> "torch.nn.functional", "torch.special.i0e" -> "torch.special"..."""
+    head = name.split(".")[0]
+    if head in ("nn", "F"):
+        return {"nn": "torch.nn", "F": "torch.nn.functional"}[head]
+    return name.rsplit(".", 1)[0] if head == "torch" else head
+
+
 def diversity(rows: list[dict]) -> dict:
     """Operator histogram, ops-per-task mix next to the paper's, input sizes and eager times."""
     ops = collections.Counter(o for r in rows for o in r["ops"])
@@ -883,8 +954,7 @@ def diversity(rows: list[dict]) -> dict:
     eager = sorted(r["eager_ms"] for r in rows)
     q = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))] if xs else None
     return {"distinct_ops": len(ops), "top_ops": ops.most_common(20),
-            "ops_per_source": dict(collections.Counter(o.split(".")[0] if not o.startswith("torch.") else ".".join(o.split(".")[:-1])
-                                                       for r in rows for o in r["ops"])),
+            "ops_per_source": dict(collections.Counter(op_source(o) for r in rows for o in r["ops"])),
             "mix": {k: {"ours_pct": round(100 * mix.get(k, 0) / n, 1), "paper_pct": v} for k, v in PAPER_MIX.items()},
             "input_numel": {"min": q(numel, 0), "median": q(numel, 0.5), "max": q(numel, 1.0)},
             "input_rank": dict(collections.Counter(len(r["input_shape"]) for r in rows)),
@@ -900,7 +970,8 @@ def report(funnel: dict, div: dict, n_seeds: int, kept: int, n_train: int, n_tes
     lines.append(f"{'dataset':<12}{funnel['execution']['out']:>8}{kept:>8}  train {n_train} | test {n_test} | "
                  f"{seconds:.0f} s | {kept / max(seconds, 1e-9) * 3600:.0f} tasks/hour")
     mix = " | ".join(f"{k} {v['ours_pct']}% (paper {v['paper_pct']}%)" for k, v in div["mix"].items())
-    lines += [f"mix: {mix}", f"distinct ops {div['distinct_ops']}; top: " + ", ".join(f"{o} {c}" for o, c in div["top_ops"][:8]),
+    lines += [f"mix: {mix}", "ops by source: " + ", ".join(f"{k} {v}" for k, v in sorted(div["ops_per_source"].items())),
+              f"distinct ops {div['distinct_ops']}; top: " + ", ".join(f"{o} {c}" for o, c in div["top_ops"][:8]),
               f"input elements min/median/max {div['input_numel']['min']}/{div['input_numel']['median']}/{div['input_numel']['max']}"
               f" | ranks {div['input_rank']} | eager ms min/median/max {div['eager_ms']['min']}/{div['eager_ms']['median']}/"
               f"{div['eager_ms']['max']}"]
@@ -998,11 +1069,13 @@ def parse_args(argv=None) -> Config:
     g.add_argument("--similarity", type=float, default=Config.similarity)
     g.add_argument("--batch-size", type=int, default=0, help="candidates per child process (0: 12 CUDA, 6 CPU)")
     g.add_argument("--max-candidates", type=int, default=0)
+    g.add_argument("--mem-cap-gb", type=float, default=0.0,
+                   help="memory one task may touch, which bounds sizes (0: 4 on CUDA, 0.25 on CPU; each worker holds ~3x)")
     a = p.parse_args(argv)
     cfg = Config(out=a.out, num_tasks=a.num_tasks, max_ops=a.max_ops, backend=a.backend, seed=a.seed, workers=a.workers,
                  kernelbench_dir=a.kernelbench_dir, composer=a.composer, model=a.model, test_share=a.test_share,
                  window_ms=tuple(a.window_ms) if a.window_ms else None, similarity=a.similarity, batch_size=a.batch_size,
-                 max_candidates=a.max_candidates)
+                 max_candidates=a.max_candidates, mem_cap_gb=a.mem_cap_gb)
     return cfg
 
 
@@ -1035,8 +1108,6 @@ def validate(cfg: Config) -> tuple[Path, str]:
     backend = env.resolve_backend(cfg.backend)
     if cfg.window_ms is None:
         cfg.window_ms = (1.0, 100.0) if backend == "cuda" else (0.1, 10.0)
-    if cfg.composer == "llm":
-        compose_llm(0, [], cfg, backend)  # fails fast with one line when agent.py cannot compose yet
     return out, backend
 
 
@@ -1046,6 +1117,7 @@ def main(argv=None) -> int:
         cfg = parse_args(argv)
         out, backend = validate(cfg)
         kb = load_kernelbench(cfg.kernelbench_dir)
+        policy = load_composer_policy(cfg)
     except UsageError as e:
         print(f"synth.py: error: {e}", file=sys.stderr)
         return 2
@@ -1057,7 +1129,10 @@ def main(argv=None) -> int:
         print("filter: no --kernelbench-dir given: the KernelBench similarity filter is off", flush=True)
 
     try:
-        return run(cfg, out, backend, kb, work, t0)
+        return run(cfg, out, backend, kb, work, t0, policy)
+    except UsageError as e:
+        print(f"synth.py: error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         n = len((work / "filtered.jsonl").read_text().splitlines()) if (work / "filtered.jsonl").exists() else 0
         print(f"synth.py: interrupted; {n} filter results kept in {work}; {out} untouched. Re-run the same command to resume.",
@@ -1065,7 +1140,7 @@ def main(argv=None) -> int:
         return 130
 
 
-def run(cfg: Config, out: Path, backend: str, kb: list, work: Path, t0: float) -> int:
+def run(cfg: Config, out: Path, backend: str, kb: list, work: Path, t0: float, policy=None) -> int:
     """mine -> (compose -> filter)* -> save + report."""
     seeds = mine_seeds()                                                       # 1. mine
     funnel, seen, kept_rows = new_funnel(), set(), {}
@@ -1076,9 +1151,12 @@ def run(cfg: Config, out: Path, backend: str, kb: list, work: Path, t0: float) -
     while True:
         # Compose more candidates than we still need (by the yield so far), filter them, repeat.
         need = cfg.num_tasks - len(kept_rows)
-        count = min(max_cands - start, max(cfg.workers * 2, math.ceil(need / max(rate, 0.05) * 1.2)))
+        count = math.ceil(need / max(rate, 0.05) * 1.1)
+        if step == 0:  # the yield is a guess until measured: a first round of at most a quarter
+            count = min(count, max(cfg.workers * 24, count // 4))
+        count = min(max_cands - start, max(cfg.workers * 2, count))
         t = tick()
-        cands = compose(start, count, seeds, cfg, backend, seen, funnel)     # 2. compose
+        cands = compose(start, count, seeds, cfg, backend, seen, funnel, policy)  # 2. compose
         start += count
         t, secs["compose"] = tick(), secs["compose"] + tick() - t
         cands = filter_similar(cands, kb, cfg, funnel)                        # 3a. cheap filters
