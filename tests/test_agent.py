@@ -172,6 +172,23 @@ def test_single_turn_parse_and_score(tok):
     assert "kernels/op.cpp" in tok.decode(ids) and tok.decode(ids).endswith("<|im_start|>assistant\n")
 
 
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{{ messages[0]['content'] }}\n# Tools\n{% for t in tools %}{{ t | tojson }}\n"
+    "{% endfor %}<|im_end|>\n{% set msgs = messages[1:] %}{% else %}{% set msgs = messages %}{% endif %}"
+    "{% for m in msgs %}{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n"
+    "</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_tools_go_through_a_tool_aware_chat_template():
+    tok = tiny_tokenizer()
+    tok.chat_template = TOOLS_TEMPLATE
+    text = tok.decode(agent.episode_prompt({"task_id": "relu", "code": RELU}, tok, "cpu"))
+    assert text.count('"name": "write_file"') == 1 and "<tools>" not in text  # declared once, by the template
+    obs = tok.decode(agent.observation_tokens(tok, "OBS", True, "<|im_end|>"))
+    assert obs == "\n<|im_start|>user\n<tool_response>\nOBS\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+
+
 def test_fast_engine_matches_hf_greedy(tok):
     from agent import FastEngine
     model = tiny_model(tok)
