@@ -130,10 +130,8 @@ def run_tool(name: str, args: dict, ws: Path, task_code: str, backend: str, cfg:
     ws = ws.resolve()
     try:
         if name == "bash":
-            # `cd "$0"` first: the jail bind-mounts the workspace writable *after* the child's cwd was set, so
-            # relative paths would still resolve through the old, read-only mount
-            r = env.run_sandboxed(["/bin/bash", "-c", 'cd -- "$0" && eval "$1"', str(ws), args["command"]], ws,
-                                  cfg.bash_timeout, mem_gb=8.0, output_limit=cfg.obs_chars)
+            r = env.run_sandboxed(["/bin/bash", "-c", args["command"]], ws, cfg.bash_timeout, mem_gb=8.0,
+                                  output_limit=cfg.obs_chars)
             out = (r.stdout + (("\n[stderr]\n" + r.stderr) if r.stderr.strip() else "")).strip()
             if (ws / "model.py").read_text() != task_code:  # bash can write anything in the workspace
                 (ws / "model.py").write_text(task_code)
