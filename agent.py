@@ -693,7 +693,13 @@ class HFPolicy:
         self.model.eval()  # no dropout while sampling (peft LoRA dropout included)
         try:
             if self.engine_kind == "fast":
-                adapters = tuple(getattr(self.model, "active_adapters", None) or ())
+                adapters = getattr(self.model, "active_adapters", None)  # a property on peft, a method on HF
+                if callable(adapters):
+                    try:
+                        adapters = adapters()
+                    except (ValueError, RuntimeError):  # HF models without adapters raise here
+                        adapters = None
+                adapters = tuple(adapters or ())
                 if self.engine is not None and getattr(self.engine, "adapters", adapters) != adapters:
                     self.engine.graphs.clear()  # graphs captured which LoRA adapters were active: recapture
                 if self.engine is None or self.engine.model is not self.model or self.engine.B < len(prompts):
