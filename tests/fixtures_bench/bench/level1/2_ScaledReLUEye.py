@@ -1,13 +1,14 @@
 import torch
 import torch.nn as nn
 
-BATCH = 32
-DIM = 2048
+BATCH = 4
+DIM = 4096
 
 
 class Model(nn.Module):
-    """y = relu(x * scale) @ I. Test fixture: the identity matmul makes the reference ~1000x more work than
-    the answer needs, eager and torch.compile alike, so an honest fused kernel is reliably > 5% faster."""
+    """y = relu(x * scale) @ I. Test fixture: building the 64 MB identity and the matmul make the reference
+    thousands of times more work than the answer needs, eager and torch.compile alike, so an honest fused kernel
+    is reliably > 5% faster, even when timings are noisy."""
 
     def __init__(self, dim):
         super().__init__()

@@ -1,6 +1,6 @@
-"""Known-good but slow: correct, yet it runs the (correct) kernel 256 times per call. The problem is small
-(16k elements: eager PyTorch runs it single-threaded in microseconds), so this is never faster than eager
-or torch.compile, whatever the machine's load. Expected: pass, not faster (reward 1)."""
+"""Known-good but slow: correct, yet it runs the (correct) kernel 256 times per call. The problem is tiny
+(256 elements: eager PyTorch and torch.compile run it single-threaded in microseconds), so this is never
+faster than either, whatever the machine's load. Expected: pass, not faster (reward 1)."""
 import torch
 import torch.nn as nn
 import cuda_extension
