@@ -1199,6 +1199,8 @@ def check_inputs(cfg: Config, a) -> tuple[list, str | None]:
         if old.get("model") != cfg.model:
             raise env.UsageError(f"{run_dir} was trained with --model {old.get('model')!r}, not {cfg.model!r}: "
                                  "adapters only fit their own base model; choose another --run-dir")
+        if a.resume and old.get("preset") != cfg.preset:
+            raise env.UsageError(f"{run_dir} was started with --preset {old.get('preset')}: resume it with the same preset")
     check_model(cfg.model)
     if cfg.demos and not Path(cfg.demos).is_file():
         raise env.UsageError(f"--demos {cfg.demos}: no such file")

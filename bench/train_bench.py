@@ -395,7 +395,7 @@ def main(argv=None):
     p.add_argument("--backend", default=None, help="env backend of the split run (default: cpu with --tiny, else cuda)")
     p.add_argument("--dataset", default=None, help="dataset of the split run (default: the relu example, 4 tasks)")
     p.add_argument("--overfit", action="store_true", help="only part 3: RFT overfit sanity on 3 hand-written answers")
-    p.add_argument("--overfit-steps", type=int, default=60)
+    p.add_argument("--overfit-steps", type=int, default=150)
     p.add_argument("--overfit-lr", type=float, default=1e-3)
     a = p.parse_args(argv)
     import torch

@@ -211,6 +211,19 @@ def test_collate_and_logprobs_only_touch_model_tokens():
         full = torch.log_softmax(pm(input_ids=ids[:1], attention_mask=attn[:1]).logits[0].float(), -1)
     assert torch.allclose(logp[:2], torch.stack([full[1, 3], full[3, 5]]), atol=1e-5)
     assert train.action_values(pm, head, ids, attn, act).shape == (3,)
+    # the optional KL penalty: the reference is the same base with the adapter switched off
+    cfg = train.Config(lora_r=4, kl_coef=0.1, micro_batch=2, minibatches=1)
+    opts = {"actor": train.make_optimizer(train.adapter_params(pm, "actor"), 1e-2, 0),
+            "critic": train.make_optimizer(train.adapter_params(pm, "critic") + list(head.parameters()), 1e-2, 0)}
+    with torch.no_grad():
+        base = pm(input_ids=ids[:1]).logits  # fresh LoRA (B = 0): exactly the base model
+    stats = train.ppo_update(pm, head, opts, [{**s, "reward": r} for s, r in zip(seqs, (1.0, -1.0))], cfg, "cpu")
+    assert all(v == v for v in stats.values())  # no NaN
+    with torch.no_grad():
+        moved = pm(input_ids=ids[:1]).logits
+        with pm.disable_adapter():  # the reference: same base, adapter off, unchanged by the update
+            ref = pm(input_ids=ids[:1]).logits
+    assert not torch.allclose(moved, base) and torch.allclose(ref, base, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -319,3 +332,14 @@ def test_accelerate_two_processes_cpu(tmp_path, relu_dataset):
     assert rows[0]["stage"] == "warmup" and rows[0]["n"] == 2  # one rollout per rank, gathered
     assert sorted(p.name for p in (rd / "warmup" / "rollouts").iterdir()) == ["step-000000-rank0.jsonl", "step-000000-rank1.jsonl"]
     assert json.loads((rd / "warmup" / "latest.json").read_text())["done"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Proof 2 (GPU): RFT on hand-written correct answers for 3 tasks, then greedy answers are correct
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_rft_overfit_sanity_gpu():
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "train_bench.py"), "--overfit", "--device", "cuda", "--backend", "cuda"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    print(r.stdout[-4000:])
+    assert r.returncode == 0 and "overfit: 3/3 tasks reach reward >= 1" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
