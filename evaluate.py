@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import inspect
 import json
 import math
 import os
@@ -525,10 +524,9 @@ def time_reference(job: dict) -> dict:
                      "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
             if backend == "cuda":
                 extra["CUDA_AGENT_NO_AS"] = "1"  # as in env.py: RLIMIT_AS breaks CUDA
-            # kind= (newer env.py): CUDA children get the namespaces in which a CUDA context works
-            kind = {"kind": backend} if "kind" in inspect.signature(env.run_sandboxed).parameters else {}
+            # kind=backend: CUDA children get the namespaces in which a CUDA context works (env.isolation)
             r = env.run_sandboxed([sys.executable, "-E", "-B", str(EVAL_PY), "_reference", f"{run}/spec.json"], run, job["timeout"],
-                                  writable=writable, env=extra, pass_fds=[fd], **kind)
+                                  writable=writable, env=extra, pass_fds=[fd], kind=backend)
             res = Path(run, "result.json")
             if r.crash or not res.exists():
                 tail = env.error_excerpt(r.stderr, 6) if r.stderr.strip() else ""
