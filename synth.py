@@ -742,22 +742,24 @@ def filter_by_execution(cands: list[dict], cfg: Config, backend: str, resume_fil
     stop_r, stop_w = os.pipe()  # children exit when the write end closes: we finished, were interrupted or killed
     stopping = threading.Event()
 
+    lock = threading.Lock()
+
     def record(r):
-        done[r["key"]] = r
-        if sink:
-            sink.write(json.dumps(r) + "\n")
-            sink.flush()
-        bar.update(1)
+        with lock:
+            if stopping.is_set() and "child process" in r.get("drop", ""):
+                return  # killed by us: nothing to blame on the candidate
+            done[r["key"]] = r
+            if sink:
+                sink.write(json.dumps(r) + "\n")
+                sink.flush()
+            bar.update(1)
 
     def run_batch(batch_keys):
         remaining = list(batch_keys)
         while remaining and not stopping.is_set():
-            got = _run_child([dict(todo[k], key=k) for k in remaining], cfg, backend, stop_r)
+            got = _run_child([dict(todo[k], key=k) for k in remaining], cfg, backend, stop_r, record)
             if stopping.is_set():
-                return  # killed by us: nothing to blame on the candidates
-            for k in remaining:
-                if k in got:
-                    record(got[k])
+                return
             missing = [k for k in remaining if k not in got]
             if len(missing) == len(remaining):  # the first unfinished candidate took the child down
                 k = missing.pop(0)
@@ -784,8 +786,9 @@ def filter_by_execution(cands: list[dict], cfg: Config, backend: str, resume_fil
     return done
 
 
-def _run_child(batch: list[dict], cfg: Config, backend: str, stop_fd: int) -> dict:
-    """One sandboxed child checks a batch of candidates. Returns {key: result} (+ "__crash__": why)."""
+def _run_child(batch: list[dict], cfg: Config, backend: str, stop_fd: int, on_result=lambda r: None) -> dict:
+    """One sandboxed child checks a batch of candidates; on_result(r) as each result arrives.
+    Returns {key: result} (+ "__crash__": why, when it did not finish)."""
     env.CACHE_DIR.mkdir(parents=True, exist_ok=True)
     lock = env.gpu_lock_path(backend)
     lock.parent.mkdir(parents=True, exist_ok=True)
@@ -807,18 +810,33 @@ def _run_child(batch: list[dict], cfg: Config, backend: str, stop_fd: int) -> di
                     "min_timed_s": cfg.min_timed_s, "lock_fd": fd, "stop_fd": stop_fd, "cands": batch}
             Path(d, "spec.json").write_text(json.dumps(spec))
             timeout = 90 + (60 if backend == "cuda" else 150) * len(batch)
-            r = env.run_sandboxed([sys.executable, "-E", "-B", str(Path(__file__).resolve()), "_filter", str(Path(d, "spec.json").resolve())], d,
-                                  timeout=timeout, writable=[ind, tri], mem_gb=16.0, env=extra, pass_fds=[fd, stop_fd])
+            res, got, finished = Path(d, "results.jsonl"), {}, threading.Event()
+
+            def collect():  # results as the child writes them, so an interruption loses at most one candidate
+                for line in (res.read_text().splitlines() if res.exists() else []):
+                    try:
+                        x = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue  # a line being written
+                    if x.get("key") and x["key"] not in got:
+                        got[x["key"]] = x
+                        on_result(x)
+
+            def poll():
+                while not finished.wait(0.5):
+                    collect()
+            poller = threading.Thread(target=poll, daemon=True)
+            poller.start()
+            try:
+                r = env.run_sandboxed([sys.executable, "-E", "-B", str(Path(__file__).resolve()), "_filter",
+                                       str(Path(d, "spec.json").resolve())], d, timeout=timeout, writable=[ind, tri],
+                                      mem_gb=16.0, env=extra, pass_fds=[fd, stop_fd])
+            finally:
+                finished.set()
+                poller.join()
+            collect()
         finally:
             os.close(fd)
-        got = {}
-        res = Path(d, "results.jsonl")
-        for line in (res.read_text().splitlines() if res.exists() else []):
-            try:
-                x = json.loads(line)
-                got[x["key"]] = x
-            except (json.JSONDecodeError, KeyError):
-                continue
         if len(got) < len(batch):
             tail = r.stderr.strip().splitlines()[-1][:200] if r.stderr.strip() else ""
             got["__crash__"] = (r.crash or f"exited with code {r.returncode}") + (f": {tail}" if tail else "")

@@ -185,8 +185,8 @@ def test_every_row_runs_and_compile_agrees_with_eager(run_a, monkeypatch):
 def test_interrupted_run_resumes_and_same_seed_gives_same_dataset(run_a, tmp_path):
     out = tmp_path / "b"
     partial = Path(str(out) + ".partial")
-    # One candidate per child, so results reach the resume file one at a time; Ctrl-C after the first.
-    p = subprocess.Popen([sys.executable, "synth.py", "--out", str(out), *CLI, "--batch-size", "1", "--workers", "1"],
+    # One child checks every candidate; results reach the resume file one at a time; Ctrl-C after the first.
+    p = subprocess.Popen([sys.executable, "synth.py", "--out", str(out), *CLI, "--workers", "1"],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while time.time() < deadline and p.poll() is None:
@@ -202,10 +202,11 @@ def test_interrupted_run_resumes_and_same_seed_gives_same_dataset(run_a, tmp_pat
     assert not out.exists()  # DIR is only ever written complete
     n_done = len((partial / "filtered.jsonl").read_text().splitlines())
     assert n_done >= 1
-    r = run_cli("--out", str(out), *CLI)  # resumes: reuses the recorded results, filters the rest
+    # resume: reuses the recorded results, filters the rest (one worker: on 2 cores a second child only costs)
+    r = run_cli("--out", str(out), *CLI, "--workers", "1")
     assert r.returncode == 0, r.stderr[-3000:]
     assert not partial.exists()
-    # same seed, same dataset (run_a used the same arguments; batching and interruption do not matter)
+    # same seed, same dataset (run_a used 2 workers: batching, workers and interruption do not matter)
     strip = lambda rows: [(x["split"], x["ops"], x["data_source"], x["code"]) for x in rows]
     assert strip(rows_of(run_a[0])) == strip(rows_of(out))
 
