@@ -338,7 +338,7 @@ def overfit(a) -> int:
     t0 = time.time()
     device = a.device
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    pol = agent.load_policy("hf", device=device, dtype=dtype, max_context=8192)
+    pol = agent.load_policy("hf", device=device, dtype=dtype, max_context=4096)
     tasks, demos = overfit_demos(pol.tokenizer, a.backend)
     cfg = train.Config(lora_r=64, lora_alpha=128, micro_batch=3, max_grad_norm=1.0)
     pm, head = train.add_adapters(pol.model, cfg, device)
@@ -353,7 +353,7 @@ def overfit(a) -> int:
         (nll / n).backward()
         train.optimizer_step(opt, sched, params, cfg.max_grad_norm)
         if step % 10 == 0 or step == a.overfit_steps - 1:
-            print(f"rft step {step + 1}/{a.overfit_steps} | loss {float(nll) / n:.4f}", flush=True)
+            print(f"rft step {step + 1}/{a.overfit_steps} | loss {float(nll.detach()) / n:.4f}", flush=True)
     pol.release()
     prompts = [agent.single_turn_prompt(t, pol.tokenizer, a.backend) for t in tasks]
     budget = max(len(d["tokens"]) - len(p) for d, p in zip(demos, prompts)) + 16
