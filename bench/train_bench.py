@@ -49,6 +49,9 @@ def model_config(name: str, vocab: int):
     if name == "tiny":
         return LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192, tie_word_embeddings=True)
+    if name == "random-135m":  # SmolLM2-135M's shape with random weights: same speed, no GGUF file needed
+        return LlamaConfig(vocab_size=vocab, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                           num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True)
     if name == "random-1.4b":  # Qwen2.5-1.5B-like shape (hidden 1536, 28 layers, GQA 12/2), SmolLM2's vocabulary
         return LlamaConfig(vocab_size=vocab, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                            num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=8192, tie_word_embeddings=True)
@@ -65,7 +68,9 @@ def load_model(name: str, device: str, dtype):
         return pol.model, pol.model.config
     torch.manual_seed(0)
     cfg = model_config(name, 49152)
-    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype), cfg
+    with torch.device(device):  # initialise on the device: a 1.4B random init on the host takes minutes
+        lm = LlamaForCausalLM(cfg)
+    return lm.to(dtype=dtype), cfg
 
 
 def peak_reset(device):
@@ -142,7 +147,9 @@ def bench_trl(name, device, dtype, B, P, R, a) -> dict:
     torch.manual_seed(0)
     vcfg = copy.deepcopy(mcfg)
     vcfg.num_labels = 1
-    value = AutoModelForSequenceClassification.from_config(vcfg).to(device=device, dtype=dtype)
+    with torch.device(device):
+        value = AutoModelForSequenceClassification.from_config(vcfg)
+    value = value.to(dtype=dtype)
     tok = _tokenizer()
     rng = random.Random(0)
     steps = a.repeats + 1  # the first step is warm-up
@@ -379,7 +386,7 @@ def main(argv=None):
                                 epilog=__doc__.split("\n\n")[1])
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="CPU-sized: tiny random model, short sequences, tiny preset split")
-    p.add_argument("--models", default=None, help="comma list of embedded,random-1.4b,tiny (default: embedded,random-1.4b; --tiny: tiny)")
+    p.add_argument("--models", default=None, help="comma list of embedded,random-135m,random-1.4b,tiny (default: embedded,random-1.4b; --tiny: tiny)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--response-len", type=int, default=1024)
