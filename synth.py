@@ -577,7 +577,7 @@ def compose_llm(plans: list[dict], cfg: Config, policy) -> list[dict]:
     answers = []
     for i in range(0, len(prompts), 64):  # batches of 64 bound the KV cache
         try:
-            answers += policy.generate(prompts[i:i + 64], max_new_tokens=1024, temperature=0.0)
+            answers += policy.generate(prompts[i:i + 64], max_new_tokens=768, temperature=0.0)
         except Exception as e:  # noqa: BLE001 - agent.py is another component: say where it broke, in one line
             raise UsageError(f"--composer llm: agent.py's policy failed to generate ({type(e).__name__}: {str(e)[:150]})")
     out = []

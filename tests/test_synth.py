@@ -94,6 +94,38 @@ def test_duplicates_are_dropped(seeds):
     assert synth.structure_key(code) == synth.structure_key(code.replace(f"BATCH = {first[0]['shape'][0]}", "BATCH = 12345"))
 
 
+def test_llm_composer_keeps_kernelbench_answers_and_drops_the_rest(seeds):
+    """compose_llm's checks of LLM answers, with a scripted policy (the real one is agent.py's, tested there)."""
+    by = {s["name"]: s for s in seeds}
+    plans = [c for c in (synth.compose_one(i, seeds, by, synth.Config(window_ms=(0.1, 10.0)), "cpu") for i in range(6))
+             if "drop" not in c][:3]
+
+    class Tok:
+        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **kw):
+            return messages[-1]["content"]
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(ch) for ch in text]}
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(map(chr, ids))
+
+    class Policy:
+        tokenizer = Tok()
+
+        def generate(self, prompts, max_new_tokens, temperature=0.0):
+            answers = ["```python\n" + plans[0]["code"].replace("x = ", "y = x = ") + "```",  # valid, restyled
+                       "Sure! Here is the model: it applies the ops.",  # not code
+                       "```python\n" + task("return x * 2") + "```"]  # code that leaves out the requested ops
+            assert len(prompts) == 3 and all(plans[0]["ops"][0] in "".join(map(chr, prompts[0])) for _ in prompts)
+            return [[ord(ch) for ch in a] for a in answers]
+
+    out = synth.compose_llm(plans, synth.Config(composer="llm"), Policy())
+    assert out[0]["ops"] == plans[0]["ops"] and "y = x = " in out[0]["code"]
+    assert out[1] == {"drop": "llm answer is not a KernelBench-format module"}
+    assert out[2] == {"drop": "llm answer leaves out a requested operator"}
+
+
 # ---------------------------------------------------------------------------------------------- filters
 def task(forward, inputs="torch.randn(256, 1024)", init=""):
     return (f"import torch\nimport torch.nn as nn\n\n\nclass Model(nn.Module):\n    def __init__(self):\n"
