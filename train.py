@@ -1080,11 +1080,10 @@ def build_policy(cfg: Config, run_dir: Path, device: str, main_rank: bool):
         return agent.load_policy("hf", model=cfg.model, device=device, max_context=cfg.max_context)
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
     base = run_dir / "base"
-    if (base / "config.json").is_file():
-        tok = agent_tokenizer = tiny_tokenizer()
+    tok = tiny_tokenizer()
+    if (base / "config.json").is_file():  # a resumed run: the same random base as before
         lm = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).to(device)
     else:
-        tok = agent_tokenizer = tiny_tokenizer()
         torch.manual_seed(cfg.seed)  # identical on every rank
         lm = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=cfg.max_context + 64,
@@ -1093,7 +1092,7 @@ def build_policy(cfg: Config, run_dir: Path, device: str, main_rank: bool):
         if main_rank:
             tmp = run_dir / ".tmp-base"
             lm.save_pretrained(str(tmp))
-            agent_tokenizer.save_pretrained(str(tmp))
+            tok.save_pretrained(str(tmp))
             os.replace(tmp, base)
     return agent.HFPolicy(lm, tok, max_context=cfg.max_context)
 
