@@ -281,6 +281,13 @@ def add_adapters(model, cfg: Config, device):
     head = torch.nn.Linear(hidden, 1).to(device=device, dtype=torch.float32)
     torch.nn.init.zeros_(head.weight)  # starts at V = 0: no made-up values before pre-training
     torch.nn.init.zeros_(head.bias)
+    # peft draws LoRA A from the global RNG, whose state may differ per rank by now: start every rank
+    # from rank 0's adapters, or the ranks drift apart from step one.
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        with torch.no_grad():
+            for p in [p for n, p in pm.named_parameters() if "lora_" in n] + list(head.parameters()):
+                dist.broadcast(p.data, src=0)
     return pm, head
 
 
