@@ -12,9 +12,11 @@ The pipeline, one readable function per stage, in order:
                (in_channels = the input's dim 1, ...). Runs once in a sandboxed child, cached per
                torch/transformers version.
   2. compose   sample the number of ops K from the paper's mix, chain K seeds *sequentially*, propagating
-               shapes by running on meta tensors, then grow BATCH until a roofline estimate of eager
-               time (bytes moved and FLOPs, counted on meta tensors) reaches the target inside the
-               time window. Emits a self-contained KernelBench-format module. Deterministic per --seed.
+               shapes by running on meta tensors, then double BATCH until a roofline estimate of eager
+               time (bytes moved and FLOPs counted on meta tensors, plus each seed's mined CPU cost per
+               element) reaches the target inside the time window. Emits a self-contained KernelBench-
+               format module. Deterministic per --seed. `--composer llm` lets agent.py's policy rewrite
+               each rule-composed plan (as the paper did); its answers go through the same filters.
   3. filter    cheap filters in this process (duplicates, AST similarity > 0.9 to --kernelbench-dir),
                then execution in sandboxed children (env.run_sandboxed), many candidates per child:
                eager must run, be deterministic, give finite outputs that depend on the input (not
@@ -27,6 +29,12 @@ Output: DIR holds a datasets.DatasetDict (train/test) saved with save_to_disk; c
 code, eager_ms, compile_ms. `load_tasks(DIR or hub id, split)` reads it (train.py/evaluate.py use it).
 DIR is written atomically at the end; per-candidate filter results are kept in DIR.partial/ so an
 interrupted run, re-run with the same command, resumes where it stopped.
+
+Honest limits: models run in eval mode, like env.py (so BatchNorm, the identity there, is skipped); the
+default CPU window (0.1-10 ms, one thread per child) is a scaled stand-in for the paper's 1-100 ms on a GPU;
+the roofline constants for CUDA are not calibrated yet (bench/synth_bench.py on an H200 shows the
+too-fast/too-slow drops; --window-ms and --mem-cap-gb adjust); similarity uses --kernelbench-dir, or the
+hub dataset with `--kernelbench-dir hub` when online, and is off otherwise.
 """
 from __future__ import annotations
 
@@ -999,9 +1007,6 @@ def report(funnel: dict, div: dict, n_seeds: int, kept: int, n_train: int, n_tes
 # ==============================================================================================
 # Output: save and load
 # ==============================================================================================
-FEATURES = None
-
-
 def _features():
     import datasets
     return datasets.Features({"ops": datasets.List(datasets.Value("string")), "data_source": datasets.Value("string"),

@@ -218,8 +218,10 @@ def test_interrupted_run_resumes_and_same_seed_gives_same_dataset(run_a, tmp_pat
     out = tmp_path / "b"
     partial = Path(str(out) + ".partial")
     # One child checks every candidate; results reach the resume file one at a time; Ctrl-C after the first.
+    # (SIGINT back to its default in the child: a shell's background job, e.g. CI's, starts with it ignored)
     p = subprocess.Popen([sys.executable, "synth.py", "--out", str(out), *CLI, "--workers", "1"],
-                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 300
     while time.time() < deadline and p.poll() is None:
         f = partial / "filtered.jsonl"
