@@ -1023,8 +1023,9 @@ def save(rows: list[dict], out: Path, work: Path, cfg: Config, funnel_json: dict
     rng.shuffle(order)
     n_test = 0 if len(rows) < 2 else max(1, round(len(rows) * cfg.test_share))
     cols = lambda idx: [{k: rows[i][k] for k in ("ops", "data_source", "code", "eager_ms", "compile_ms")} for i in sorted(idx)]
-    dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(cols(order[n_test:]), features=_features()),
-                               "test": datasets.Dataset.from_list(cols(order[:n_test]), features=_features())})
+    splits = {"train": order[n_test:], "test": order[:n_test]}
+    # (an empty split is left out: datasets cannot load one back; load_tasks returns it empty)
+    dd = datasets.DatasetDict({k: datasets.Dataset.from_list(cols(idx), features=_features()) for k, idx in splits.items() if idx})
     stage = work / "dataset"
     if stage.exists():
         shutil.rmtree(stage)
@@ -1047,6 +1048,8 @@ def load_tasks(path_or_hub_id: str, split: str = "train"):
         if not (p / "dataset_dict.json").exists():
             raise UsageError(f"{p} is not a synth.py output (no dataset_dict.json)")
         dd = datasets.load_from_disk(str(p))
+        if split not in dd and split in ("train", "test"):  # saved without rows (see save())
+            return datasets.Dataset.from_dict({k: [] for k in _features()}, features=_features())
         if split not in dd:
             raise UsageError(f"{p} has no split {split!r} (has {', '.join(dd)})")
         return dd[split]

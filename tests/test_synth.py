@@ -272,6 +272,15 @@ def test_unwritable_or_foreign_out_gives_one_clear_line(tmp_path):
     assert (foreign / "notes.txt").read_text() == "keep me"
 
 
-def test_load_tasks_rejects_a_folder_that_is_not_ours(tmp_path):
+def test_load_tasks_rejects_a_folder_that_is_not_ours_and_reads_empty_splits(tmp_path):
     with pytest.raises(synth.UsageError):
         synth.load_tasks(str(tmp_path), "train")
+    row = dict(ops=["torch.tanh"], data_source="torch#1", code=task("return torch.tanh(x)"), eager_ms=1.0, compile_ms=2.0,
+               input_shape=[256, 1024])
+    (tmp_path / "work").mkdir()
+    assert synth.save([row], tmp_path / "one", tmp_path / "work", synth.Config(), {}) == (1, 0)  # one task: no test row
+    assert len(synth.load_tasks(str(tmp_path / "one"), "train")) == 1
+    test = synth.load_tasks(str(tmp_path / "one"), "test")
+    assert len(test) == 0 and set(test.column_names) == {"ops", "data_source", "code", "eager_ms", "compile_ms"}
+    with pytest.raises(synth.UsageError):
+        synth.load_tasks(str(tmp_path / "one"), "validation")
