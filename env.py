@@ -335,9 +335,10 @@ def run_sandboxed(argv: list[str], cwd: str | Path, timeout: float, *, writable=
             p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(p.pid, signal.SIGKILL)  # also reaps stragglers that kept our process group
-        p.wait()
+        finally:  # also when the caller is interrupted (Ctrl-C): never leave a child behind
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)  # also reaps stragglers that kept our process group
+            p.wait()
         for g in groups:  # leftover tasks in the cgroup (escaped the group): kill, then remove it
             with contextlib.suppress(OSError, ValueError):
                 if (g / "cgroup.kill").exists():
