@@ -781,7 +781,6 @@ def _child_main(spec_path: str):
             result["eager_ms"], _ = time_forward(model, None)
             compiled = torch.compile(model)
             result["compile_ms"], _ = time_forward(compiled, None)
-        saved["n_sets"] = n_sets
         finish()
 
     # ---------------- candidate ----------------
