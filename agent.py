@@ -348,11 +348,21 @@ def _rotate_half(x):
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
+def _rms(norm, x):
+    """The model's RMSNorm as F.rms_norm: one fused kernel on CUDA where HF's module launches eight (fp32
+    cast, pow, mean, add, rsqrt, mul, cast back, weight mul). Decode steps are launch-bound, so this is a
+    third of the kernels of a layer. Same math; the last bit may round differently in bf16."""
+    import torch
+    if not hasattr(norm, "variance_epsilon"):  # not a Llama-style RMSNorm: use the module as it is
+        return norm(x)
+    return torch.nn.functional.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+
+
 def _layer_pre(layer, x, cos, sin, H: int, KV: int, hd: int):
     """Decode step, before attention: norm, q/k/v projections, RoPE on q and k together."""
     import torch
     a, B = layer.self_attn, x.shape[0]
-    h = layer.input_layernorm(x)
+    h = _rms(layer.input_layernorm, x)
     q = a.q_proj(h).view(B, H, hd)
     k = a.k_proj(h).view(B, KV, hd)
     v = a.v_proj(h).view(B, KV, 1, hd)
@@ -365,7 +375,7 @@ def _layer_pre(layer, x, cos, sin, H: int, KV: int, hd: int):
 def _layer_post(layer, x, o):
     """Decode step, after attention: output projection, residuals, norm, MLP."""
     x = x + layer.self_attn.o_proj(o)
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    return x + layer.mlp(_rms(layer.post_attention_layernorm, x))
 
 
 class FastEngine:
@@ -443,7 +453,7 @@ class FastEngine:
         x = self.embed(ids)
         for l, layer in enumerate(self.layers):
             a = layer.self_attn
-            h = layer.input_layernorm(x)
+            h = _rms(layer.input_layernorm, x)
             q = a.q_proj(h).view(b, S, self.H, self.hd)
             k = a.k_proj(h).view(b, S, self.KV, self.hd)
             v = a.v_proj(h).view(b, S, self.KV, self.hd)
@@ -460,14 +470,14 @@ class FastEngine:
                                                                  scale=self.scale, enable_gqa=True)  # (b, H, S, hd)
             o = o.transpose(1, 2).reshape(b, S, self.H * self.hd)
             x = x + a.o_proj(o)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + layer.mlp(_rms(layer.post_attention_layernorm, x))
         return x
 
     def _pick(self, h, sampled):
         """Next token from final hidden states h (b, D): argmax, or Gumbel-max sampling at temperature
         1/inv_temp (exactly softmax sampling, and free of host syncs unlike torch.multinomial)."""
         import torch
-        logits = self.lm_head(self.norm(h)).float()  # (b, V)
+        logits = self.lm_head(_rms(self.norm, h)).float()  # (b, V)
         if not sampled:
             return logits.argmax(-1)
         u = torch.rand_like(logits).clamp_(1e-20, 1.0)
