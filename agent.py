@@ -130,8 +130,9 @@ def run_tool(name: str, args: dict, ws: Path, task_code: str, backend: str, cfg:
     ws = ws.resolve()
     try:
         if name == "bash":
+            # kind: on a CUDA backend the shell gets the namespaces in which a CUDA context can start
             r = env.run_sandboxed(["/bin/bash", "-c", args["command"]], ws, cfg.bash_timeout, mem_gb=8.0,
-                                  output_limit=cfg.obs_chars)
+                                  output_limit=cfg.obs_chars, kind=env.resolve_backend(backend))
             out = (r.stdout + (("\n[stderr]\n" + r.stderr) if r.stderr.strip() else "")).strip()
             if (ws / "model.py").read_text() != task_code:  # bash can write anything in the workspace
                 (ws / "model.py").write_text(task_code)

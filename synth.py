@@ -838,7 +838,7 @@ def _run_child(batch: list[dict], cfg: Config, backend: str, stop_fd: int, on_re
             try:
                 r = env.run_sandboxed([sys.executable, "-E", "-B", str(Path(__file__).resolve()), "_filter",
                                        str(Path(d, "spec.json").resolve())], d, timeout=timeout, writable=[ind, tri],
-                                      mem_gb=16.0, env=extra, pass_fds=[fd, stop_fd])
+                                      mem_gb=16.0, env=extra, pass_fds=[fd, stop_fd], kind=backend)  # CUDA-safe namespaces
             finally:
                 finished.set()
                 poller.join()
@@ -1199,6 +1199,12 @@ def run(cfg: Config, out: Path, backend: str, kb: list, work: Path, t0: float, p
             else:
                 funnel["execution"]["drops"][_reason_class(r["drop"])] += 1
         rate = max(funnel["execution"]["out"], 1) / max(funnel["compose"]["in"], 1)
+        drops = funnel["execution"]["drops"]
+        if step == 0 and not kept_rows and len(cands) >= 20 and set(drops) <= {"eager failed", "child process"}:
+            # every candidate broke before any filter could judge it: the machine is at fault, not the tasks
+            first = next(r["drop"] for r in results.values() if not r["kept"])
+            raise UsageError(f"all {len(cands)} candidates of the first round failed to run (e.g. {first[:300]}); "
+                             f"check that the {backend} backend works in env.py's sandbox on this machine")
         step += 1
         print(f"round {step} | composed {start} | candidates {funnel['compose']['out']} | kept {len(kept_rows)}/{cfg.num_tasks}"
               f" | yield {100 * rate:.0f}% | {time.time() - t0:.0f} s", flush=True)

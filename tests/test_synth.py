@@ -284,3 +284,19 @@ def test_load_tasks_rejects_a_folder_that_is_not_ours_and_reads_empty_splits(tmp
     assert len(test) == 0 and set(test.column_names) == {"ops", "data_source", "code", "eager_ms", "compile_ms"}
     with pytest.raises(synth.UsageError):
         synth.load_tasks(str(tmp_path / "one"), "validation")
+
+
+def test_a_machine_where_nothing_runs_stops_after_one_round_with_one_line(tmp_path, monkeypatch, capsys):
+    """On the H200, children once could not start CUDA at all: every candidate 'failed eager', and synth.py
+    went on composing thousands more. It must stop after the first round and say why, in one line."""
+    def broken_child(batch, cfg, backend, stop_fd, on_result=lambda r: None):
+        got = {}
+        for c in batch:
+            got[c["key"]] = {"key": c["key"], "kept": False, "drop": "eager failed: RuntimeError: CUDA error: OS call failed"}
+            on_result(got[c["key"]])
+        return got
+    monkeypatch.setattr(synth, "_run_child", broken_child)
+    rc = synth.main(["--out", str(tmp_path / "o"), "--num-tasks", "20", "--backend", "cpu", "--workers", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith("synth.py: error: all ") and "CUDA error: OS call failed" in err[-1], err[-3:]
+    assert not (tmp_path / "o").exists()
