@@ -993,6 +993,7 @@ def report(funnel: dict, div: dict, n_seeds: int, kept: int, n_train: int, n_tes
         st = funnel[name]
         top = "; ".join(f"{why} ({k})" for why, k in collections.Counter(st["drops"]).most_common(4))
         lines.append(f"{name:<12}{st['in']:>8}{st['out']:>8}  {top}")
+        lines += [f"{'':<28}e.g. {ex[0]}" for ex in st.get("examples", {}).values() if ex]
     lines.append(f"{'dataset':<12}{funnel['execution']['out']:>8}{kept:>8}  train {n_train} | test {n_test} | "
                  f"{seconds:.0f} s | {kept / max(seconds, 1e-9) * 3600:.0f} tasks/hour")
     mix = " | ".join(f"{k} {v['ours_pct']}% (paper {v['paper_pct']}%)" for k, v in div["mix"].items())
@@ -1197,7 +1198,11 @@ def run(cfg: Config, out: Path, backend: str, kb: list, work: Path, t0: float, p
                 kept_rows[c["index"]] = dict(ops=c["ops"], data_source=c["data_source"], code=c["code"],
                                              eager_ms=r["eager_ms"], compile_ms=r["compile_ms"], input_shape=c["shape"])
             else:
-                funnel["execution"]["drops"][_reason_class(r["drop"])] += 1
+                why = _reason_class(r["drop"])
+                funnel["execution"]["drops"][why] += 1
+                examples = funnel["execution"].setdefault("examples", {}).setdefault(why, [])
+                if why != r["drop"] and len(examples) < 3:  # grouped reasons keep a few full messages for debugging
+                    examples.append(f"{' -> '.join(c['ops'])}: {r['drop'][:240]}")
         rate = max(funnel["execution"]["out"], 1) / max(funnel["compose"]["in"], 1)
         drops = funnel["execution"]["drops"]
         if step == 0 and not kept_rows and len(cands) >= 20 and set(drops) <= {"eager failed", "child process"}:

@@ -190,6 +190,10 @@ def test_cli_smoke_writes_dataset_funnel_and_report(run_a):
     for line in ("mine: ", "stage", "execution", "mix: torch#1", "saved"):
         assert line in r.stdout, line
     assert not Path(str(out) + ".partial").exists()
+    grouped = ("too fast", "too slow", "eager failed", "torch.compile failed", "child process")
+    for why, n in st["execution"]["drops"].items():  # grouped reasons keep full example messages
+        if why in grouped:
+            assert 1 <= len(st["execution"]["examples"][why]) <= min(n, 3), st["execution"]
     for x in rows:
         assert set(x) >= {"ops", "data_source", "code", "eager_ms", "compile_ms"}
         assert x["data_source"] in ("transformers", f"torch#{len(x['ops'])}")
