@@ -8,6 +8,8 @@
     # multi-turn rollouts (agent episodes): 4 turns, 64 "tool observation" tokens appended between turns;
     # HF generate re-reads the whole history every turn, FastEngine prefills only the new tokens
     python bench/rollout_bench.py --device cuda --turns 4
+    # where a decode step goes: kernels per generated token and the top kernels by device time
+    python bench/rollout_bench.py --device cuda --batch 64 --configs ours,ours-compile --profile
     # tiny smoke run on a CPU
     python bench/rollout_bench.py --device cpu --tiny --batch 1,4 --prompt-len 32 --new-tokens 16
 
@@ -40,6 +42,8 @@ ap.add_argument("--turns", type=int, default=1, help="generate, append --obs-tok
 ap.add_argument("--obs-tokens", type=int, default=64)
 ap.add_argument("--warmup-tokens", type=int, default=None, help="new tokens of the warm-up run (default: --new-tokens)")
 ap.add_argument("--json", default=None, help="also write the results here")
+ap.add_argument("--profile", action="store_true", help="after timing, profile one run of each FastEngine config: "
+                "kernels per decode step and the top kernels by device time (where does a step go?)")
 args = ap.parse_args()
 
 dev = torch.device(args.device)
@@ -113,6 +117,24 @@ def episode(run, prompts, n):
     return [sum((o[i] for o in outs), []) for i in range(len(prompts))]
 
 
+def profile(name, B, fn):
+    """torch.profiler over one run (kernels inside CUDA graph replays are traced too): kernel launches per
+    decode step and the ten kernels that take the most device time."""
+    from torch.profiler import ProfilerActivity, profile as prof
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with prof(activities=acts) as p:
+        fn()
+        sync()
+    dev_time = lambda e: getattr(e, "self_device_time_total", 0) or getattr(e, "self_cpu_time_total", 0)
+    events = [e for e in p.key_averages() if dev_time(e) > 0]
+    kernels = sum(e.count for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+    total = sum(dev_time(e) for e in events) or 1
+    print(f"profile | batch {B} | {name} | {kernels / (N * args.turns):.0f} device kernels per generated token "
+          f"(prefill included)", flush=True)
+    for e in sorted(events, key=dev_time, reverse=True)[:10]:
+        print(f"  {dev_time(e) / total:6.1%} | {e.count:7d} calls | {e.key[:90]}", flush=True)
+
+
 rows = []
 for B in [int(b) for b in args.batch.split(",")]:
     g = torch.Generator().manual_seed(B)
@@ -132,6 +154,8 @@ for B in [int(b) for b in args.batch.split(",")]:
             rows.append({"batch": B, "config": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             print(f"batch {B:3d} | {name:12s} | FAILED {rows[-1]['error']}", flush=True)
             continue
+        if args.profile and name.startswith("ours"):
+            profile(name, B, lambda: episode(run, prompts, N))
         N_all = N * args.turns
         assert all(len(o) == N_all for o in out), "every configuration must produce exactly --new-tokens tokens per turn"
         if name == "static":

@@ -33,9 +33,9 @@ data)
       if { [ $l = 3 ] && [ $((n % 5)) = 1 ]; } || { [ $l != 3 ] && [ $((n % 10)) = 1 ]; }; then cp "$f" /tmp/kbsub/level$l/; fi
     done
   done
-  step 230 synth python3 synth.py --out /tmp/synth-out --num-tasks 150 --backend cuda --workers 12 --kernelbench-dir .kb/KernelBench
+  step 280 synth python3 synth.py --out /tmp/synth-out --num-tasks 150 --backend cuda --workers 12 --kernelbench-dir .kb/KernelBench
   cp /tmp/synth-out/funnel.json "$OUT/" 2>/dev/null
-  step 200 reference python3 evaluate.py --bench-dir /tmp/kbsub --reference-only --backend cuda --workers 6 --timeout 120 --out "$OUT/reference" --json
+  step 220 reference python3 evaluate.py --bench-dir /tmp/kbsub --reference-only --backend cuda --workers 6 --timeout 120 --out "$OUT/reference" --json
   ;;
 train)
   step 280 overfit python3 bench/train_bench.py --overfit --device cuda --backend cuda &
@@ -49,7 +49,7 @@ train)
   ;;
 speed)
   step 250 rollout python3 bench/rollout_bench.py --device cuda --batch 1,64 --configs static,ours,ours-compile \
-    --new-tokens 128 --warmup-tokens 8 --json "$OUT/rollout.json"
+    --new-tokens 128 --warmup-tokens 8 --profile --json "$OUT/rollout.json"
   step 250 update python3 bench/train_bench.py --device cuda --models random-135m,random-1.4b --no-split --batch 8 \
     --prompt-len 512 --response-len 512 --repeats 1
   ;;
