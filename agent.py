@@ -1105,7 +1105,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description="Run one agent episode on a KernelBench-format problem.")
     ap.add_argument("--problem", required=True, help="a KernelBench-format .py file")
     ap.add_argument("--policy", default="hf", choices=["hf", "openai"])
-    ap.add_argument("--model", default=None, help="hf: folder, hub id or .gguf (default: embedded SmolLM2-135M); openai: model name")
+    ap.add_argument("--model", default=None, help="hf: folder, hub id, .gguf, or a LoRA adapter folder of train.py (e.g. runs/x/ppo) (default: embedded SmolLM2-135M); openai: model name")
     ap.add_argument("--base-url", default=None, help="openai: e.g. http://localhost:8000/v1 (API key from OPENAI_API_KEY)")
     ap.add_argument("--backend", default="auto", choices=["auto", "cuda", "cpu"])
     ap.add_argument("--max-turns", type=int, default=20)

@@ -8,9 +8,9 @@ Tiny runs (CPU; the fixture bench of the tests: 3 problems, honest / wrong / che
     python evaluate.py --bench-dir tests/fixtures_bench/bench --levels 2 --mode agent --max-turns 4 --backend cpu --out runs/eval_agent
 Real runs (GPU; KernelBench from the hub when online, else a local copy with level1/ level2/ level3/ folders;
 one scoring process per visible GPU, so an 8-GPU node scores 8 tasks at a time):
-    python evaluate.py --bench kernelbench --levels 1,2,3 --policy hf --model runs/train/final --mode agent --out runs/eval_kb
+    python evaluate.py --bench kernelbench --levels 1,2,3 --policy hf --model runs/default/ppo --mode agent --out runs/eval_kb
     python evaluate.py --bench kernelbench --bench-dir KernelBench/KernelBench --policy openai --base-url http://localhost:8000/v1 --model M --mode single --out runs/eval_single
-    python evaluate.py --bench synth --dataset data/ops6k --split test --policy hf --model runs/train/final --out runs/eval_synth
+    python evaluate.py --bench synth --dataset data/ops6k --split test --policy hf --model runs/default/ppo --out runs/eval_synth
     python evaluate.py --solutions other_system/ --bench-dir KernelBench/KernelBench --backend cuda --out runs/eval_other
     python evaluate.py --bench-dir KernelBench/KernelBench --reference-only --backend cuda --out runs/ref_kb
     python evaluate.py --compare runs/eval_kb/results.json runs/eval_other/results.json
