@@ -349,34 +349,69 @@ def _rotate_half(x):
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
-def _rms(norm, x):
-    """The model's RMSNorm as F.rms_norm: one fused kernel on CUDA where HF's module launches eight (fp32
-    cast, pow, mean, add, rsqrt, mul, cast back, weight mul). Decode steps are launch-bound, so this is a
-    third of the kernels of a layer. Same math; the last bit may round differently in bf16."""
+def _rms(x, ln):
+    """RMSNorm with ln = (weight, eps) as F.rms_norm: one fused kernel on CUDA where HF's module launches eight
+    (fp32 cast, pow, mean, add, rsqrt, mul, cast back, weight mul). Same math; bf16 may round the last bit apart."""
     import torch
-    if not hasattr(norm, "variance_epsilon"):  # not a Llama-style RMSNorm: use the module as it is
-        return norm(x)
-    return torch.nn.functional.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+    return torch.nn.functional.rms_norm(x, ln[0].shape, ln[0], ln[1])
 
 
-def _layer_pre(layer, x, cos, sin, H: int, KV: int, hd: int):
-    """Decode step, before attention: norm, q/k/v projections, RoPE on q and k together."""
+def _linear_weight(lin):
+    """(weight, bias) of a Linear as the model applies it now. A peft LoRA layer gives a computed copy: the base
+    weight plus its active adapters' scale * B @ A, summed in fp32 and rounded once."""
     import torch
-    a, B = layer.self_attn, x.shape[0]
-    h = _rms(layer.input_layernorm, x)
-    q = a.q_proj(h).view(B, H, hd)
-    k = a.k_proj(h).view(B, KV, hd)
-    v = a.v_proj(h).view(B, KV, 1, hd)
-    if hasattr(a, "q_norm"):  # Qwen3
-        q, k = a.q_norm(q), a.k_norm(k)
-    qk = torch.cat([q, k], 1)[:, :, None]  # (B, H+KV, 1, hd)
+    base = getattr(lin, "base_layer", lin)
+    if not hasattr(lin, "get_delta_weight"):
+        return base.weight, base.bias
+    w = base.weight.float()
+    if not lin.disable_adapters and not lin.merged:
+        for name in lin.active_adapters:
+            if name in lin.lora_A:
+                if lin.use_dora.get(name, False):
+                    raise NotImplementedError("FastEngine cannot merge DoRA adapters; use engine='hf'")
+                w = w + lin.get_delta_weight(name).float()
+    return w.to(base.weight.dtype, copy=True), base.bias
+
+
+def _layer_weights(layer) -> dict:
+    """One decoder layer's projections as the engine computes them: q/k/v stacked into one matrix and gate/up
+    into another (one GEMM each instead of three and two), active LoRA adapters merged in (unmerged, peft adds
+    four kernels to each of the seven projections, every decode step). Plain parameters are returned as they
+    are; everything else is a fresh tensor."""
+    import torch
+    a, m = layer.self_attn, layer.mlp
+
+    def stack(*lins):
+        ws, bs = zip(*(_linear_weight(x) for x in lins))
+        return torch.cat(ws), (None if bs[0] is None else torch.cat(bs))
+    w = {}
+    w["qkv"], w["qkv_b"] = stack(a.q_proj, a.k_proj, a.v_proj)
+    w["gu"], w["gu_b"] = stack(m.gate_proj, m.up_proj)
+    w["o"], w["o_b"] = _linear_weight(a.o_proj)
+    w["down"], w["down_b"] = _linear_weight(m.down_proj)
+    return w
+
+
+def _layer_pre(x, ln, w, cos, sin, H: int, KV: int, hd: int, qk_norm=None):
+    """Attention input of one layer: norm, the fused q/k/v projection, RoPE on q and k together. x (b, S, D),
+    cos/sin (b, 1, S, hd). Returns roped q and k (b, H+KV, S, hd) and v (b, KV, S, hd)."""
+    import torch
+    b, S = x.shape[:2]
+    qkv = torch.nn.functional.linear(_rms(x, ln), w["qkv"], w["qkv_b"]).view(b, S, H + 2 * KV, hd)
+    qk, v = qkv[:, :, :H + KV], qkv[:, :, H + KV:]
+    if qk_norm is not None:  # Qwen3: RMSNorm over each head of q and of k
+        qk = torch.cat([_rms(qk[:, :, :H], qk_norm[0]), _rms(qk[:, :, H:], qk_norm[1])], 2)
+    qk, v = qk.transpose(1, 2), v.transpose(1, 2)
     return qk * cos + _rotate_half(qk) * sin, v
 
 
-def _layer_post(layer, x, o):
-    """Decode step, after attention: output projection, residuals, norm, MLP."""
-    x = x + layer.self_attn.o_proj(o)
-    return x + layer.mlp(_rms(layer.post_attention_layernorm, x))
+def _layer_post(x, o, ln, w, act):
+    """The rest of one layer: output projection, residual, norm, fused gate/up projection, MLP, residual."""
+    import torch
+    F = torch.nn.functional
+    x = x + F.linear(o, w["o"], w["o_b"])
+    gate, up = F.linear(_rms(x, ln), w["gu"], w["gu_b"]).chunk(2, dim=-1)
+    return x + F.linear(act(gate) * up, w["down"], w["down_b"])
 
 
 class FastEngine:
@@ -404,14 +439,22 @@ class FastEngine:
         self.T, self.B = int(max_context), int(n_slots)
         self.use_graphs = (self.device.type == "cuda") if use_graphs is None else use_graphs
         self.check_every = check_every
+        # what the layers compute, as plain tensors: norms as (weight, eps), the activation, Qwen3's q/k norms,
+        # and self.w, the fused projections (static buffers refreshed in place when the weights change: captured
+        # CUDA graphs keep reading the same addresses). The fused stacks and merged LoRA layers are copies: one
+        # extra copy of the layer weights at most (135M model: ~0.2 GB; a 7B model with LoRA on all linears: ~13 GB)
+        norm = lambda n: (n.weight, n.variance_epsilon)
+        self.ln = [(norm(x.input_layernorm), norm(x.post_attention_layernorm)) for x in self.layers]
+        self.final_ln = norm(self.norm)
+        self.qk_norm = [(norm(x.self_attn.q_norm), norm(x.self_attn.k_norm)) if hasattr(x.self_attn, "q_norm") else None
+                        for x in self.layers]
+        self.act = torch.nn.functional.silu if cfg.hidden_act == "silu" else self.layers[0].mlp.act_fn
+        self.w, self.weights_key = [], None
         # compile_layers: torch.compile fuses the elementwise work around attention (norms, RoPE, residuals,
-        # SiLU*up) into a few kernels, halving kernels per step; experimental (numerics differ in the last bits)
+        # SiLU*up) into a few kernels; one compiled graph serves every layer (weights are arguments).
+        # Experimental: numerics differ in the last bits.
         self._pre, self._post = _layer_pre, _layer_post
         if compile_layers:
-            import torch._dynamo
-            for knob in ("cache_size_limit", "recompile_limit"):
-                if hasattr(torch._dynamo.config, knob):
-                    setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 256))
             self._pre = torch.compile(_layer_pre, dynamic=False)
             self._post = torch.compile(_layer_post, dynamic=False)
         cuda = self.device.type == "cuda"
@@ -452,17 +495,10 @@ class FastEngine:
         rows = idx[:, None]  # (b, 1)
         valid = self.arT[:Tb][None, None, None, :] <= P[:, None, :, None]  # (b, 1, S, Tb) causal mask
         x = self.embed(ids)
-        for l, layer in enumerate(self.layers):
-            a = layer.self_attn
-            h = _rms(layer.input_layernorm, x)
-            q = a.q_proj(h).view(b, S, self.H, self.hd)
-            k = a.k_proj(h).view(b, S, self.KV, self.hd)
-            v = a.v_proj(h).view(b, S, self.KV, self.hd)
-            if hasattr(a, "q_norm"):  # Qwen3
-                q, k = a.q_norm(q), a.k_norm(k)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (b, heads, S, hd)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+        for l in range(len(self.layers)):
+            # the uncompiled layer functions: prefill shapes vary from call to call
+            qk, v = _layer_pre(x, self.ln[l][0], self.w[l], cos, sin, self.H, self.KV, self.hd, self.qk_norm[l])
+            q, k = qk[:, :self.H], qk[:, self.H:]  # (b, H, S, hd), (b, KV, S, hd)
             kc, vc = self.k[l], self.v[l]  # (B, KV, T+1, hd)
             kc[rows, :, Pc] = k.transpose(1, 2)  # index_put with (b, S) indices: (b, S, KV, hd)
             vc[rows, :, Pc] = v.transpose(1, 2)
@@ -470,15 +506,14 @@ class FastEngine:
             o = torch.nn.functional.scaled_dot_product_attention(q, K, V, attn_mask=valid,
                                                                  scale=self.scale, enable_gqa=True)  # (b, H, S, hd)
             o = o.transpose(1, 2).reshape(b, S, self.H * self.hd)
-            x = x + a.o_proj(o)
-            x = x + layer.mlp(_rms(layer.post_attention_layernorm, x))
+            x = _layer_post(x, o, self.ln[l][1], self.w[l], self.act)
         return x
 
     def _pick(self, h, sampled):
         """Next token from final hidden states h (b, D): argmax, or Gumbel-max sampling at temperature
         1/inv_temp (exactly softmax sampling, and free of host syncs unlike torch.multinomial)."""
         import torch
-        logits = self.lm_head(_rms(self.norm, h)).float()  # (b, V)
+        logits = self.lm_head(_rms(h, self.final_ln)).float()  # (b, V)
         if not sampled:
             return logits.argmax(-1)
         u = torch.rand_like(logits).clamp_(1e-20, 1.0)
@@ -498,8 +533,8 @@ class FastEngine:
             self.arT[:Tb][None, None] > self.pos[:, None, None], float("-inf"))
         bias = bias[:, None].expand(B, KV, 1, Tb).reshape(B * KV, 1, Tb)  # additive causal mask
         x = self.embed(self.tok[:, None])  # (B, 1, D)
-        for l, layer in enumerate(self.layers):
-            qk, v = self._pre(layer, x, cos, sin, H, KV, hd)  # (B, H+KV, 1, hd) roped q and k, (B, KV, 1, hd)
+        for l in range(len(self.layers)):
+            qk, v = self._pre(x, self.ln[l][0], self.w[l], cos, sin, H, KV, hd, self.qk_norm[l])  # (B, H+KV, 1, hd), (B, KV, 1, hd)
             kc, vc = self.k[l], self.v[l]  # (B, KV, T+1, hd)
             kc.scatter_(2, widx, qk[:, H:])
             vc.scatter_(2, widx, v)
@@ -507,7 +542,7 @@ class FastEngine:
             w = torch.baddbmm(bias, qg, kc[:, :, :Tb].view(B * KV, Tb, hd).transpose(1, 2), alpha=self.scale)
             w = torch.softmax(w, dim=-1)  # (B*KV, g, Tb)
             o = torch.bmm(w, vc[:, :, :Tb].view(B * KV, Tb, hd))  # (B*KV, g, hd)
-            x = self._post(layer, x, o.view(B, 1, H * hd))
+            x = self._post(x, o.view(B, 1, H * hd), self.ln[l][1], self.w[l], self.act)
         return x
 
     def _decode_step(self, Tb, sampled):
@@ -608,12 +643,14 @@ class FastEngine:
         import torch
         if not prompts:
             return []
-        # cached K/V are only valid for the weights that computed them: any in-place update (an optimizer
-        # step, load_state_dict) bumps a parameter's version counter and drops every cached prefix
-        version = sum(p._version for p in self.model.parameters())
-        if version != getattr(self, "weights_version", None):
+        # cached K/V and fused weights are only valid for the weights that computed them: any in-place update
+        # (an optimizer step, load_state_dict) bumps a parameter's version counter, and HFPolicy sets .adapters
+        # to the active LoRA adapters; a change drops every cached prefix and refreshes the fused weights
+        key = (sum(p._version for p in self.model.parameters()), getattr(self, "adapters", None))
+        if key != self.weights_key:
             self.reset()
-            self.weights_version = version
+            self._load_weights()
+            self.weights_key = key
         if len(prompts) > self.B:
             raise ValueError(f"{len(prompts)} prompts but the engine has {self.B} slots")
         budgets = max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(prompts)
@@ -663,6 +700,28 @@ class FastEngine:
             self.slot_tokens[s] = list(prompts[i]) + gen[:-1] if gen else list(prompts[i][:r])
         return results
 
+    def _load_weights(self):
+        """Computes the fused projections (_layer_weights) into self.w: the first time as they come (plain
+        parameters are referenced, not copied), afterwards copied into the same buffers."""
+        import torch
+        with torch.no_grad():
+            for l, layer in enumerate(self.layers):
+                new = _layer_weights(layer)
+                if l == len(self.w):
+                    self.w.append(new)
+                    continue
+                for name, t in new.items():
+                    old = self.w[l][name]
+                    if t is old:
+                        continue
+                    if t is None or old is None or isinstance(old, torch.nn.Parameter) or old.shape != t.shape:
+                        # the model changed shape (an adapter was added to a plain layer): never write into a
+                        # parameter; take the new tensor, and recapture graphs (they read the old addresses)
+                        self.w[l][name] = t
+                        self.graphs.clear()
+                    else:
+                        old.copy_(t)
+
     def reset(self):
         """Forget every cached prefix (benchmarks: time a cold prefill)."""
         self.slot_tokens = [[] for _ in range(self.B)]
@@ -670,6 +729,7 @@ class FastEngine:
     def release(self):
         self.graphs.clear()
         self.k = self.v = None
+        self.w, self.weights_key = [], None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -710,9 +770,7 @@ class HFPolicy:
                         adapters = adapters()
                     except (ValueError, RuntimeError):  # HF models without adapters raise here
                         adapters = None
-                adapters = tuple(adapters or ())
-                if self.engine is not None and getattr(self.engine, "adapters", adapters) != adapters:
-                    self.engine.graphs.clear()  # graphs captured which LoRA adapters were active: recapture
+                adapters = tuple(adapters or ())  # the engine merges these into its weights (a change: re-merge)
                 if self.engine is None or self.engine.model is not self.model or self.engine.B < len(prompts):
                     if self.engine is not None:
                         self.engine.release()

@@ -238,6 +238,18 @@ def test_fast_engine_with_peft_lora_follows_weight_updates(tok):
                 p.normal_(0, 0.5)
     after = pol.generate(prompts, 16, temperature=0.0)
     assert after == [hf(p) for p in prompts] and after != before
+    # train.py keeps two adapters (actor, critic): switching the active one must switch the merged weights
+    lm.add_adapter("other", peft.LoraConfig(r=4, target_modules=["k_proj", "o_proj", "up_proj"]))
+    lm.set_adapter("other")
+    with torch.no_grad():
+        for n, p in lm.named_parameters():
+            if "lora_B.other" in n:
+                p.normal_(0, 0.5)
+    lm.set_adapter("other")  # (set_adapter also marks the adapter trainable; the normal_ above bumped versions)
+    other = pol.generate(prompts, 16, temperature=0.0)
+    assert other == [hf(p) for p in prompts] and other != after
+    lm.set_adapter("default")
+    assert pol.generate(prompts, 16, temperature=0.0) == after
     lm.train()
     pol.generate(prompts, 4, temperature=1.0)
     assert lm.training  # the mode is restored after sampling
