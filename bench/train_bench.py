@@ -13,8 +13,9 @@ through train.ppo_update (one base model, LoRA actor + LoRA critic adapters, log
 and, when TRL's PPOTrainer is importable (trl 0.2x: trl.experimental.ppo; newer TRL has no PPO), through
 TRL's PPO step on the same model config, batch, lengths, epochs and minibatches (LoRA policy via
 peft_config, its value model is a full AutoModelForSequenceClassification copy as TRL requires, also used as
-the reward model). TRL generates its own responses (fixed length R, no stop token); its update time is its
-step time minus the time in its `batch_generation`. Reported: update tokens/s = B * (P + R) / update
+the reward model). TRL's `batch_generation` is replaced by random responses and logits of the same shapes
+(fixed length R; --trl-generate runs TRL's own generation); its update time is its step time minus the time in
+`batch_generation`. Reported: update tokens/s = B * (P + R) / update
 seconds, and peak GPU memory (torch.cuda.max_memory_allocated, reset before each row).
 
 Part 3, --overfit: the RFT loss of train.py (train.sft_loss: next-token loss on model tokens only, LoRA
@@ -168,12 +169,21 @@ def bench_trl(name, device, dtype, B, P, R, a) -> dict:
     # taken there cut train() into steps; a step's update time = its span minus its generation time
     gen_s, marks, orig = [0.0], [], m.batch_generation
 
+    def fake_generation(model, queries, forward_batch, pad_token_id, generation_config):
+        """TRL's generation replaced by random tokens and logits of the same shapes (the default; --trl-generate
+        keeps the real one). The update's cost does not depend on their values, and HF generate of R tokens at
+        1.4B takes minutes per step: on the H200 it did not finish within the step's limit."""
+        n, r, g = queries.shape[0], generation_config.max_new_tokens, torch.Generator(device=queries.device).manual_seed(0)
+        resp = torch.randint(1, mcfg.vocab_size, (n, r), device=queries.device, generator=g)
+        return torch.cat([queries, resp], 1), torch.randn(n, r, mcfg.vocab_size, device=queries.device, generator=g)
+    generation = orig if a.trl_generate else fake_generation
+
     def timed(*x, **k):
         sync(device)
         marks.append((time.time(), gen_s[0]))
         t = time.time()
         try:
-            return orig(*x, **k)
+            return generation(*x, **k)
         finally:
             sync(device)
             gen_s[0] += time.time() - t
@@ -189,7 +199,7 @@ def bench_trl(name, device, dtype, B, P, R, a) -> dict:
     dt = sum(step_t) / max(len(step_t), 1)
     out = {"impl": "TRL PPO", "model": name, "params_M": sum(p.numel() for p in lm.parameters()) / 1e6,
            "update_s": dt, "tok_s": B * (P + R) / dt if dt else None, "peak_gb": peak_gb(device),
-           "note": "value model = full copy (TRL design), also the reward model"}
+           "note": "value model = full copy (TRL design), also the reward model" + ("" if a.trl_generate else "; random responses")}
     del trainer, lm, value
     return out
 
@@ -396,6 +406,8 @@ def main(argv=None):
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--no-trl", action="store_true")
+    p.add_argument("--trl-generate", action="store_true", help="let TRL really generate its responses (slow; its update "
+                   "time excludes generation either way)")
     p.add_argument("--no-split", action="store_true")
     p.add_argument("--split-steps", type=int, default=3)
     p.add_argument("--preset", default=None, help="train.py preset of the split run (default: tiny with --tiny, else default)")
