@@ -38,12 +38,12 @@ data)
   step 220 reference python3 evaluate.py --bench-dir /tmp/kbsub --reference-only --backend cuda --workers 6 --timeout 120 --out "$OUT/reference" --json
   ;;
 train)
-  step 280 overfit python3 bench/train_bench.py --overfit --device cuda --backend cuda &
-  step 280 gpu_tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_evaluate.py tests/test_agent.py
+  step 240 overfit python3 bench/train_bench.py --overfit --device cuda --backend cuda &
+  step 240 gpu_tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_evaluate.py tests/test_agent.py
   wait
   data=/tmp/synth-out; [ -f $data/dataset_dict.json ] || data=""
   # the default preset with fewer steps: bench/preset_time.py scales each stage's measured time to the preset
-  step 260 default python3 train.py --stage all --backend cuda --run-dir /tmp/run-default ${data:+--dataset $data} \
+  step 330 default python3 train.py --stage all --backend cuda --run-dir /tmp/run-default ${data:+--dataset $data} \
     --set warmup_steps=2 --set ppo_steps=2 --set rft_tasks=16 --set synth_tasks=16
   cp /tmp/run-default/metrics.jsonl /tmp/run-default/config.json "$OUT/" 2>/dev/null
   ;;
