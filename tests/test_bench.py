@@ -56,3 +56,11 @@ def test_preset_time_projects_each_stage(tmp_path):
     assert "566.0  = 9m26s" in out, out
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "preset_time.py"), str(tmp_path / "nope")], capture_output=True, text=True)
     assert r.returncode == 1 and r.stderr.strip().startswith("preset_time.py: error:"), r.stderr
+
+
+def test_synth_bench_tiny(tmp_path):
+    out = bench("synth_bench.py", "--backend", "cpu", "--num-tasks", "2", "--workers", "2", "--window-ms", "0.05", "20",
+                "--json", str(tmp_path / "s.json"))
+    row = json.loads((tmp_path / "s.json").read_text())[0]
+    assert row["kept"] == 2 and row["executed"] >= 2 and row["tasks_per_hour"] > 0, row
+    assert "| backend | workers |" in out and "execution drops" in out
