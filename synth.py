@@ -1211,6 +1211,7 @@ def run(cfg: Config, out: Path, backend: str, kb: list, work: Path, t0: float, p
         if step == 0 and not kept_rows and len(cands) >= 20 and set(drops) <= {"eager failed", "child process"}:
             # every candidate broke before any filter could judge it: the machine is at fault, not the tasks
             first = next(r["drop"] for r in results.values() if not r["kept"])
+            shutil.rmtree(work, ignore_errors=True)  # these verdicts blame the machine: a re-run must not reuse them
             raise UsageError(f"all {len(cands)} candidates of the first round failed to run (e.g. {first[:300]}); "
                              f"check that the {backend} backend works in env.py's sandbox on this machine")
         step += 1

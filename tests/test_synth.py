@@ -303,4 +303,4 @@ def test_a_machine_where_nothing_runs_stops_after_one_round_with_one_line(tmp_pa
     rc = synth.main(["--out", str(tmp_path / "o"), "--num-tasks", "20", "--backend", "cpu", "--workers", "2"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err[-1].startswith("synth.py: error: all ") and "CUDA error: OS call failed" in err[-1], err[-3:]
-    assert not (tmp_path / "o").exists()
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()  # nothing stale to resume from
