@@ -1,14 +1,12 @@
 """evaluate.py: metrics exactly as hand-computed, the load_inline converter, end-to-end --solutions runs on the
 fixture bench (tests/fixtures_bench: 3 CPU problems; known-good, known-wrong and cheating solutions in both
-formats, all sharing examples/relu_cpu/kernels/relu.cpp byte-for-byte so the ~60 s build happens once: the
-workspaces' kernels/ are filled in at test time by `solutions()`), resume,
+formats, all sharing examples/relu_cpu/kernels/relu.cpp byte-for-byte so the ~60 s build happens once), resume,
 the JSON contract, bad inputs, and a smoke run of every documented command (agent and single modes against a
 scripted OpenAI-compatible server on localhost, so no model is loaded)."""
 import ast
 import http.server
 import json
 import math
-import shutil
 import subprocess
 import sys
 import threading
@@ -23,26 +21,6 @@ ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures_bench"
 BENCH = FIX / "bench"
 RELU_CPP = (ROOT / "examples" / "relu_cpu" / "kernels" / "relu.cpp").read_text()
-
-# The fixture workspaces (FIX/<set>/N_Name/) ship only model_new.py: their kernels/ are filled in here with
-# sources that exist elsewhere in the repo, copied byte for byte, so env.py's content-hash build cache
-# ($CUDA_AGENT_CACHE, shared by all tests) hits and nothing new is compiled, and the repo holds no copies.
-# Single-file solutions (N_Name.py) embed their kernel through load_inline and need nothing.
-CPU_KERNELS = [ROOT / "examples" / "relu_cpu" / "kernels" / "relu.cpp"]
-CUDA_KERNELS = [ROOT / "tests" / "env_cases" / "cuda" / "ops.cu", ROOT / "tests" / "env_cases" / "cuda" / "ops_binding.cpp"]
-SHARED_KERNELS = {"solutions": CPU_KERNELS, "solutions_bad": CPU_KERNELS,
-                  "solutions_cuda": CUDA_KERNELS, "solutions_cuda_bad": CUDA_KERNELS}
-
-
-def solutions(name, tmp_path) -> Path:
-    """FIX/<name> copied to tmp_path/<name>, every workspace directory's kernels/ filled with the shared sources."""
-    dst = Path(tmp_path) / name
-    shutil.copytree(FIX / name, dst)
-    for ws in (d for d in dst.iterdir() if d.is_dir()):
-        (ws / "kernels").mkdir(exist_ok=True)
-        for src in SHARED_KERNELS[name]:
-            shutil.copyfile(src, ws / "kernels" / src.name)
-    return dst
 
 
 def cli(*args, timeout=900):
@@ -187,7 +165,6 @@ def test_converter_functions_multiple_calls_and_errors():
 
 # ----------------------------------------------------------------------------------------------
 # End to end on the fixture bench (CPU). Expected outcomes are by construction:
-# (workspaces get kernels/relu.cpp from solutions() above)
 #   solutions/1_ScaledReLU/      workspace, PyTorch fallback + a decoy kernel         -> fail (violation)
 #   solutions/2_ScaledReLUEye.py single file, correct; the reference wastes ~1000x   -> pass, faster than both
 #   solutions/1_ScaleThenReLU/   workspace, correct but calls the kernel 256x on a   -> pass, not faster
@@ -197,15 +174,14 @@ def test_converter_functions_multiple_calls_and_errors():
 # ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def run_a(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("eval")
-    sol, out = solutions("solutions", tmp), tmp / "a"
-    r = cli("--solutions", sol, "--bench-dir", BENCH, "--backend", "cpu", "--out", out, "--json")
-    return r, out, sol
+    out = tmp_path_factory.mktemp("eval") / "a"
+    r = cli("--solutions", FIX / "solutions", "--bench-dir", BENCH, "--backend", "cpu", "--out", out, "--json")
+    return r, out
 
 
 @pytest.mark.slow
 def test_solutions_end_to_end(run_a):
-    r, out, _ = run_a
+    r, out = run_a
     o = last_json(r)
     for k in ("n", "pass_rate", "faster_eager_rate", "faster_compile_rate", "geomean_speedup_eager", "geomean_speedup_compile"):
         assert k in o  # the JSON contract
@@ -230,22 +206,21 @@ def test_solutions_end_to_end(run_a):
 
 
 @pytest.mark.slow
-def test_resume_skips_done_tasks(run_a, tmp_path):
-    r, out, sol = run_a  # the same SOL_DIR as the first run: run.json records its path
+def test_resume_skips_done_tasks(run_a):
+    r, out = run_a
     before = last_json(r)
-    again = cli("--solutions", sol, "--bench-dir", BENCH, "--backend", "cpu", "--out", out, "--json")
+    again = cli("--solutions", FIX / "solutions", "--bench-dir", BENCH, "--backend", "cpu", "--out", out, "--json")
     assert "resuming" in again.stdout and "task 1/" not in again.stdout
     same = last_json(again)
     assert {k: same[k] for k in ("n", "pass_rate", "faster_compile_rate")} == {k: before[k] for k in ("n", "pass_rate", "faster_compile_rate")}
     # a different kind of run in the same folder is refused (no lost work)
-    other = cli("--solutions", solutions("solutions_bad", tmp_path), "--bench-dir", BENCH, "--backend", "cpu", "--out", out)
+    other = cli("--solutions", FIX / "solutions_bad", "--bench-dir", BENCH, "--backend", "cpu", "--out", out)
     one_line_error(other, "holds a different run")
 
 
 @pytest.mark.slow
 def test_wrong_and_cheating_solutions_all_fail(tmp_path):
-    sol = solutions("solutions_bad", tmp_path)
-    r = cli("--solutions", sol, "--bench-dir", BENCH, "--backend", "cpu", "--out", tmp_path / "b", "--json")
+    r = cli("--solutions", FIX / "solutions_bad", "--bench-dir", BENCH, "--backend", "cpu", "--out", tmp_path / "b", "--json")
     o = last_json(r)
     assert (o["n"], o["pass_rate"], o["faster_eager_rate"], o["faster_compile_rate"]) == (3, 0.0, 0.0, 0.0)
     assert o["geomean_speedup_eager"] is None
@@ -387,8 +362,7 @@ def test_chart(tmp_path):
 
 
 def test_bad_inputs_give_one_line(tmp_path):
-    sol = solutions("solutions", tmp_path)
-    one_line_error(cli("--solutions", sol, "--bench-dir", tmp_path / "missing", "--out", tmp_path / "o"),
+    one_line_error(cli("--solutions", FIX / "solutions", "--bench-dir", tmp_path / "missing", "--out", tmp_path / "o"),
                    "no such bench directory")
     (tmp_path / "empty").mkdir()
     one_line_error(cli("--solutions", tmp_path / "empty", "--bench-dir", BENCH, "--backend", "cpu", "--out", tmp_path / "o"),
@@ -401,7 +375,7 @@ def test_bad_inputs_give_one_line(tmp_path):
     one_line_error(cli("--bench-dir", BENCH, "--levels", "7", "--reference-only", "--out", tmp_path / "o"), "no KernelBench-format problems")
     one_line_error(cli("--bench-dir", BENCH / "level1", "--levels", "1,2", "--reference-only", "--out", tmp_path / "o"), "single --levels")
     one_line_error(cli("--bench", "synth", "--reference-only", "--out", tmp_path / "o"), "--dataset")
-    one_line_error(cli("--solutions", sol, "--bench-dir", BENCH, "--backend", "tpu", "--out", tmp_path / "o"), "backend")
+    one_line_error(cli("--solutions", FIX / "solutions", "--bench-dir", BENCH, "--backend", "tpu", "--out", tmp_path / "o"), "backend")
     assert not (tmp_path / "o").exists()  # nothing was started
     if not evaluate.hub_reachable():
         one_line_error(cli("--bench", "kernelbench", "--levels", "1", "--reference-only", "--out", tmp_path / "o"),
@@ -432,17 +406,28 @@ def test_missing_solution_counts_as_failure(tmp_path):
 @pytest.mark.gpu
 def test_cuda_solutions_honest_pass_cheats_fail(tmp_path):
     """On a GPU: single files with load_inline(cuda_sources, functions=) and workspaces built from the env GPU
-    tests' kernels (tests/env_cases/cuda, filled in by solutions()). Honest ones pass; a Python and a C++ pointer
-    cache, a PyTorch fallback and an operand bug fail."""
-    good, bad = solutions("solutions_cuda", tmp_path), solutions("solutions_cuda_bad", tmp_path)
-    o = last_json(cli("--solutions", good, "--bench-dir", BENCH, "--backend", "cuda", "--out", tmp_path / "c", "--json"))
+    tests' kernels (tests/env_cases/cuda). Honest ones pass; a Python and a C++ pointer cache, a PyTorch
+    fallback and an operand bug fail."""
+    o = last_json(cli("--solutions", FIX / "solutions_cuda", "--bench-dir", BENCH, "--backend", "cuda", "--out", tmp_path / "c", "--json"))
     rows = {json.loads(l)["task_id"]: json.loads(l)["verdict"] for l in (tmp_path / "c" / "tasks.jsonl").read_text().splitlines()}
     assert rows["level1/2_ScaledReLUEye"]["correct"] and rows["level2/1_ScaleThenReLU"]["correct"], rows
     assert not rows["level1/1_ScaledReLU"]["correct"] and "cached by pointer" in rows["level1/1_ScaledReLU"]["error"]
     assert o["pass_rate"] == 2 / 3
-    r = cli("--solutions", bad, "--bench-dir", BENCH, "--backend", "cuda", "--out", tmp_path / "d", "--json")
+    r = cli("--solutions", FIX / "solutions_cuda_bad", "--bench-dir", BENCH, "--backend", "cuda", "--out", tmp_path / "d", "--json")
     assert last_json(r)["pass_rate"] == 0.0
     rows = {json.loads(l)["task_id"]: json.loads(l)["verdict"] for l in (tmp_path / "d" / "tasks.jsonl").read_text().splitlines()}
     assert "cached by pointer" in rows["level1/1_ScaledReLU"]["error"]
     assert "aten." in rows["level1/2_ScaledReLUEye"]["violations"][0]
     assert "values differ" in rows["level2/1_ScaleThenReLU"]["error"]
+
+
+def test_fixture_kernel_copies_match_their_originals():
+    """The fixture workspaces' kernels are copies (shared builds, complete sets: tests/fixtures_bench/README.md).
+    Copies drift; this keeps them byte-identical to the sources they copy."""
+    originals = {"relu.cpp": ROOT / "examples" / "relu_cpu" / "kernels" / "relu.cpp",
+                 "ops.cu": ROOT / "tests" / "env_cases" / "cuda" / "ops.cu",
+                 "ops_binding.cpp": ROOT / "tests" / "env_cases" / "cuda" / "ops_binding.cpp"}
+    copies = sorted(FIX.glob("solutions*/*/kernels/*"))
+    assert len(copies) == 11
+    for c in copies:
+        assert c.read_bytes() == originals[c.name].read_bytes(), f"{c} differs from {originals[c.name]}"
