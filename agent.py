@@ -392,9 +392,9 @@ def _layer_weights(layer) -> dict:
     return w
 
 
-def _layer_pre(x, ln, w, cos, sin, H: int, KV: int, hd: int, qk_norm=None):
-    """Attention input of one layer: norm, the fused q/k/v projection, RoPE on q and k together. x (b, S, D),
-    cos/sin (b, 1, S, hd). Returns roped q and k (b, H+KV, S, hd) and v (b, KV, S, hd)."""
+def _layer_pre(x, ln, w, cos, sin, H: int, KV: int, hd: int, qk_norm=None, rope: bool = True):
+    """Attention input of one layer: norm, the fused q/k/v projection, RoPE on q and k together (rope=False:
+    SmolLM3's NoPE layers). x (b, S, D), cos/sin (b, 1, S, hd). Returns q and k (b, H+KV, S, hd), v (b, KV, S, hd)."""
     import torch
     b, S = x.shape[:2]
     qkv = torch.nn.functional.linear(_rms(x, ln), w["qkv"], w["qkv_b"]).view(b, S, H + 2 * KV, hd)
@@ -402,7 +402,7 @@ def _layer_pre(x, ln, w, cos, sin, H: int, KV: int, hd: int, qk_norm=None):
     if qk_norm is not None:  # Qwen3: RMSNorm over each head of q and of k
         qk = torch.cat([_rms(qk[:, :, :H], qk_norm[0]), _rms(qk[:, :, H:], qk_norm[1])], 2)
     qk, v = qk.transpose(1, 2), v.transpose(1, 2)
-    return qk * cos + _rotate_half(qk) * sin, v
+    return (qk * cos + _rotate_half(qk) * sin if rope else qk), v
 
 
 def _layer_post(x, o, ln, w, act):
@@ -422,6 +422,18 @@ class FastEngine:
     the device, so the host syncs once every `check_every` steps."""
 
     SUPPORTED = {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
+
+    @classmethod
+    def unsupported(cls, model, max_context: int):
+        """Why this engine cannot reproduce the model's own forward pass exactly, or None when it can."""
+        cfg = getattr(model, "config", None)
+        mt = getattr(cfg, "model_type", None)
+        if mt not in cls.SUPPORTED:
+            return f"model_type {mt!r}"
+        window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+        if window and window < max_context:  # attention would reach further back than the model's window
+            return f"sliding-window attention ({window} tokens < max_context {max_context})"
+        return None
 
     def __init__(self, model, max_context: int, n_slots: int, use_graphs=None, check_every: int = 32,
                  prefill_chunk: int | None = None, prefill_elems: int | None = None, compile_layers: bool = False):
@@ -448,6 +460,7 @@ class FastEngine:
         self.final_ln = norm(self.norm)
         self.qk_norm = [(norm(x.self_attn.q_norm), norm(x.self_attn.k_norm)) if hasattr(x.self_attn, "q_norm") else None
                         for x in self.layers]
+        self.rope = [bool(getattr(x.self_attn, "use_rope", True)) for x in self.layers]  # SmolLM3: every 4th is NoPE
         self.act = torch.nn.functional.silu if cfg.hidden_act == "silu" else self.layers[0].mlp.act_fn
         self.w, self.weights_key = [], None
         # compile_layers: torch.compile fuses the elementwise work around attention (norms, RoPE, residuals,
@@ -497,7 +510,7 @@ class FastEngine:
         x = self.embed(ids)
         for l in range(len(self.layers)):
             # the uncompiled layer functions: prefill shapes vary from call to call
-            qk, v = _layer_pre(x, self.ln[l][0], self.w[l], cos, sin, self.H, self.KV, self.hd, self.qk_norm[l])
+            qk, v = _layer_pre(x, self.ln[l][0], self.w[l], cos, sin, self.H, self.KV, self.hd, self.qk_norm[l], self.rope[l])
             q, k = qk[:, :self.H], qk[:, self.H:]  # (b, H, S, hd), (b, KV, S, hd)
             kc, vc = self.k[l], self.v[l]  # (B, KV, T+1, hd)
             kc[rows, :, Pc] = k.transpose(1, 2)  # index_put with (b, S) indices: (b, S, KV, hd)
@@ -534,7 +547,7 @@ class FastEngine:
         bias = bias[:, None].expand(B, KV, 1, Tb).reshape(B * KV, 1, Tb)  # additive causal mask
         x = self.embed(self.tok[:, None])  # (B, 1, D)
         for l in range(len(self.layers)):
-            qk, v = self._pre(x, self.ln[l][0], self.w[l], cos, sin, H, KV, hd, self.qk_norm[l])  # (B, H+KV, 1, hd), (B, KV, 1, hd)
+            qk, v = self._pre(x, self.ln[l][0], self.w[l], cos, sin, H, KV, hd, self.qk_norm[l], self.rope[l])  # (B, H+KV, 1, hd), (B, KV, 1, hd)
             kc, vc = self.k[l], self.v[l]  # (B, KV, T+1, hd)
             kc.scatter_(2, widx, qk[:, H:])
             vc.scatter_(2, widx, v)
@@ -750,10 +763,10 @@ class HFPolicy:
     def __init__(self, model, tokenizer, max_context=8192, engine="auto", engine_kw=None):
         self.model, self.tokenizer, self.max_context = model, tokenizer, max_context
         self.engine_kw = dict(engine_kw or {})  # FastEngine options, e.g. {"compile_layers": True}
-        mt = getattr(getattr(model, "config", None), "model_type", None)
-        self.engine_kind = "fast" if engine in ("auto", "fast") and mt in FastEngine.SUPPORTED else "hf"
-        if engine == "fast" and self.engine_kind != "fast":
-            raise env.UsageError(f"the fast engine does not support model_type {mt!r}; use engine='hf'")
+        why = FastEngine.unsupported(model, max_context)
+        self.engine_kind = "fast" if engine in ("auto", "fast") and why is None else "hf"
+        if engine == "fast" and why is not None:
+            raise env.UsageError(f"the fast engine does not support this model ({why}); use engine='hf'")
         self.engine = None
         self.stop = stop_token_ids(tokenizer, model)
 
