@@ -222,7 +222,8 @@ def test_fast_engine_matches_hf_greedy(tok):
 @pytest.mark.parametrize("arch", ["Qwen2", "Qwen3", "SmolLM3", "Mistral"])
 def test_fast_engine_matches_hf_on_other_architectures(arch):
     """Qwen2 (q/k/v biases: the fused projection stacks them), Qwen3 (per-head q/k norms), SmolLM3 (every
-    4th layer has no RoPE), Mistral (its 4096-token window covers this context): greedy tokens equal HF generate's, in fp32."""
+    4th layer has no RoPE), Mistral (its 4096-token window covers this context): greedy tokens equal HF
+    generate's, in fp32."""
     import transformers
     torch.manual_seed(0)
     cfg = getattr(transformers, arch + "Config")(
