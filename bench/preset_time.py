@@ -37,15 +37,13 @@ if not steps["warmup"]:
     sys.exit(f"preset_time.py: error: {run} has no finished warm-up step yet")
 
 rows = []  # (stage, measured seconds, run size, preset size, projected seconds)
-mean = lambda xs: sum(xs) / len(xs)
 
 
 def add(name, secs, have, want):
-    if secs is not None:
-        rows.append((name, secs, have, want, secs * want / max(have, 1)))
+    rows.append((name, secs, have, want, secs * want / max(have, 1)))
 
 
-add("warmup (per step)", mean([r["s_step"] for r in steps["warmup"]]) * len(steps["warmup"]), len(steps["warmup"]), target["warmup_steps"])
+add("warmup (per step)", sum(r["s_step"] for r in steps["warmup"]), len(steps["warmup"]), target["warmup_steps"])
 if "rft_filter" in events and "warmup" in ends:
     add("rft rollouts", events["rft_filter"]["time"] - ends["warmup"], cfg["rft_tasks"], target["rft_tasks"])
 if "rft" in ends and "rft_filter" in events:
@@ -53,7 +51,7 @@ if "rft" in ends and "rft_filter" in events:
 if "critic" in ends and "rft" in ends:
     add("critic training", ends["critic"] - ends["rft"], cfg["rft_tasks"], target["rft_tasks"])
 if steps["ppo"]:
-    add("ppo (per step)", mean([r["s_step"] for r in steps["ppo"]]) * len(steps["ppo"]), len(steps["ppo"]), target["ppo_steps"])
+    add("ppo (per step)", sum(r["s_step"] for r in steps["ppo"]), len(steps["ppo"]), target["ppo_steps"])
 if "eval" in events and "ppo" in ends:
     add("held-out eval", events["eval"]["time"] - ends["ppo"], cfg["eval_tasks"], target["eval_tasks"])
 
