@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -17,11 +19,13 @@ def bench(script, *args, timeout=600):
 
 def test_rollout_bench_tiny_with_profile(tmp_path):
     out = bench("rollout_bench.py", "--device", "cpu", "--tiny", "--batch", "1,2", "--prompt-len", "16", "--new-tokens", "8",
-                "--configs", "static,ours", "--profile", "--json", str(tmp_path / "r.json"))
+                "--baseline-tokens", "4", "--configs", "static,ours", "--profile", "--json", str(tmp_path / "r.json"))
     rows = json.loads((tmp_path / "r.json").read_text())
     assert {(r["batch"], r["config"]) for r in rows} == {(1, "static"), (1, "ours"), (2, "static"), (2, "ours")}
     ours = [r for r in rows if r["config"] == "ours"]
-    assert all(r["same_as_static"] == 1.0 and r["tok_s"] > 0 for r in ours), ours  # fp32: token-identical to HF
+    assert all(r["same_as_static"] == 1.0 and r["tok_s"] > 0 for r in ours), ours  # fp32: token-identical to HF...
+    assert all(r["common_prefix"] == 4 for r in ours)  # ...over the 4 tokens HF generated (--baseline-tokens)
+    assert all(r["ms_per_step"] * 4 == pytest.approx(r["seconds"] * 1e3) for r in rows if r["config"] == "static")
     assert "profile | batch 2 | ours" in out and "| static | " in out and "x static)" in out
 
 
@@ -30,6 +34,16 @@ def test_train_bench_tiny_update():
     row = next(json.loads(x) for x in out.splitlines() if x.startswith('{"impl": "train.py"'))
     assert row["model"] == "tiny" and row["tok_s"] > 0 and row["update_s"] > 0
     assert "PPO update (same batch, lengths, epochs, minibatches)" in out
+
+
+def test_train_bench_saves_a_random_model_of_the_embedded_shape(tmp_path):
+    """--save-random: what bash bench/run_h200.sh default-random trains (train.py --model DIR)."""
+    from transformers import AutoConfig, AutoTokenizer
+    out = bench("train_bench.py", "--save-random", str(tmp_path / "m"))
+    assert "saved random-135m" in out
+    cfg, tok = AutoConfig.from_pretrained(tmp_path / "m"), AutoTokenizer.from_pretrained(tmp_path / "m")
+    assert (cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == ("llama", 30, 576, 49152)
+    assert tok.chat_template and cfg.eos_token_id == tok.eos_token_id
 
 
 def test_preset_time_projects_each_stage(tmp_path):

@@ -175,6 +175,10 @@ def test_kernelbench_near_duplicate_is_dropped_and_others_kept(seeds):
     kept = synth.filter_similar([{"code": near}] + gen, kb, synth.Config(), funnel)
     assert len(kept) == len(gen) and funnel["similarity"]["out"] == len(gen)
     assert synth.most_similar(near, kb)[1] == "19_ReLU.py"
+    # the filter's floor skips pairs that cannot beat it: the same answer above it, (0.0, "") below it
+    sim, name = synth.most_similar(near, kb, 0.9)
+    assert name == "19_ReLU.py" and sim == synth.most_similar(near, kb)[0] > 0.9
+    assert all(synth.most_similar(c["code"], kb, 0.9) == (0.0, "") for c in gen)
 
 
 # ---------------------------------------------------------------------------------------------- end to end
@@ -190,6 +194,10 @@ def test_cli_smoke_writes_dataset_funnel_and_report(run_a):
     for line in ("mine: ", "stage", "execution", "mix: torch#1", "saved"):
         assert line in r.stdout, line
     assert not Path(str(out) + ".partial").exists()
+    # where the filter's time went: summed over candidates, every candidate compiled, one child import at least
+    secs = funnel["child_seconds"]
+    assert set(secs) == {"start", "setup", "wait", "locked", "compile"} and secs["compile"] > 0 and secs["start"] > 0
+    assert "execution, seconds per candidate (2 workers): start " in r.stdout
     grouped = ("too fast", "too slow", "eager failed", "torch.compile failed", "child process")
     for why, n in st["execution"]["drops"].items():  # grouped reasons keep full example messages
         if why in grouped:
