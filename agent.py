@@ -446,8 +446,8 @@ class FastEngine:
     """Batched generation for Llama-family decoders with a static KV cache of `n_slots` rows. A call
     to generate() gives each prompt the slot holding its longest cached prefix, prefills only the new
     tokens (batched, padded), then runs decode steps. On CUDA each decode step is one CUDA graph replay
-    (captured per attention-length bucket); sampling, stop detection and the per-sequence budget live on
-    the device, so the host syncs once every `check_every` steps."""
+    (captured per attention-length bucket) of torch.compile'd layers; sampling, stop detection and the
+    per-sequence budget live on the device, so the host syncs once every `check_every` steps."""
 
     SUPPORTED = {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
 
@@ -493,7 +493,7 @@ class FastEngine:
         self.w, self.weights_key = [], None
         # compile_layers (default: on CUDA, unless CUDA_AGENT_COMPILE=0): torch.compile fuses a decode layer's
         # elementwise work (norms, RoPE with the cache writes, softmax, residuals, SiLU*up) into a few kernels
-        # around the GEMMs: 30% fewer kernels per step, 1.45x the tokens/s at batch 64 on the H200 (README).
+        # around the GEMMs: 29% fewer kernels per step, 1.44x the tokens/s at batch 64 on the H200 (README).
         # One compiled graph per attention bucket serves every layer (weights and caches are arguments).
         # Numerics differ from the eager path in the last bits (greedy tokens can differ in bf16).
         if compile_layers is None:
