@@ -464,7 +464,8 @@ class FastEngine:
         return None
 
     def __init__(self, model, max_context: int, n_slots: int, use_graphs=None, check_every: int = 32,
-                 prefill_chunk: int | None = None, prefill_elems: int | None = None, compile_layers: bool | None = None):
+                 prefill_chunk: int | None = None, prefill_elems: int | None = None,
+                 compile_layers: bool | None = None):
         import torch
         self.model = model
         base = model.get_base_model() if hasattr(model, "get_base_model") else model

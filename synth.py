@@ -858,8 +858,8 @@ def _run_child(batch: list[dict], cfg: Config, backend: str, stop_fd: int, on_re
 
 
 @contextlib.contextmanager
-def _locked(fd, t: dict):
-    """Holds the device lock; adds the seconds spent waiting for it and holding it to t["wait"], t["locked"]."""
+def _locked(fd, spent: dict):
+    """Holds the device lock; adds the seconds spent waiting for it and holding it to spent["wait"] and spent["locked"]."""
     t0 = time.perf_counter()
     fcntl.flock(fd, fcntl.LOCK_EX)
     t1 = time.perf_counter()
@@ -867,13 +867,13 @@ def _locked(fd, t: dict):
         yield
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
-        t["wait"] += t1 - t0
-        t["locked"] += time.perf_counter() - t1
+        spent["wait"] += t1 - t0
+        spent["locked"] += time.perf_counter() - t1
 
 
-def check_task(code: str, spec: dict, torch, lock_fd, t: dict) -> dict:
+def check_task(code: str, spec: dict, torch, lock_fd, spent: dict) -> dict:
     """The execution filter for one task, inside the child. Returns {"kept": bool, "drop": why, ...}.
-    Cheap checks first, torch.compile (seconds) last. Adds where the time went to t (seconds: setup, lock
+    Cheap checks first, torch.compile (seconds) last. Adds where the time went to `spent` (seconds: setup, lock
     wait, locked device work, compile), so the funnel can name the bottleneck."""
     import importlib.util
     t0 = time.perf_counter()
@@ -896,7 +896,7 @@ def check_task(code: str, spec: dict, torch, lock_fd, t: dict) -> dict:
     except Exception as e:  # noqa: BLE001
         return {"kept": False, "drop": f"eager failed: {type(e).__name__}: {str(e)[:120]}"}
     finally:
-        t["setup"] = time.perf_counter() - t0
+        spent["setup"] = time.perf_counter() - t0
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     leaves = lambda o: [t for t in (o if isinstance(o, (tuple, list)) else [o])]
 
@@ -910,7 +910,7 @@ def check_task(code: str, spec: dict, torch, lock_fd, t: dict) -> dict:
                    torch.allclose(pick(x).float(), pick(y).float(), atol=tol, rtol=tol, equal_nan=True)
                    for x, y in zip(leaves(a), leaves(b)))
     try:
-        with _locked(lock_fd, t):  # all timed/measured device work of this task, one task at a time
+        with _locked(lock_fd, spent):  # all timed/measured device work of this task, one task at a time
             with torch.no_grad():
                 outs = [model(*sets[0])]  # untimed: a first call may compile kernels (jiterator ops: seconds)
                 sync()
@@ -945,11 +945,11 @@ def check_task(code: str, spec: dict, torch, lock_fd, t: dict) -> dict:
         with torch.no_grad():
             c_outs = [compiled(*x) for x in sets[:2]]  # the first call compiles (outside the lock: CPU work)
             sync()
-        t["compile"] = time.perf_counter() - t0
+        spent["compile"] = time.perf_counter() - t0
         for k in range(2):
             if not close(c_outs[k], outs[k], 1e-2, full=True):
                 return {"kept": False, "drop": "torch.compile disagrees with eager", "eager_ms": eager_ms}
-        with _locked(lock_fd, t):
+        with _locked(lock_fd, spent):
             compile_ms, _ = env.time_callable(compiled, sets[:2], n_timed=spec["n_timed"], min_s=spec["min_timed_s"], warmup=1)
     except Exception as e:  # noqa: BLE001
         return {"kept": False, "drop": f"torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}",
@@ -979,10 +979,10 @@ def _filter_child(spec_path: str):
     start = time.perf_counter() - t0  # importing torch (and CUDA set-up): charged to the first candidate
     with open(Path(spec["dir"]) / "results.jsonl", "a") as out:
         for c in spec["cands"]:
-            t = {"start": start, "setup": 0.0, "wait": 0.0, "locked": 0.0, "compile": 0.0}
-            r = check_task(c["code"], spec, torch, spec["lock_fd"], t)
+            spent = {"start": start, "setup": 0.0, "wait": 0.0, "locked": 0.0, "compile": 0.0}
+            r = check_task(c["code"], spec, torch, spec["lock_fd"], spent)
             start = 0.0
-            out.write(json.dumps(dict(r, key=c["key"], t={k: round(v, 3) for k, v in t.items()})) + "\n")
+            out.write(json.dumps(dict(r, key=c["key"], t={k: round(v, 3) for k, v in spent.items()})) + "\n")
             out.flush()
             if spec["backend"] == "cuda":
                 torch.cuda.empty_cache()
