@@ -782,7 +782,7 @@ class HFPolicy:
 
     def __init__(self, model, tokenizer, max_context=8192, engine="auto", engine_kw=None):
         self.model, self.tokenizer, self.max_context = model, tokenizer, max_context
-        self.engine_kw = dict(engine_kw or {})  # FastEngine options, e.g. {"compile_layers": True}
+        self.engine_kw = dict(engine_kw or {})  # FastEngine options, e.g. {"compile_layers": False}
         why = FastEngine.unsupported(model, max_context)
         self.engine_kind = "fast" if engine in ("auto", "fast") and why is None else "hf"
         if engine == "fast" and why is not None:

@@ -28,6 +28,15 @@ fi
 export PYTHONPATH=/tmp/site:/tmp/gg${PYTHONPATH:+:$PYTHONPATH}
 if [ -d .tok ]; then mkdir -p "$CUDA_AGENT_CACHE" && cp -rn .tok/* "$CUDA_AGENT_CACHE"/; fi
 step() { local limit=$1 name=$2; shift 2; echo "=== $name (limit ${limit}s) $(date +%T)"; timeout -s INT -k 20 "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "exit $? $(date +%T)"; tail -n 25 "$OUT/$name.log"; }
+# the default preset with fewer steps, on the data part's tasks when there are some; OUT/NAME/ receives its
+# metrics.jsonl and config.json, for `bench/preset_time.py OUT/NAME` (it scales each stage's time to the preset)
+short_default() {
+  local name=$1; shift
+  local data=/tmp/synth-out; [ -f $data/dataset_dict.json ] || data=""
+  step 330 "$name" python3 train.py --stage all --backend cuda --run-dir "/tmp/run-$name" ${data:+--dataset $data} \
+    --set warmup_steps=2 --set ppo_steps=2 --set rft_tasks=16 --set synth_tasks=16 "$@"
+  mkdir -p "$OUT/$name" && cp "/tmp/run-$name/metrics.jsonl" "/tmp/run-$name/config.json" "$OUT/$name/" 2>/dev/null
+}
 
 for PART in $PARTS; do case $PART in
 data)
@@ -49,20 +58,13 @@ train)
   step 240 overfit python3 bench/train_bench.py --overfit --device cuda --backend cuda &
   step 240 gpu_tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_evaluate.py tests/test_agent.py
   wait
-  data=/tmp/synth-out; [ -f $data/dataset_dict.json ] || data=""
-  # the default preset with fewer steps: bench/preset_time.py scales each stage's measured time to the preset
-  step 330 default python3 train.py --stage all --backend cuda --run-dir /tmp/run-default ${data:+--dataset $data} \
-    --set warmup_steps=2 --set ppo_steps=2 --set rft_tasks=16 --set synth_tasks=16
-  cp /tmp/run-default/metrics.jsonl /tmp/run-default/config.json "$OUT/" 2>/dev/null
+  short_default default
   ;;
 default-random)
   # the same short default run on random weights of the embedded model's shape (no GGUF carry needed; a random
   # model never stops early, so every turn is as long as allowed: an upper bound on the generation time)
   python3 bench/train_bench.py --save-random /tmp/rand135 > "$OUT/save_random.log" 2>&1
-  data=/tmp/synth-out; [ -f $data/dataset_dict.json ] || data=""
-  step 330 default_random python3 train.py --stage all --backend cuda --run-dir /tmp/run-random --model /tmp/rand135 \
-    ${data:+--dataset $data} --set warmup_steps=2 --set ppo_steps=2 --set rft_tasks=16 --set synth_tasks=16
-  cp /tmp/run-random/metrics.jsonl "$OUT/metrics_random.jsonl"; cp /tmp/run-random/config.json "$OUT/config_random.json"
+  short_default default_random --model /tmp/rand135
   ;;
 gpu-tests)
   step 240 gpu_tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_agent.py
