@@ -294,12 +294,13 @@ def _cgroup(name: str, pids_max: int, mem_bytes: int | None) -> list[Path]:
 
 def run_sandboxed(argv: list[str], cwd: str | Path, timeout: float, *, writable=(), mem_gb: float | None = 16.0,
                   cpu_s: float | None = None, env: dict | None = None, pass_fds=(), output_limit: int = 20_000,
-                  max_tasks: int = 1024, kind: str = "cpu", prefix: list | None = None) -> SandboxResult:
+                  max_tasks: int = 1024, kind: str = "cpu", prefix: list | None = None, started=None) -> SandboxResult:
     """Run argv in a child process that cannot hurt us: own session and process group, PID/net/mount
     namespaces where available, cgroup or rlimit caps, scrubbed environment, wall-clock timeout.
     `cwd` and `writable` stay writable; everything else is read-only where the OS allows it.
     stdout/stderr are kept to `output_limit` characters each (head and tail). kind="cuda" for children
-    that use the GPU (no address-space limit, namespaces that CUDA tolerates here)."""
+    that use the GPU (no address-space limit, namespaces that CUDA tolerates here). started(pid): called with
+    the child's process group once it runs, for a caller (another thread) that may need to kill it sooner."""
     cwd = str(Path(cwd).resolve())
     prefix = isolation(kind) if prefix is None else prefix
     child_env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
@@ -330,6 +331,8 @@ def run_sandboxed(argv: list[str], cwd: str | Path, timeout: float, *, writable=
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         p = subprocess.Popen(cmd, cwd=cwd, env=child_env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                              start_new_session=True, preexec_fn=limits, pass_fds=tuple(pass_fds))
+        if started:
+            started(p.pid)
         timed_out = False
         try:
             p.wait(timeout=timeout)
@@ -379,6 +382,18 @@ def file_lock(path: Path):
         yield
     finally:
         os.close(fd)
+
+
+def compile_caches() -> tuple[dict, list[Path]]:
+    """Environment and folders of the compile caches that trusted children (a task's reference, synth.py's
+    filter) share and write: inductor's graphs, Triton's kernels, and the NVRTC kernels of jiterator ops
+    (torch.special functions compile one on their first call, for seconds; without a shared folder every
+    child compiles it again, because a child's HOME is its own folder). Candidates only read them."""
+    dirs = {"TORCHINDUCTOR_CACHE_DIR": CACHE_DIR / "inductor", "TRITON_CACHE_DIR": CACHE_DIR / "triton",
+            "PYTORCH_KERNEL_CACHE_PATH": CACHE_DIR / "nvrtc"}
+    for d in dirs.values():
+        d.mkdir(parents=True, exist_ok=True)
+    return {k: str(v) for k, v in dirs.items()}, list(dirs.values())
 
 
 def gpu_lock_path(backend: str) -> Path:
@@ -979,11 +994,11 @@ def evaluate(workspace, backend: str = "auto", reference: str | None = None, cfg
             try:
                 spec = dict(specs[name], lock_fd=fd)
                 (run / name / "spec.json").write_text(json.dumps(spec))
-                extra = {"TORCHINDUCTOR_CACHE_DIR": str(CACHE_DIR / "inductor"), "TRITON_CACHE_DIR": str(CACHE_DIR / "triton"),
-                         "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
-                writable = [CACHE_DIR / "inductor", CACHE_DIR / "triton"] if name == "ref" else []
-                for w in writable:
-                    w.mkdir(parents=True, exist_ok=True)
+                extra, caches = compile_caches()
+                extra["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
+                writable = caches if name == "ref" else []  # a candidate must not plant entries in shared caches
+                if name != "ref":  # (torch warns on an unwritable one; the candidate's own HOME serves instead)
+                    del extra["PYTORCH_KERNEL_CACHE_PATH"]
                 results[name] = run_sandboxed([sys.executable, "-E", "-B", str(ENV_PY), "_child", str(run / name / "spec.json")],
                                               run / name, cfg.timeout, writable=writable, mem_gb=cfg.mem_gb, env=extra, pass_fds=[fd],
                                               kind=backend)

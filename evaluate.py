@@ -517,11 +517,8 @@ def time_reference(job: dict) -> dict:
             run = str(Path(run).resolve())  # absolute paths: in the child, only the bind-mounted run dir is writable
             Path(run, "spec.json").write_text(json.dumps({"backend": backend, "lock_fd": fd, "n_timed": env.Config.n_timed,
                                                           "dir": run}))
-            writable = [env.CACHE_DIR / "inductor", env.CACHE_DIR / "triton"]
-            for w in writable:
-                w.mkdir(parents=True, exist_ok=True)
-            extra = {"TORCHINDUCTOR_CACHE_DIR": str(writable[0]), "TRITON_CACHE_DIR": str(writable[1]),
-                     "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
+            extra, writable = env.compile_caches()
+            extra["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
             if backend == "cuda":
                 extra["CUDA_AGENT_NO_AS"] = "1"  # as in env.py: RLIMIT_AS breaks CUDA
             # kind=backend: CUDA children get the namespaces in which a CUDA context works (env.isolation)

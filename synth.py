@@ -50,7 +50,9 @@ import json
 import math
 import os
 import random
+import select
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -81,7 +83,7 @@ class Config:
     test_share: float = 0.05
     window_ms: tuple | None = None  # (lo, hi) eager-time window; None = 1-100 ms on CUDA, 0.1-10 ms on CPU
     similarity: float = 0.9  # drop if AST similarity to a KernelBench file is above this
-    batch_size: int = 0  # candidates per child process; 0 = 12 on CUDA, 6 on CPU
+    task_timeout_s: int = 0  # a candidate's check may take this long before its child is ended; 0 = 60 CUDA, 150 CPU
     max_candidates: int = 0  # give up after composing this many; 0 = 20 * num_tasks + 50
     # timed runs per measurement (env.time_callable): few, because timing holds the device lock (one task at a
     # time) and is the H200's bottleneck; a median of 5 is precise enough to place a task in a 1-100 ms window
@@ -619,10 +621,8 @@ def load_composer_policy(cfg: Config):
 def compose(start: int, count: int, seeds: list[dict], cfg: Config, backend: str, seen: set, funnel: dict,
             policy=None) -> list[dict]:
     """Candidates number start..start+count-1, minus those that fail to compose or duplicate an earlier one."""
-    from tqdm import tqdm
     by_name = {s["name"]: s for s in seeds}
-    cands = [compose_one(i, seeds, by_name, cfg, backend)
-             for i in tqdm(range(start, start + count), desc="compose", unit="cand", leave=False, file=sys.stderr)]
+    cands = [compose_one(i, seeds, by_name, cfg, backend) for i in range(start, start + count)]
     if policy is not None:
         plans = [c for c in cands if "drop" not in c]
         written = iter(compose_llm(plans, cfg, policy))
@@ -728,10 +728,15 @@ def result_key(c: dict, cfg: Config, backend: str) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
-def filter_by_execution(cands: list[dict], cfg: Config, backend: str, resume_file: Path | None = None) -> dict:
-    """Run every candidate's checks in sandboxed children, `batch_size` candidates per child and
-    `workers` children at a time. Returns {result_key: result}. Results are appended to `resume_file`
-    as they arrive, and read back from it on a re-run."""
+def filter_by_execution(stream, cfg: Config, backend: str, resume_file: Path | None = None, need: int = 0) -> dict:
+    """Check candidates from `stream` (any iterable, read in order) in `workers` sandboxed children (Checker),
+    one candidate at a time each. Returns {result_key: result}.
+    With `need`, a candidate is taken only while the tasks kept so far plus the expected yield of those being
+    checked fall short of `need`: the run stops within a few candidates of `need` kept tasks, and composing
+    the next candidate overlaps the checks of the earlier ones. Every candidate taken is finished, so the results
+    cover a prefix of the stream: the first `need` kept tasks of a seed's stream do not depend on timing or
+    workers. Results are appended to `resume_file` as they arrive and read back from it on a re-run. Taking
+    stops early when the first 20 results all failed to run (a broken machine, see run())."""
     from tqdm import tqdm
     done = {}
     if resume_file and resume_file.exists():
@@ -741,51 +746,84 @@ def filter_by_execution(cands: list[dict], cfg: Config, backend: str, resume_fil
                 done[r["key"]] = r
             except (json.JSONDecodeError, KeyError):
                 continue  # a line cut short by an interruption
-    todo = {}
-    for c in cands:
-        k = result_key(c, cfg, backend)
-        if k not in done:
-            todo[k] = c
-    keys = list(todo)
-    per = cfg.batch_size or (12 if backend == "cuda" else 6)
-    per = max(1, min(per, math.ceil(len(keys) / max(1, cfg.workers))))
-    batches = [keys[i:i + per] for i in range(0, len(keys), per)]
-    bar = tqdm(total=len(cands), initial=len(cands) - len(keys), desc="filter", unit="cand", file=sys.stderr)
+    total = need or (len(stream) if hasattr(stream, "__len__") else None)
+    stream = iter(stream)
+    bar = tqdm(total=total, desc="filter", unit="task" if need else "cand", file=sys.stderr)
     sink = open(resume_file, "a") if resume_file else None
     stop_r, stop_w = os.pipe()  # children exit when the write end closes: we finished, were interrupted or killed
     stopping = threading.Event()
+    cond, pulling = threading.Condition(), threading.Lock()
+    n = {"kept": 0, "finished": 0, "running": 0, "end": False}  # running: taken, not yet finished
+    results = []  # this run's, in the order they finished (for the broken-machine check)
+    rate = lambda: (n["kept"] + 3) / (n["finished"] + 5)  # the yield so far, from a prior of 60%
 
-    lock = threading.Lock()
+    def record(r, fresh=True):
+        with cond:
+            if fresh:
+                done[r["key"]] = r
+                n["running"] -= 1
+                if sink:
+                    sink.write(json.dumps(r) + "\n")
+                    sink.flush()
+            results.append(r)
+            n["finished"] += 1
+            n["kept"] += bool(r["kept"])
+            if len(results) == 20 and machine_broken(results):
+                n["end"] = True
+            bar.update(int(r["kept"]) if need else 1)
+            bar.set_postfix_str(f"{n['finished']} checked, yield {100 * rate():.0f}%", refresh=False)
+            cond.notify_all()
 
-    def record(r):
-        with lock:
-            if stopping.is_set() and "child process" in r.get("drop", ""):
-                return  # killed by us: nothing to blame on the candidate
-            done[r["key"]] = r
-            if sink:
-                sink.write(json.dumps(r) + "\n")
-                sink.flush()
-            bar.update(1)
+    def take() -> dict | None:
+        """The next candidate to check, None when there is nothing left to do."""
+        with cond:
+            while True:
+                if n["end"] or stopping.is_set() or (need and n["kept"] >= need):
+                    return None
+                if not need or n["running"] == 0 or n["kept"] + rate() * n["running"] < need:
+                    break
+                cond.wait()  # enough are being checked, if they keep the yield: wait for a result
+            n["running"] += 1
+        with pulling:  # (a generator: one thread at a time)
+            for c in stream:
+                k = result_key(c, cfg, backend)
+                if k not in done:
+                    return dict(c, key=k)
+                record(done[k], fresh=False)  # checked by an earlier, interrupted run
+        with cond:
+            n["running"] -= 1
+            n["end"] = True
+            cond.notify_all()
+        return None
 
-    def run_batch(batch_keys):
-        remaining = list(batch_keys)
-        while remaining and not stopping.is_set():
-            got = _run_child([dict(todo[k], key=k) for k in remaining], cfg, backend, stop_r, record)
-            if stopping.is_set():
-                return
-            missing = [k for k in remaining if k not in got]
-            if len(missing) == len(remaining):  # the first unfinished candidate took the child down
-                k = missing.pop(0)
-                record({"key": k, "kept": False, "drop": f"child process {got.get('__crash__', 'died')}"})
-            remaining = missing
+    def worker():
+        checker = None
+        try:
+            while (c := take()) is not None:
+                checker = checker or Checker(cfg, backend, stop_r)
+                r = checker.check(c)
+                if stopping.is_set():
+                    return  # killed by us: nothing to blame on the candidate
+                record(r)
+                # a fresh child after a crash, after a CUDA error (it can leave the context unusable), and now and
+                # then (what a long-lived process accumulates is not worth finding out)
+                if r.get("drop", "").startswith("child process") or "CUDA error" in r.get("drop", "") or \
+                        checker.n >= Checker.MAX_TASKS:
+                    checker.close()
+                    checker = None
+        finally:
+            if checker:
+                checker.close()
 
     try:
         with ThreadPoolExecutor(max(1, cfg.workers)) as pool:
             try:
-                for f in as_completed([pool.submit(run_batch, b) for b in batches]):
+                for f in as_completed([pool.submit(worker) for _ in range(max(1, cfg.workers))]):
                     f.result()
             except BaseException:  # Ctrl-C (or a bug): stop the children now, keep what was recorded
                 stopping.set()
+                with cond:
+                    cond.notify_all()
                 os.close(stop_w)
                 stop_w = None
                 raise
@@ -799,62 +837,86 @@ def filter_by_execution(cands: list[dict], cfg: Config, backend: str, resume_fil
     return done
 
 
-def _run_child(batch: list[dict], cfg: Config, backend: str, stop_fd: int, on_result=lambda r: None) -> dict:
-    """One sandboxed child checks a batch of candidates; on_result(r) as each result arrives.
-    Returns {key: result} (+ "__crash__": why, when it did not finish)."""
-    env.CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    lock = env.gpu_lock_path(backend)
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    ind, tri = env.CACHE_DIR / "inductor", env.CACHE_DIR / "triton"
-    for d in (ind, tri):
-        d.mkdir(parents=True, exist_ok=True)
-    # CPU: one thread per child (workers use the cores; OpenMP teams on a busy machine make timings erratic).
-    threads = 1 if backend == "cpu" else max(1, (os.cpu_count() or 1) // max(1, cfg.workers))
-    extra = {"TORCHINDUCTOR_CACHE_DIR": str(ind), "TRITON_CACHE_DIR": str(tri), "OMP_NUM_THREADS": str(threads),
-             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    # no inductor compile-worker pool per child: the workers already compile in parallel, and 12 children
-    # each starting a pool of one process per core (each importing torch) would swamp the CPUs
-    extra["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
-    if backend == "cuda":
-        extra["CUDA_AGENT_NO_AS"] = "1"  # RLIMIT_AS breaks CUDA's address-space reservations
-    with tempfile.TemporaryDirectory(prefix="synth-", dir=env.CACHE_DIR) as d:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            spec = {"dir": str(Path(d).resolve()), "backend": backend, "window_ms": list(cfg.window_ms), "n_timed": cfg.n_timed, "threads": threads,
-                    "min_timed_s": cfg.min_timed_s, "lock_fd": fd, "stop_fd": stop_fd, "cands": batch}
-            Path(d, "spec.json").write_text(json.dumps(spec))
-            timeout = 90 + (60 if backend == "cuda" else 150) * len(batch)
-            res, got, finished = Path(d, "results.jsonl"), {}, threading.Event()
+def machine_broken(results: list[dict]) -> bool:
+    """Every one of these results failed before any filter could judge it: the machine is at fault, not the
+    tasks (on the H200, children once could not start CUDA at all)."""
+    return bool(results) and all(not r["kept"] and _reason_class(r["drop"]) in ("eager failed", "child process")
+                                 for r in results)
 
-            def collect():  # results as the child writes them, so an interruption loses at most one candidate
-                for line in (res.read_text().splitlines() if res.exists() else []):
-                    try:
-                        x = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue  # a line being written
-                    if x.get("key") and x["key"] not in got:
-                        got[x["key"]] = x
-                        on_result(x)
 
-            def poll():
-                while not finished.wait(0.5):
-                    collect()
-            poller = threading.Thread(target=poll, daemon=True)
-            poller.start()
-            try:
-                r = env.run_sandboxed([sys.executable, "-E", "-B", str(Path(__file__).resolve()), "_filter",
-                                       str(Path(d, "spec.json").resolve())], d, timeout=timeout, writable=[ind, tri],
-                                      mem_gb=16.0, env=extra, pass_fds=[fd, stop_fd], kind=backend)  # CUDA-safe namespaces
-            finally:
-                finished.set()
-                poller.join()
-            collect()
-        finally:
+class Checker:
+    """One sandboxed child (env.run_sandboxed) that checks candidates one at a time, for as long as it is given
+    some: the parent writes a candidate as one JSON line into a pipe, the child answers with one JSON line on
+    another. Importing torch, setting up CUDA and inductor cost a child seconds, so one child serves many
+    candidates. A crash ends it, and so does a hang: past `task_timeout_s` on one candidate, the parent kills its
+    process group (a signal from inside would not do: in a PID namespace the child is init, which ignores the
+    default actions, and a Python-level handler waits for a stuck C call). Either way the candidate it was
+    checking is blamed."""
+    MAX_TASKS = 64  # candidates per child before a fresh one
+
+    def __init__(self, cfg: Config, backend: str, stop_fd: int):
+        self.n, self.buf, self.sandbox, self.pid, self.killed = 0, b"", None, None, False
+        self.dir = tempfile.mkdtemp(prefix="synth-", dir=env.CACHE_DIR)
+        lock = env.gpu_lock_path(backend)
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        self.lock_fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+        (cand_r, self.cand_w), (self.res_r, res_w) = os.pipe(), os.pipe()
+        self.fds = [self.lock_fd, cand_r, self.cand_w, self.res_r, res_w]
+        extra, caches = env.compile_caches()  # shared by all children: each graph and jiterator kernel compiles once
+        # CPU: one thread per child (workers use the cores; OpenMP teams on a busy machine make timings erratic).
+        threads = 1 if backend == "cpu" else max(1, (os.cpu_count() or 1) // max(1, cfg.workers))
+        extra.update(OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        # no inductor compile-worker pool per child: the workers already compile in parallel, and 12 children
+        # each starting a pool of one process per core (each importing torch) would swamp the CPUs
+        extra["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+        if backend == "cuda":
+            extra["CUDA_AGENT_NO_AS"] = "1"  # RLIMIT_AS breaks CUDA's address-space reservations
+        self.timeout = cfg.task_timeout_s or (60 if backend == "cuda" else 150)
+        spec = {"dir": str(Path(self.dir).resolve()), "backend": backend, "window_ms": list(cfg.window_ms),
+                "n_timed": cfg.n_timed, "min_timed_s": cfg.min_timed_s, "threads": threads,
+                "lock_fd": self.lock_fd, "stop_fd": stop_fd, "in_fd": cand_r, "out_fd": res_w}
+        Path(self.dir, "spec.json").write_text(json.dumps(spec))
+        argv = [sys.executable, "-E", "-B", str(Path(__file__).resolve()), "_filter", str(Path(self.dir, "spec.json").resolve())]
+        # (the wall-clock limit only backs up check()'s per-candidate one: importing torch, then MAX_TASKS candidates)
+        kw = dict(timeout=300 + self.timeout * self.MAX_TASKS, writable=caches, mem_gb=16.0, env=extra,
+                  pass_fds=[self.lock_fd, stop_fd, cand_r, res_w], kind=backend,  # kind: CUDA-safe namespaces
+                  started=lambda pid: setattr(self, "pid", pid))
+
+        def run():
+            self.sandbox = env.run_sandboxed(argv, self.dir, **kw)
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def check(self, cand: dict) -> dict:
+        """The child's verdict on `cand`, or a "child process ..." drop when the child died on it."""
+        os.write(self.cand_w, (json.dumps(cand) + "\n").encode())
+        self.n += 1
+        # the child's first candidate also waits for it to import torch and set up CUDA
+        deadline = time.monotonic() + self.timeout + (120 if self.n == 1 else 0)
+        while b"\n" not in self.buf:
+            alive = self.thread.is_alive()  # (read before the pipe: an answer written just before dying counts)
+            if select.select([self.res_r], [], [], 0.2 if alive else 0)[0]:
+                self.buf += os.read(self.res_r, 1 << 16)
+            elif not alive:
+                r = self.sandbox
+                tail = r.stderr.strip().splitlines()[-1][:200] if r and r.stderr.strip() else ""
+                why = (f"timed out: its checks took over {self.timeout} s" if self.killed else
+                       (r.crash if r else None) or f"exited with code {r.returncode if r else '?'}")
+                return {"key": cand["key"], "kept": False, "drop": f"child process {why}" + (f": {tail}" if tail else "")}
+            elif time.monotonic() > deadline and self.pid and not self.killed:
+                self.killed = True
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.pid, signal.SIGKILL)
+        line, self.buf = self.buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def close(self):
+        os.close(self.cand_w)  # EOF: the child exits
+        self.fds.remove(self.cand_w)
+        self.thread.join()
+        for fd in self.fds:
             os.close(fd)
-        if len(got) < len(batch):
-            tail = r.stderr.strip().splitlines()[-1][:200] if r.stderr.strip() else ""
-            got["__crash__"] = (r.crash or f"exited with code {r.returncode}") + (f": {tail}" if tail else "")
-        return got
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -873,8 +935,9 @@ def _locked(fd, spent: dict):
 
 def check_task(code: str, spec: dict, torch, lock_fd, spent: dict) -> dict:
     """The execution filter for one task, inside the child. Returns {"kept": bool, "drop": why, ...}.
-    Cheap checks first, torch.compile (seconds) last. Adds where the time went to `spent` (seconds: setup, lock
-    wait, locked device work, compile), so the funnel can name the bottleneck."""
+    Cheap checks first, torch.compile (seconds) last. Adds where the time went to `spent` (seconds: setup, the
+    warm-up run, lock wait, locked device work and the first run within it, compile), so the funnel can name the
+    bottleneck."""
     import importlib.util
     t0 = time.perf_counter()
     device = torch.device("cuda" if spec["backend"] == "cuda" else "cpu")
@@ -909,17 +972,31 @@ def check_task(code: str, spec: dict, torch, lock_fd, spent: dict) -> dict:
         return all(isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape and
                    torch.allclose(pick(x).float(), pick(y).float(), atol=tol, rtol=tol, equal_nan=True)
                    for x, y in zip(leaves(a), leaves(b)))
+    # Outside the device lock, one run on the first row of the batch (BATCH, the size compose grows, is free):
+    # it compiles the task's jiterator kernels (torch.special functions: seconds each), loads its CUDA modules and
+    # picks its cuDNN algorithms, so that the locked section runs kernels, not compilers, at 1/BATCH of the device
+    # work. Best effort: a forward that needs the whole batch skips it.
+    t0 = time.perf_counter()
+    if all(isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] > 1 for x in sets[0]):
+        with contextlib.suppress(Exception), torch.no_grad():
+            model(*[x[:1] for x in sets[0]])
+            sync()
+    spent["warm"] = time.perf_counter() - t0
     try:
         with _locked(lock_fd, spent):  # all timed/measured device work of this task, one task at a time
             with torch.no_grad():
-                outs = [model(*sets[0])]  # untimed: a first call may compile kernels (jiterator ops: seconds)
+                t0 = time.perf_counter()
+                outs = [model(*sets[0])]  # untimed: a first call may still set things up
                 sync()
                 t_once = time.perf_counter()
+                spent["first"] = t_once - t0
                 again = model(*sets[0])
                 sync()
                 t_once = (time.perf_counter() - t_once) * 1e3  # one run: skips everything else when far outside
                 if t_once > 3 * hi:
                     return {"kept": False, "drop": f"too slow: eager {t_once:.3g} ms (one run) > {hi:g} ms", "eager_ms": t_once}
+                if t_once < lo / 4:  # (the timed runs below start from a flushed L2, so they may be slower, not 4x)
+                    return {"kept": False, "drop": f"too fast: eager {t_once:.3g} ms (one run) < {lo:g} ms", "eager_ms": t_once}
                 outs += [model(*x) for x in sets[1:]]
             if not all(isinstance(t, torch.Tensor) for o in outs for t in leaves(o)):
                 return {"kept": False, "drop": "output is not a tensor"}
@@ -960,7 +1037,8 @@ def check_task(code: str, spec: dict, torch, lock_fd, spent: dict) -> dict:
 
 
 def _filter_child(spec_path: str):
-    """Runs in a sandboxed child: check each candidate, append one JSON line per result."""
+    """Runs in a sandboxed child (Checker): check each candidate read from the input pipe, answer each with
+    one JSON line, until the pipe closes."""
     import warnings
     warnings.filterwarnings("ignore")
     spec = json.loads(Path(spec_path).read_text())
@@ -977,12 +1055,13 @@ def _filter_child(spec_path: str):
         x = torch.randn(64, 64, device="cuda")  # lock: the first task's first run would pay for them under it
         float((x @ x).sum() + torch.nn.functional.conv2d(x[None, None], x[None, None, :3, :3]).sum())
     start = time.perf_counter() - t0  # importing torch (and CUDA set-up): charged to the first candidate
-    with open(Path(spec["dir"]) / "results.jsonl", "a") as out:
-        for c in spec["cands"]:
-            spent = {"start": start, "setup": 0.0, "wait": 0.0, "locked": 0.0, "compile": 0.0}
+    with os.fdopen(spec["in_fd"], "rb") as cands, os.fdopen(spec["out_fd"], "wb") as out:
+        while line := cands.readline():
+            c = json.loads(line)
+            spent = {"start": start, "setup": 0.0, "warm": 0.0, "wait": 0.0, "locked": 0.0, "first": 0.0, "compile": 0.0}
             r = check_task(c["code"], spec, torch, spec["lock_fd"], spent)
             start = 0.0
-            out.write(json.dumps(dict(r, key=c["key"], t={k: round(v, 3) for k, v in spent.items()})) + "\n")
+            out.write((json.dumps(dict(r, key=c["key"], t={k: round(v, 3) for k, v in spent.items()})) + "\n").encode())
             out.flush()
             if spec["backend"] == "cuda":
                 torch.cuda.empty_cache()
@@ -1023,7 +1102,7 @@ def diversity(rows: list[dict]) -> dict:
 
 
 def report(funnel: dict, div: dict, n_seeds: int, kept: int, n_train: int, n_test: int, seconds: float,
-           child_secs: dict | None = None, workers: int = 1) -> str:
+           child_secs: dict | None = None, workers: int = 1, secs: dict | None = None) -> str:
     lines = [f"{'stage':<12}{'in':>8}{'out':>8}  top drop reasons", f"{'mine':<12}{'':>8}{n_seeds:>8}  (seed operators)"]
     for name in ("compose", "similarity", "execution"):
         st = funnel[name]
@@ -1032,11 +1111,15 @@ def report(funnel: dict, div: dict, n_seeds: int, kept: int, n_train: int, n_tes
         lines += [f"{'':<28}e.g. {ex[0]}" for ex in st.get("examples", {}).values() if ex]
     lines.append(f"{'dataset':<12}{funnel['execution']['out']:>8}{kept:>8}  train {n_train} | test {n_test} | "
                  f"{seconds:.0f} s | {kept / max(seconds, 1e-9) * 3600:.0f} tasks/hour")
+    if secs:
+        lines.append("seconds: " + " | ".join(f"{k} {v:.1f}" for k, v in secs.items()) +
+                     " (compose and similarity run inside execution, as the filter takes candidates)")
     if child_secs:  # the bottleneck: CPU work runs `workers` at a time, locked device work one at a time
         n = max(1, funnel["execution"]["in"])
         lines.append(f"execution, seconds per candidate ({workers} workers): " + " | ".join(
-            f"{k} {child_secs.get(k, 0) / n:.2f}" for k in ("start", "setup", "wait", "locked", "compile")) +
-            " (start: importing torch and CUDA set-up; wait: for the device lock; locked: eager/compile runs, checks, timing)")
+            f"{k} {child_secs.get(k, 0) / n:.2f}" for k in ("start", "setup", "warm", "wait", "locked", "first", "compile")) +
+            " (start: importing torch and CUDA set-up; warm: a run on one row outside the lock; wait: for the device"
+            " lock; locked: eager/compile runs, checks, timing; first: the first full run, within locked)")
     mix = " | ".join(f"{k} {v['ours_pct']}% (paper {v['paper_pct']}%)" for k, v in div["mix"].items())
     lines += [f"mix: {mix}", "ops by source: " + ", ".join(f"{k} {v}" for k, v in sorted(div["ops_per_source"].items())),
               f"distinct ops {div['distinct_ops']}; top: " + ", ".join(f"{o} {c}" for o, c in div["top_ops"][:8]),
@@ -1135,14 +1218,14 @@ def parse_args(argv=None) -> Config:
     g.add_argument("--window-ms", type=float, nargs=2, default=None, metavar=("LO", "HI"),
                    help="eager-time window (default 1 100 on CUDA, 0.1 10 on CPU)")
     g.add_argument("--similarity", type=float, default=Config.similarity)
-    g.add_argument("--batch-size", type=int, default=0, help="candidates per child process (0: 12 CUDA, 6 CPU)")
+    g.add_argument("--task-timeout", type=int, default=0, help="seconds one candidate's checks may take (0: 60 CUDA, 150 CPU)")
     g.add_argument("--max-candidates", type=int, default=0)
     g.add_argument("--mem-cap-gb", type=float, default=0.0,
                    help="memory one task may touch, which bounds sizes (0: 4 on CUDA, 0.25 on CPU; each worker holds ~3x)")
     a = p.parse_args(argv)
     cfg = Config(out=a.out, num_tasks=a.num_tasks, max_ops=a.max_ops, backend=a.backend, seed=a.seed, workers=a.workers,
                  kernelbench_dir=a.kernelbench_dir, composer=a.composer, model=a.model, test_share=a.test_share,
-                 window_ms=tuple(a.window_ms) if a.window_ms else None, similarity=a.similarity, batch_size=a.batch_size,
+                 window_ms=tuple(a.window_ms) if a.window_ms else None, similarity=a.similarity, task_timeout_s=a.task_timeout,
                  max_candidates=a.max_candidates, mem_cap_gb=a.mem_cap_gb)
     return cfg
 
@@ -1208,60 +1291,58 @@ def main(argv=None) -> int:
         return 130
 
 
-def run(cfg: Config, out: Path, backend: str, kb: list, work: Path, t0: float, policy=None) -> int:
-    """mine -> (compose -> filter)* -> save + report."""
-    seeds = mine_seeds()                                                       # 1. mine
-    funnel, seen, kept_rows = new_funnel(), set(), {}
-    secs = {"mine": round(time.time() - t0, 1), "compose": 0.0, "similarity": 0.0, "execution": 0.0}
-    tick = lambda: time.time()
+def candidate_stream(seeds: list[dict], cfg: Config, backend: str, kb, funnel: dict, secs: dict, taken: list,
+                     policy=None):
+    """Candidates in index order, composed as the filter takes them, minus compose failures, duplicates and
+    KernelBench look-alikes (counted in `funnel`, their seconds added to `secs`). Appends each one it yields
+    to `taken`."""
     max_cands = cfg.max_candidates or 20 * cfg.num_tasks + 50
-    step, start, rate = 0, 0, 0.6  # (a guess of the yield, until measured)
-    child_secs = collections.Counter()  # where the children's time went, summed over candidates (check_task)
-    while True:
-        # Compose more candidates than we still need (by the yield so far), filter them, repeat.
-        need = cfg.num_tasks - len(kept_rows)
-        count = math.ceil(need / max(rate, 0.05) * 1.1)
-        if step == 0:  # the yield is a guess until measured: a first round of at most a quarter
-            count = min(count, max(cfg.workers * 24, count // 4))
-        count = min(max_cands - start, max(cfg.workers * 2, count))
-        t = tick()
-        cands = compose(start, count, seeds, cfg, backend, seen, funnel, policy)  # 2. compose
-        start += count
-        t, secs["compose"] = tick(), secs["compose"] + tick() - t
-        cands = filter_similar(cands, kb, cfg, funnel)                        # 3a. cheap filters
-        t, secs["similarity"] = tick(), secs["similarity"] + tick() - t
-        results = filter_by_execution(cands, cfg, backend, work / "filtered.jsonl")  # 3b. execution
-        secs["execution"] += tick() - t
+    seen, chunk = set(), 16 if policy is not None else 1  # the LLM composer answers a batch of plans at a time
+    for start in range(0, max_cands, chunk):
+        t0 = time.time()
+        cands = compose(start, min(chunk, max_cands - start), seeds, cfg, backend, seen, funnel, policy)
+        t1 = time.time()
+        cands = filter_similar(cands, kb, cfg, funnel)
+        secs["compose"] += t1 - t0
+        secs["similarity"] += time.time() - t1
         for c in cands:
-            r = results[result_key(c, cfg, backend)]
-            funnel["execution"]["in"] += 1
-            child_secs.update(r.get("t", {}))
-            if r["kept"]:
-                funnel["execution"]["out"] += 1
-                kept_rows[c["index"]] = dict(ops=c["ops"], data_source=c["data_source"], code=c["code"],
-                                             eager_ms=r["eager_ms"], compile_ms=r["compile_ms"], input_shape=c["shape"])
-            else:
-                why = _reason_class(r["drop"])
-                funnel["execution"]["drops"][why] += 1
-                examples = funnel["execution"].setdefault("examples", {}).setdefault(why, [])
-                if why != r["drop"] and len(examples) < 3:  # grouped reasons keep a few full messages for debugging
-                    examples.append(f"{' -> '.join(c['ops'])}: {r['drop'][:240]}")
-        rate = max(funnel["execution"]["out"], 1) / max(funnel["compose"]["in"], 1)
-        drops = funnel["execution"]["drops"]
-        if step == 0 and not kept_rows and len(cands) >= 20 and set(drops) <= {"eager failed", "child process"}:
-            # every candidate broke before any filter could judge it: the machine is at fault, not the tasks
-            first = next(r["drop"] for r in results.values() if not r["kept"])
-            shutil.rmtree(work, ignore_errors=True)  # these verdicts blame the machine: a re-run must not reuse them
-            raise UsageError(f"all {len(cands)} candidates of the first round failed to run (e.g. {first[:300]}); "
-                             f"check that the {backend} backend works in env.py's sandbox on this machine")
-        step += 1
-        print(f"round {step} | composed {start} | candidates {funnel['compose']['out']} | kept {len(kept_rows)}/{cfg.num_tasks}"
-              f" | yield {100 * rate:.0f}% | {time.time() - t0:.0f} s", flush=True)
-        if len(kept_rows) >= cfg.num_tasks or start >= max_cands:
-            break
+            taken.append(c)
+            yield c
+
+
+def run(cfg: Config, out: Path, backend: str, kb: list, work: Path, t0: float, policy=None) -> int:
+    """mine -> compose -> filter (one stream: composing overlaps the checks) -> save + report."""
+    seeds = mine_seeds()                                                       # 1. mine
+    funnel, taken, kept_rows = new_funnel(), [], {}
+    secs = {"mine": round(time.time() - t0, 1), "compose": 0.0, "similarity": 0.0, "execution": 0.0}
+    stream = candidate_stream(seeds, cfg, backend, kb, funnel, secs, taken, policy)  # 2. compose, 3a. cheap filters
+    t = time.time()
+    results = filter_by_execution(stream, cfg, backend, work / "filtered.jsonl", need=cfg.num_tasks)  # 3b. execution
+    secs["execution"] = time.time() - t  # (composing and the cheap filters run inside it, as candidates are taken)
+    child_secs = collections.Counter()  # where the children's time went, summed over candidates (check_task)
+    for c in taken:
+        r = results[result_key(c, cfg, backend)]
+        funnel["execution"]["in"] += 1
+        child_secs.update(r.get("t", {}))
+        if r["kept"]:
+            funnel["execution"]["out"] += 1
+            kept_rows[c["index"]] = dict(ops=c["ops"], data_source=c["data_source"], code=c["code"],
+                                         eager_ms=r["eager_ms"], compile_ms=r["compile_ms"], input_shape=c["shape"])
+        else:
+            why = _reason_class(r["drop"])
+            funnel["execution"]["drops"][why] += 1
+            examples = funnel["execution"].setdefault("examples", {}).setdefault(why, [])
+            if why != r["drop"] and len(examples) < 3:  # grouped reasons keep a few full messages for debugging
+                examples.append(f"{' -> '.join(c['ops'])}: {r['drop'][:240]}")
+    checked = [results[result_key(c, cfg, backend)] for c in taken]
+    if not kept_rows and len(checked) >= 20 and machine_broken(checked):
+        first = checked[0]["drop"]
+        shutil.rmtree(work, ignore_errors=True)  # these verdicts blame the machine: a re-run must not reuse them
+        raise UsageError(f"all {len(checked)} candidates checked failed to run (e.g. {first[:300]}); "
+                         f"check that the {backend} backend works in env.py's sandbox on this machine")
     rows = [kept_rows[i] for i in sorted(kept_rows)][:cfg.num_tasks]  # first N by stream index: same seed, same set
     if len(rows) < cfg.num_tasks:
-        print(f"synth.py: warning: only {len(rows)} of {cfg.num_tasks} tasks after {max_cands} candidates", file=sys.stderr)
+        print(f"synth.py: warning: only {len(rows)} of {cfg.num_tasks} tasks after {len(taken)} candidates", file=sys.stderr)
     div = diversity(rows)
     funnel_json = {"config": {k: v for k, v in dataclasses.asdict(cfg).items()}, "backend": backend,
                    "seeds": len(seeds), "stages": {k: dict(v, drops=dict(v["drops"])) for k, v in funnel.items()},
@@ -1270,7 +1351,7 @@ def run(cfg: Config, out: Path, backend: str, kb: list, work: Path, t0: float, p
                    "child_seconds": {k: round(v, 1) for k, v in child_secs.items()}, "diversity": div}
     n_train, n_test = save(rows, out, work, cfg, funnel_json)                 # 4. report
     shutil.rmtree(work, ignore_errors=True)
-    print(report(funnel, div, len(seeds), len(rows), n_train, n_test, time.time() - t0, child_secs, cfg.workers))
+    print(report(funnel, div, len(seeds), len(rows), n_train, n_test, time.time() - t0, child_secs, cfg.workers, secs))
     print(f"saved {out} (train {n_train}, test {n_test}) and {out / 'funnel.json'}")
     return 0
 

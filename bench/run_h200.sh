@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU figure in the README, on one H200, in parts; one 10-minute device call fits "data rollout",
 # "train" or "update reference" (each part's limit is below):
-#   bash bench/run_h200.sh data      OUT   # synth.py throughput and funnel (150 tasks)
+#   bash bench/run_h200.sh data      OUT   # synth.py throughput and funnel (150 tasks; SYNTH_TASKS=600 for more)
 #   bash bench/run_h200.sh reference OUT   # eager vs torch.compile on a KernelBench sample (.kb/KernelBench)
 #   bash bench/run_h200.sh train     OUT   # RFT overfit sanity + GPU tests (in parallel); a short default-preset run
 #   bash bench/run_h200.sh default-random OUT  # the short default run on random weights (no GGUF needed)
@@ -40,8 +40,11 @@ short_default() {
 
 for PART in $PARTS; do case $PART in
 data)
-  step 280 synth python3 synth.py --out /tmp/synth-out --num-tasks 150 --backend cuda --workers 12 --kernelbench-dir .kb/KernelBench
-  cp /tmp/synth-out/funnel.json "$OUT/" 2>/dev/null
+  # SYNTH_TASKS (default 150) and SYNTH_SEED (default 0) pick the run; OUT/synth-N.log and OUT/funnel-N.json
+  n=${SYNTH_TASKS:-150}
+  step $((120 + n)) synth-$n python3 synth.py --out /tmp/synth-out --num-tasks $n --seed ${SYNTH_SEED:-0} --backend cuda \
+    --workers 12 --kernelbench-dir .kb/KernelBench
+  cp /tmp/synth-out/funnel.json "$OUT/funnel-$n.json" 2>/dev/null
   ;;
 reference)
   # 10 evenly spaced problems per level (1, 11, 21, ... and 1, 6, 11, ... in level 3)

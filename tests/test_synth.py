@@ -134,7 +134,8 @@ def task(forward, inputs="torch.randn(256, 1024)", init=""):
 
 
 def test_each_execution_filter_drops_its_crafted_bad_task(tmp_path):
-    """One child checks every crafted task; the segfault kills it, and the rest run in a fresh child."""
+    """One child checks the crafted tasks one after another; the segfault and the hang end it, and the rest
+    run in a fresh child."""
     crafted = {
         "random": task("return x + torch.rand_like(x)"),
         "constant": task("return x - x"),
@@ -144,15 +145,16 @@ def test_each_execution_filter_drops_its_crafted_bad_task(tmp_path):
         "too_slow": task("for _ in range(8):\n            x = torch.tanh(x @ x)\n        return x", inputs="torch.randn(512, 512)"),
         "crash": task("import ctypes; return ctypes.string_at(0)"),  # a real segmentation fault
         "broken": task("return self.missing(x)"),
+        "hang": task("while True:\n            pass"),  # its child is killed after task_timeout_s
     }
     cands = [{"code": c, "name": n} for n, c in crafted.items()]
-    cfg = synth.Config(window_ms=(0.05, 5.0), workers=1, batch_size=len(cands))
+    cfg = synth.Config(window_ms=(0.05, 5.0), workers=1, task_timeout_s=10)
     res = synth.filter_by_execution(cands, cfg, "cpu", resume_file=tmp_path / "filtered.jsonl")
     got = {c["name"]: res[synth.result_key(c, cfg, "cpu")] for c in cands}
     # (tasks that pass every filter: see the end-to-end tests below; a compile costs ~10 s here)
     expect = {"random": "nondeterministic", "constant": "constant output", "identity": "output equals its input",
               "nonfinite": "non-finite", "too_fast": "too fast", "too_slow": "too slow", "crash": "child process crashed",
-              "broken": "eager failed"}
+              "broken": "eager failed", "hang": "child process timed out: its checks took over 10 s"}
     for name, why in expect.items():
         assert not got[name]["kept"] and got[name]["drop"].startswith(why), (name, got[name])
     # every result was recorded as it arrived; a re-run reads them back instead of re-running anything
@@ -196,7 +198,8 @@ def test_cli_smoke_writes_dataset_funnel_and_report(run_a):
     assert not Path(str(out) + ".partial").exists()
     # where the filter's time went: summed over candidates, every candidate compiled, one child import at least
     secs = funnel["child_seconds"]
-    assert set(secs) == {"start", "setup", "wait", "locked", "compile"} and secs["compile"] > 0 and secs["start"] > 0
+    assert set(secs) == {"start", "setup", "warm", "wait", "locked", "first", "compile"}
+    assert secs["compile"] > 0 and secs["start"] > 0 and secs["locked"] >= secs["first"]
     assert "execution, seconds per candidate (2 workers): start " in r.stdout
     grouped = ("too fast", "too slow", "eager failed", "torch.compile failed", "child process")
     for why, n in st["execution"]["drops"].items():  # grouped reasons keep full example messages
@@ -298,17 +301,24 @@ def test_load_tasks_rejects_a_folder_that_is_not_ours_and_reads_empty_splits(tmp
         synth.load_tasks(str(tmp_path / "one"), "validation")
 
 
-def test_a_machine_where_nothing_runs_stops_after_one_round_with_one_line(tmp_path, monkeypatch, capsys):
+def test_a_machine_where_nothing_runs_stops_soon_with_one_line(tmp_path, monkeypatch, capsys):
     """On the H200, children once could not start CUDA at all: every candidate 'failed eager', and synth.py
-    went on composing thousands more. It must stop after the first round and say why, in one line."""
-    def broken_child(batch, cfg, backend, stop_fd, on_result=lambda r: None):
-        got = {}
-        for c in batch:
-            got[c["key"]] = {"key": c["key"], "kept": False, "drop": "eager failed: RuntimeError: CUDA error: OS call failed"}
-            on_result(got[c["key"]])
-        return got
-    monkeypatch.setattr(synth, "_run_child", broken_child)
+    went on composing thousands more. It must stop after the first 20 results (and those already running) and
+    say why, in one line."""
+    calls = []
+    class BrokenChecker:  # what the sandboxed children answered there
+        def __init__(self, cfg, backend, stop_fd):
+            self.n = 0
+
+        def check(self, c):
+            calls.append(c["key"])
+            return {"key": c["key"], "kept": False, "drop": "eager failed: RuntimeError: CUDA error: OS call failed"}
+
+        def close(self):
+            pass
+    monkeypatch.setattr(synth, "Checker", BrokenChecker)
     rc = synth.main(["--out", str(tmp_path / "o"), "--num-tasks", "20", "--backend", "cpu", "--workers", "2"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err[-1].startswith("synth.py: error: all ") and "CUDA error: OS call failed" in err[-1], err[-3:]
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()  # nothing stale to resume from
+    assert 20 <= len(calls) <= 21, calls  # the first 20 results, and the one the other worker was checking
