@@ -85,10 +85,11 @@ class Config:
     similarity: float = 0.9  # drop if AST similarity to a KernelBench file is above this
     task_timeout_s: int = 0  # a candidate's check may take this long before its child is ended; 0 = 60 CUDA, 150 CPU
     max_candidates: int = 0  # give up after composing this many; 0 = 20 * num_tasks + 50
-    # timed runs per measurement (env.time_callable): few, because timing holds the device lock (one task at a
-    # time) and is the H200's bottleneck; a median of 5 is precise enough to place a task in a 1-100 ms window
+    # timed runs per measurement (env.time_callable; no warm-up: the checks already ran the task, the compile
+    # check the compiled one): few, because timing holds the device lock (one task at a time), the H200's
+    # bottleneck; a median of 5 is precise enough to place a task in a 1-100 ms window
     n_timed: int = 5
-    min_timed_s: float = 0.02
+    min_timed_s: float = 0.0
     mem_cap_gb: float = 0.0  # bytes one task may touch (estimated); 0 = 4 GiB on CUDA, 0.25 GiB on CPU
 
 
@@ -807,8 +808,7 @@ def filter_by_execution(stream, cfg: Config, backend: str, resume_file: Path | N
                 record(r)
                 # a fresh child after a crash, after a CUDA error (it can leave the context unusable), and now and
                 # then (what a long-lived process accumulates is not worth finding out)
-                if r.get("drop", "").startswith("child process") or "CUDA error" in r.get("drop", "") or \
-                        checker.n >= Checker.MAX_TASKS:
+                if checker.dead or "CUDA error" in r.get("drop", "") or checker.n >= Checker.MAX_TASKS:
                     checker.close()
                     checker = None
         finally:
@@ -848,14 +848,13 @@ class Checker:
     """One sandboxed child (env.run_sandboxed) that checks candidates one at a time, for as long as it is given
     some: the parent writes a candidate as one JSON line into a pipe, the child answers with one JSON line on
     another. Importing torch, setting up CUDA and inductor cost a child seconds, so one child serves many
-    candidates. A crash ends it, and so does a hang: past `task_timeout_s` on one candidate, the parent kills its
-    process group (a signal from inside would not do: in a PID namespace the child is init, which ignores the
-    default actions, and a Python-level handler waits for a stuck C call). Either way the candidate it was
-    checking is blamed."""
+    candidates. A crash ends it, and so does a hang: the parent kills its process group (a signal from inside
+    would not do: in a PID namespace the child is init, which ignores the default actions, and a Python-level
+    handler waits for a stuck C call). Either way the candidate it was checking is blamed."""
     MAX_TASKS = 64  # candidates per child before a fresh one
 
     def __init__(self, cfg: Config, backend: str, stop_fd: int):
-        self.n, self.buf, self.sandbox, self.pid, self.killed = 0, b"", None, None, False
+        self.n, self.buf, self.sandbox, self.pid = 0, b"", None, None
         self.dir = tempfile.mkdtemp(prefix="synth-", dir=env.CACHE_DIR)
         lock = env.gpu_lock_path(backend)
         lock.parent.mkdir(parents=True, exist_ok=True)
@@ -872,6 +871,7 @@ class Checker:
         if backend == "cuda":
             extra["CUDA_AGENT_NO_AS"] = "1"  # RLIMIT_AS breaks CUDA's address-space reservations
         self.timeout = cfg.task_timeout_s or (60 if backend == "cuda" else 150)
+        self.lock_limit = min(30.0, self.timeout / 2)  # a legitimate task holds the lock for a second or two
         spec = {"dir": str(Path(self.dir).resolve()), "backend": backend, "window_ms": list(cfg.window_ms),
                 "n_timed": cfg.n_timed, "min_timed_s": cfg.min_timed_s, "threads": threads,
                 "lock_fd": self.lock_fd, "stop_fd": stop_fd, "in_fd": cand_r, "out_fd": res_w}
@@ -888,27 +888,45 @@ class Checker:
         self.thread.start()
 
     def check(self, cand: dict) -> dict:
-        """The child's verdict on `cand`, or a "child process ..." drop when the child died on it."""
+        """The child's verdict on `cand`, or a drop saying why the child died on it. Two deadlines: `timeout` s
+        of work on the candidate, not counting the wait for the device lock (the other workers' turns), and
+        `lock_limit` s under the lock at a time (every worker waits meanwhile). The child tells its lock state
+        on the same pipe as its answers: {"state": "wait" | "hold" | "run"} lines."""
         os.write(self.cand_w, (json.dumps(cand) + "\n").encode())
         self.n += 1
-        # the child's first candidate also waits for it to import torch and set up CUDA
-        deadline = time.monotonic() + self.timeout + (120 if self.n == 1 else 0)
-        while b"\n" not in self.buf:
+        limit = self.timeout + (120 if self.n == 1 else 0)  # a child's first also waits for torch and CUDA to start
+        state, since, used, killed = "run", time.monotonic(), 0.0, None  # used: seconds of work before `since`
+        while True:
+            while b"\n" in self.buf:
+                line, self.buf = self.buf.split(b"\n", 1)
+                msg = json.loads(line)
+                if "state" not in msg:
+                    return msg
+                now = time.monotonic()
+                used += now - since if state != "wait" else 0.0
+                state, since = msg["state"], now
             alive = self.thread.is_alive()  # (read before the pipe: an answer written just before dying counts)
             if select.select([self.res_r], [], [], 0.2 if alive else 0)[0]:
                 self.buf += os.read(self.res_r, 1 << 16)
-            elif not alive:
+                continue
+            if not alive:
                 r = self.sandbox
                 tail = r.stderr.strip().splitlines()[-1][:200] if r and r.stderr.strip() else ""
-                why = (f"timed out: its checks took over {self.timeout} s" if self.killed else
-                       (r.crash if r else None) or f"exited with code {r.returncode if r else '?'}")
-                return {"key": cand["key"], "kept": False, "drop": f"child process {why}" + (f": {tail}" if tail else "")}
-            elif time.monotonic() > deadline and self.pid and not self.killed:
-                self.killed = True
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(self.pid, signal.SIGKILL)
-        line, self.buf = self.buf.split(b"\n", 1)
-        return json.loads(line)
+                why = (r.crash if r else None) or f"exited with code {r.returncode if r else '?'}"
+                return {"key": cand["key"], "kept": False, "drop": killed or f"child process {why}" + (f": {tail}" if tail else "")}
+            now = time.monotonic()
+            if killed is None and self.pid:
+                if state == "hold" and now - since > self.lock_limit:
+                    killed = f"too slow: over {self.lock_limit:g} s under the device lock (its child was killed)"
+                elif state != "wait" and used + now - since > limit:
+                    killed = f"child process timed out: its checks took over {self.timeout} s"
+                if killed:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(self.pid, signal.SIGKILL)
+
+    @property
+    def dead(self) -> bool:
+        return not self.thread.is_alive()
 
     def close(self):
         os.close(self.cand_w)  # EOF: the child exits
@@ -920,20 +938,24 @@ class Checker:
 
 
 @contextlib.contextmanager
-def _locked(fd, spent: dict):
-    """Holds the device lock; adds the seconds spent waiting for it and holding it to spent["wait"] and spent["locked"]."""
+def _locked(fd, spent: dict, tell=lambda state: None):
+    """Holds the device lock; adds the seconds spent waiting for it and holding it to spent["wait"] and
+    spent["locked"]; tell(state) says so to the parent (Checker.check's deadlines)."""
+    tell("wait")
     t0 = time.perf_counter()
     fcntl.flock(fd, fcntl.LOCK_EX)
     t1 = time.perf_counter()
+    tell("hold")
     try:
         yield
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
+        tell("run")
         spent["wait"] += t1 - t0
         spent["locked"] += time.perf_counter() - t1
 
 
-def check_task(code: str, spec: dict, torch, lock_fd, spent: dict) -> dict:
+def check_task(code: str, spec: dict, torch, lock_fd, spent: dict, tell=lambda state: None) -> dict:
     """The execution filter for one task, inside the child. Returns {"kept": bool, "drop": why, ...}.
     Cheap checks first, torch.compile (seconds) last. Adds where the time went to `spent` (seconds: setup, the
     warm-up run, lock wait, locked device work and the first run within it, compile), so the funnel can name the
@@ -983,7 +1005,7 @@ def check_task(code: str, spec: dict, torch, lock_fd, spent: dict) -> dict:
             sync()
     spent["warm"] = time.perf_counter() - t0
     try:
-        with _locked(lock_fd, spent):  # all timed/measured device work of this task, one task at a time
+        with _locked(lock_fd, spent, tell):  # all timed/measured device work of this task, one task at a time
             with torch.no_grad():
                 t0 = time.perf_counter()
                 outs = [model(*sets[0])]  # untimed: a first call may still set things up
@@ -1009,7 +1031,7 @@ def check_task(code: str, spec: dict, torch, lock_fd, spent: dict) -> dict:
             if all(any(close(o, xi, 1e-2) for xi in x if isinstance(xi, torch.Tensor)) for o, x in zip(outs, sets)):
                 return {"kept": False, "drop": "output equals its input (the op is the identity on these inputs)"}
             del sets[2], outs[2], again  # device memory: keep only what the compile check needs
-            eager_ms, _ = env.time_callable(model, sets[:2], n_timed=spec["n_timed"], min_s=spec["min_timed_s"], warmup=1)
+            eager_ms, _ = env.time_callable(model, sets[:2], n_timed=spec["n_timed"], min_s=spec["min_timed_s"], warmup=0)
         if eager_ms < lo:
             return {"kept": False, "drop": f"too fast: eager {eager_ms:.3g} ms < {lo:g} ms", "eager_ms": eager_ms}
         if eager_ms > hi:
@@ -1026,8 +1048,8 @@ def check_task(code: str, spec: dict, torch, lock_fd, spent: dict) -> dict:
         for k in range(2):
             if not close(c_outs[k], outs[k], 1e-2, full=True):
                 return {"kept": False, "drop": "torch.compile disagrees with eager", "eager_ms": eager_ms}
-        with _locked(lock_fd, spent):
-            compile_ms, _ = env.time_callable(compiled, sets[:2], n_timed=spec["n_timed"], min_s=spec["min_timed_s"], warmup=1)
+        with _locked(lock_fd, spent, tell):
+            compile_ms, _ = env.time_callable(compiled, sets[:2], n_timed=spec["n_timed"], min_s=spec["min_timed_s"], warmup=0)
     except Exception as e:  # noqa: BLE001
         return {"kept": False, "drop": f"torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}",
                 "eager_ms": eager_ms}
@@ -1055,14 +1077,14 @@ def _filter_child(spec_path: str):
         x = torch.randn(64, 64, device="cuda")  # lock: the first task's first run would pay for them under it
         float((x @ x).sum() + torch.nn.functional.conv2d(x[None, None], x[None, None, :3, :3]).sum())
     start = time.perf_counter() - t0  # importing torch (and CUDA set-up): charged to the first candidate
-    with os.fdopen(spec["in_fd"], "rb") as cands, os.fdopen(spec["out_fd"], "wb") as out:
+    with os.fdopen(spec["in_fd"], "rb") as cands, os.fdopen(spec["out_fd"], "wb", buffering=0) as out:
+        say = lambda msg: out.write((json.dumps(msg) + "\n").encode())
         while line := cands.readline():
             c = json.loads(line)
             spent = {"start": start, "setup": 0.0, "warm": 0.0, "wait": 0.0, "locked": 0.0, "first": 0.0, "compile": 0.0}
-            r = check_task(c["code"], spec, torch, spec["lock_fd"], spent)
+            r = check_task(c["code"], spec, torch, spec["lock_fd"], spent, tell=lambda state: say({"state": state}))
             start = 0.0
-            out.write((json.dumps(dict(r, key=c["key"], t={k: round(v, 3) for k, v in spent.items()})) + "\n").encode())
-            out.flush()
+            say(dict(r, key=c["key"], t={k: round(v, 3) for k, v in spent.items()}))
             if spec["backend"] == "cuda":
                 torch.cuda.empty_cache()
     sys.stdout.flush()

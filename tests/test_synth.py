@@ -146,6 +146,8 @@ def test_each_execution_filter_drops_its_crafted_bad_task(tmp_path):
         "crash": task("import ctypes; return ctypes.string_at(0)"),  # a real segmentation fault
         "broken": task("return self.missing(x)"),
         "hang": task("while True:\n            pass"),  # its child is killed after task_timeout_s
+        # hangs on the full batch only, i.e. under the device lock (the warm-up runs one row outside it)
+        "hog": task("while x.shape[0] > 1:\n            pass\n        return x"),
     }
     cands = [{"code": c, "name": n} for n, c in crafted.items()]
     cfg = synth.Config(window_ms=(0.05, 5.0), workers=1, task_timeout_s=10)
@@ -154,7 +156,8 @@ def test_each_execution_filter_drops_its_crafted_bad_task(tmp_path):
     # (tasks that pass every filter: see the end-to-end tests below; a compile costs ~10 s here)
     expect = {"random": "nondeterministic", "constant": "constant output", "identity": "output equals its input",
               "nonfinite": "non-finite", "too_fast": "too fast", "too_slow": "too slow", "crash": "child process crashed",
-              "broken": "eager failed", "hang": "child process timed out: its checks took over 10 s"}
+              "broken": "eager failed", "hang": "child process timed out: its checks took over 10 s",
+              "hog": "too slow: over 5 s under the device lock"}
     for name, why in expect.items():
         assert not got[name]["kept"] and got[name]["drop"].startswith(why), (name, got[name])
     # every result was recorded as it arrived; a re-run reads them back instead of re-running anything
@@ -308,7 +311,7 @@ def test_a_machine_where_nothing_runs_stops_soon_with_one_line(tmp_path, monkeyp
     calls = []
     class BrokenChecker:  # what the sandboxed children answered there
         def __init__(self, cfg, backend, stop_fd):
-            self.n = 0
+            self.n, self.dead = 0, False
 
         def check(self, c):
             calls.append(c["key"])
