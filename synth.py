@@ -18,10 +18,13 @@ The pipeline, one readable function per stage, in order:
                format module. Deterministic per --seed. `--composer llm` lets agent.py's policy rewrite
                each rule-composed plan (as the paper did); its answers go through the same filters.
   3. filter    cheap filters in this process (duplicates, AST similarity > 0.9 to --kernelbench-dir),
-               then execution in sandboxed children (env.run_sandboxed), many candidates per child:
-               eager must run, be deterministic, give finite outputs that depend on the input (not
-               constant, not the input itself), eager time inside the window (env.time_callable),
-               torch.compile must run and agree with eager. Timed sections are serialised per device.
+               then execution in --workers long-lived sandboxed children (env.run_sandboxed), fed one
+               candidate at a time: eager must run, be deterministic, give finite outputs that depend on
+               the input (not constant, not the input itself), eager time inside the window
+               (env.time_callable), torch.compile must run and agree with eager. Device work is serialised
+               per device (a lock: timings stay clean); compiling runs outside it, in parallel.
+               Compose and filter form one stream: a candidate is composed when a worker is free and
+               the tasks kept so far (plus the expected yield of those being checked) fall short.
   4. report    funnel (in/out and top drop reasons of every stage) on screen and in DIR/funnel.json,
                diversity (op histogram, ops per task vs the paper's mix, input sizes, eager times).
 
@@ -871,7 +874,7 @@ class Checker:
         if backend == "cuda":
             extra["CUDA_AGENT_NO_AS"] = "1"  # RLIMIT_AS breaks CUDA's address-space reservations
         self.timeout = cfg.task_timeout_s or (60 if backend == "cuda" else 150)
-        self.lock_limit = min(30.0, self.timeout / 2)  # a legitimate task holds the lock for a second or two
+        self.lock_limit = min(15.0, self.timeout / 2)  # a legitimate task holds the lock for a second or three
         spec = {"dir": str(Path(self.dir).resolve()), "backend": backend, "window_ms": list(cfg.window_ms),
                 "n_timed": cfg.n_timed, "min_timed_s": cfg.min_timed_s, "threads": threads,
                 "lock_fd": self.lock_fd, "stop_fd": stop_fd, "in_fd": cand_r, "out_fd": res_w}
@@ -896,6 +899,7 @@ class Checker:
         self.n += 1
         limit = self.timeout + (120 if self.n == 1 else 0)  # a child's first also waits for torch and CUDA to start
         state, since, used, killed = "run", time.monotonic(), 0.0, None  # used: seconds of work before `since`
+        held_from = None  # wall clock, for the turn of a child killed under the lock (lock_use)
         while True:
             while b"\n" in self.buf:
                 line, self.buf = self.buf.split(b"\n", 1)
@@ -905,6 +909,7 @@ class Checker:
                 now = time.monotonic()
                 used += now - since if state != "wait" else 0.0
                 state, since = msg["state"], now
+                held_from = time.time() if state == "hold" else None
             alive = self.thread.is_alive()  # (read before the pipe: an answer written just before dying counts)
             if select.select([self.res_r], [], [], 0.2 if alive else 0)[0]:
                 self.buf += os.read(self.res_r, 1 << 16)
@@ -913,10 +918,12 @@ class Checker:
                 r = self.sandbox
                 tail = r.stderr.strip().splitlines()[-1][:200] if r and r.stderr.strip() else ""
                 why = (r.crash if r else None) or f"exited with code {r.returncode if r else '?'}"
-                return {"key": cand["key"], "kept": False, "drop": killed or f"child process {why}" + (f": {tail}" if tail else "")}
+                turns = [[held_from, held_from, time.time()]] if held_from else []  # it died holding the lock
+                return {"key": cand["key"], "kept": False, "turns": turns,
+                        "drop": killed or f"child process {why}" + (f": {tail}" if tail else "")}
             now = time.monotonic()
             if killed is None and self.pid:
-                if state == "hold" and now - since > self.lock_limit:
+                if state == "hold" and now - since > self.lock_limit:  # everyone waits: end it
                     killed = f"too slow: over {self.lock_limit:g} s under the device lock (its child was killed)"
                 elif state != "wait" and used + now - since > limit:
                     killed = f"child process timed out: its checks took over {self.timeout} s"
@@ -942,24 +949,26 @@ def _locked(fd, spent: dict, tell=lambda state: None):
     """Holds the device lock; adds the seconds spent waiting for it and holding it to spent["wait"] and
     spent["locked"]; tell(state) says so to the parent (Checker.check's deadlines)."""
     tell("wait")
-    t0 = time.perf_counter()
+    t0 = time.time()
     fcntl.flock(fd, fcntl.LOCK_EX)
-    t1 = time.perf_counter()
+    t1 = time.time()
     tell("hold")
     try:
         yield
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         tell("run")
+        t2 = time.time()
         spent["wait"] += t1 - t0
-        spent["locked"] += time.perf_counter() - t1
+        spent["locked"] += t2 - t1
+        spent.setdefault("turns", []).append((t0, t1, t2))  # wall clock: lock_use() compares children
 
 
-def check_task(code: str, spec: dict, torch, lock_fd, spent: dict, tell=lambda state: None) -> dict:
+def check_task(code: str, spec: dict, torch, lock_fd, spent: dict, tell=lambda state: None, facts=None) -> dict:
     """The execution filter for one task, inside the child. Returns {"kept": bool, "drop": why, ...}.
     Cheap checks first, torch.compile (seconds) last. Adds where the time went to `spent` (seconds: setup, the
-    warm-up run, lock wait, locked device work and the first run within it, compile), so the funnel can name the
-    bottleneck."""
+    warm-up runs, lock wait, locked device work and the first run within it, compile), so the funnel can name the
+    bottleneck; `facts` receives the estimate from a few rows ("row_est_ms"), which the funnel checks."""
     import importlib.util
     t0 = time.perf_counter()
     device = torch.device("cuda" if spec["backend"] == "cuda" else "cpu")
@@ -994,16 +1003,34 @@ def check_task(code: str, spec: dict, torch, lock_fd, spent: dict, tell=lambda s
         return all(isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape and
                    torch.allclose(pick(x).float(), pick(y).float(), atol=tol, rtol=tol, equal_nan=True)
                    for x, y in zip(leaves(a), leaves(b)))
-    # Outside the device lock, one run on the first row of the batch (BATCH, the size compose grows, is free):
-    # it compiles the task's jiterator kernels (torch.special functions: seconds each), loads its CUDA modules and
-    # picks its cuDNN algorithms, so that the locked section runs kernels, not compilers, at 1/BATCH of the device
-    # work. Best effort: a forward that needs the whole batch skips it.
-    t0 = time.perf_counter()
+    # Outside the device lock, runs on the first rows of the batch (BATCH, the size compose grows, is free).
+    # A first run on one row and on k rows compiles the task's jiterator kernels (torch.special functions: seconds
+    # each), loads its CUDA modules and picks its algorithms, so that the locked section runs kernels, not
+    # compilers. Timed runs on 1 and k rows then extrapolate to the whole batch: a task far too slow for the
+    # window is dropped before it takes the lock from every other worker (on the H200, an op that loops over the
+    # batch, a batched SVD, held it for over 30 s). Launch-bound rows extrapolate flat, so only a real per-row
+    # cost adds up; k >= BATCH/64 bounds how much a timing error is magnified, and the fastest of three runs
+    # keeps other processes' device work out of it. Best effort: a forward that needs the whole batch skips this.
+    t0, est = time.perf_counter(), None
     if all(isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] > 1 for x in sets[0]):
-        with contextlib.suppress(Exception), torch.no_grad():
-            model(*[x[:1] for x in sets[0]])
+        batch = min(x.shape[0] for x in sets[0])
+        k = max(min(batch, 64), batch // 64)
+
+        def rows(n):  # seconds for one run on the first n rows
             sync()
+            t = time.perf_counter()
+            model(*[x[:n] for x in sets[0]])
+            sync()
+            return time.perf_counter() - t
+        with contextlib.suppress(Exception), torch.no_grad():
+            rows(1), rows(k)
+            t1, tk = min(rows(1) for _ in range(3)), min(rows(k) for _ in range(3))
+            est = (t1 + (tk - t1) * (batch - 1) / (k - 1)) * 1e3
+            if facts is not None:
+                facts["row_est_ms"] = round(est, 4)
     spent["warm"] = time.perf_counter() - t0
+    if est is not None and est > 10 * hi:
+        return {"kept": False, "drop": f"too slow: eager about {est:.3g} ms (from {k} rows) > {hi:g} ms", "eager_ms": est}
     try:
         with _locked(lock_fd, spent, tell):  # all timed/measured device work of this task, one task at a time
             with torch.no_grad():
@@ -1082,9 +1109,11 @@ def _filter_child(spec_path: str):
         while line := cands.readline():
             c = json.loads(line)
             spent = {"start": start, "setup": 0.0, "warm": 0.0, "wait": 0.0, "locked": 0.0, "first": 0.0, "compile": 0.0}
-            r = check_task(c["code"], spec, torch, spec["lock_fd"], spent, tell=lambda state: say({"state": state}))
+            facts = {}
+            r = check_task(c["code"], spec, torch, spec["lock_fd"], spent, lambda state: say({"state": state}), facts)
             start = 0.0
-            say(dict(r, key=c["key"], t={k: round(v, 3) for k, v in spent.items()}))
+            turns = spent.pop("turns", [])  # (asked, got, released) wall-clock times of its lock turns
+            say(dict(r, **facts, key=c["key"], t={k: round(v, 3) for k, v in spent.items()}, turns=turns))
             if spec["backend"] == "cuda":
                 torch.cuda.empty_cache()
     sys.stdout.flush()
@@ -1124,7 +1153,7 @@ def diversity(rows: list[dict]) -> dict:
 
 
 def report(funnel: dict, div: dict, n_seeds: int, kept: int, n_train: int, n_test: int, seconds: float,
-           child_secs: dict | None = None, workers: int = 1, secs: dict | None = None) -> str:
+           workers: int = 1, secs: dict | None = None, diag: dict | None = None) -> str:
     lines = [f"{'stage':<12}{'in':>8}{'out':>8}  top drop reasons", f"{'mine':<12}{'':>8}{n_seeds:>8}  (seed operators)"]
     for name in ("compose", "similarity", "execution"):
         st = funnel[name]
@@ -1136,12 +1165,22 @@ def report(funnel: dict, div: dict, n_seeds: int, kept: int, n_train: int, n_tes
     if secs:
         lines.append("seconds: " + " | ".join(f"{k} {v:.1f}" for k, v in secs.items()) +
                      " (compose and similarity run inside execution, as the filter takes candidates)")
-    if child_secs:  # the bottleneck: CPU work runs `workers` at a time, locked device work one at a time
-        n = max(1, funnel["execution"]["in"])
+    if diag and diag["child_seconds"]:  # the bottleneck: CPU work runs `workers` at a time, device work one at a time
+        n, cs = max(1, funnel["execution"]["in"]), diag["child_seconds"]
         lines.append(f"execution, seconds per candidate ({workers} workers): " + " | ".join(
-            f"{k} {child_secs.get(k, 0) / n:.2f}" for k in ("start", "setup", "warm", "wait", "locked", "first", "compile")) +
-            " (start: importing torch and CUDA set-up; warm: a run on one row outside the lock; wait: for the device"
+            f"{k} {cs.get(k, 0) / n:.2f}" for k in ("start", "setup", "warm", "wait", "locked", "first", "compile")) +
+            " (start: importing torch and CUDA set-up; warm: runs on a few rows outside the lock; wait: for the device"
             " lock; locked: eager/compile runs, checks, timing; first: the first full run, within locked)")
+        lock, est = diag["lock"], diag["row_estimate"]
+        lines.append(f"device lock: held {lock['held_s']:.0f} s of {lock['span_s']:.0f} s; waited for while free "
+                     f"{lock['waited_while_free_s']:.1f} s")
+        if est["n"]:
+            lines.append(f"estimate from a few rows / measured eager time ({est['n']} tasks): median "
+                         f"{est['median_ratio']}, p95 {est['p95_ratio']}, max {est['max_ratio']} (a task estimated over"
+                         f" 10x the window is dropped)")
+        lines.append("longest turns under the lock: " + "; ".join(
+            f"{x['locked_s']:.1f} s (first run {x['first_run_s']:.1f} s) {' -> '.join(x['ops'])}: {x['verdict'][:60]}"
+            for x in diag["longest_locked"][:3]))
     mix = " | ".join(f"{k} {v['ours_pct']}% (paper {v['paper_pct']}%)" for k, v in div["mix"].items())
     lines += [f"mix: {mix}", "ops by source: " + ", ".join(f"{k} {v}" for k, v in sorted(div["ops_per_source"].items())),
               f"distinct ops {div['distinct_ops']}; top: " + ", ".join(f"{o} {c}" for o, c in div["top_ops"][:8]),
@@ -1341,11 +1380,9 @@ def run(cfg: Config, out: Path, backend: str, kb: list, work: Path, t0: float, p
     t = time.time()
     results = filter_by_execution(stream, cfg, backend, work / "filtered.jsonl", need=cfg.num_tasks)  # 3b. execution
     secs["execution"] = time.time() - t  # (composing and the cheap filters run inside it, as candidates are taken)
-    child_secs = collections.Counter()  # where the children's time went, summed over candidates (check_task)
-    for c in taken:
-        r = results[result_key(c, cfg, backend)]
+    checked = [results[result_key(c, cfg, backend)] for c in taken]
+    for c, r in zip(taken, checked):
         funnel["execution"]["in"] += 1
-        child_secs.update(r.get("t", {}))
         if r["kept"]:
             funnel["execution"]["out"] += 1
             kept_rows[c["index"]] = dict(ops=c["ops"], data_source=c["data_source"], code=c["code"],
@@ -1356,7 +1393,6 @@ def run(cfg: Config, out: Path, backend: str, kb: list, work: Path, t0: float, p
             examples = funnel["execution"].setdefault("examples", {}).setdefault(why, [])
             if why != r["drop"] and len(examples) < 3:  # grouped reasons keep a few full messages for debugging
                 examples.append(f"{' -> '.join(c['ops'])}: {r['drop'][:240]}")
-    checked = [results[result_key(c, cfg, backend)] for c in taken]
     if not kept_rows and len(checked) >= 20 and machine_broken(checked):
         first = checked[0]["drop"]
         shutil.rmtree(work, ignore_errors=True)  # these verdicts blame the machine: a re-run must not reuse them
@@ -1365,17 +1401,57 @@ def run(cfg: Config, out: Path, backend: str, kb: list, work: Path, t0: float, p
     rows = [kept_rows[i] for i in sorted(kept_rows)][:cfg.num_tasks]  # first N by stream index: same seed, same set
     if len(rows) < cfg.num_tasks:
         print(f"synth.py: warning: only {len(rows)} of {cfg.num_tasks} tasks after {len(taken)} candidates", file=sys.stderr)
-    div = diversity(rows)
+    div, diag = diversity(rows), filter_diagnostics(taken, checked)
     funnel_json = {"config": {k: v for k, v in dataclasses.asdict(cfg).items()}, "backend": backend,
                    "seeds": len(seeds), "stages": {k: dict(v, drops=dict(v["drops"])) for k, v in funnel.items()},
                    "kept": len(rows), "seconds": round(time.time() - t0, 1),
-                   "stage_seconds": {k: round(v, 1) for k, v in secs.items()},
-                   "child_seconds": {k: round(v, 1) for k, v in child_secs.items()}, "diversity": div}
+                   "stage_seconds": {k: round(v, 1) for k, v in secs.items()}, **diag, "diversity": div}
     n_train, n_test = save(rows, out, work, cfg, funnel_json)                 # 4. report
     shutil.rmtree(work, ignore_errors=True)
-    print(report(funnel, div, len(seeds), len(rows), n_train, n_test, time.time() - t0, child_secs, cfg.workers, secs))
+    print(report(funnel, div, len(seeds), len(rows), n_train, n_test, time.time() - t0, cfg.workers, secs, diag))
     print(f"saved {out} (train {n_train}, test {n_test}) and {out / 'funnel.json'}")
     return 0
+
+
+def lock_use(turns: list) -> dict:
+    """From every turn at the device lock, (asked, got, released) wall-clock times: how long the lock was held
+    (the union of turns), and how long someone waited while nobody held it (should be ~0)."""
+    events = sorted([(a, 0) for a, b, c in turns] + [(b, 1) for a, b, c in turns] + [(b, 2) for a, b, c in turns] +
+                    [(c, 3) for a, b, c in turns])
+    held = free_wait = 0.0
+    holding = waiting = 0
+    last = events[0][0] if events else 0.0
+    for t, kind in events:
+        held += (t - last) if holding else 0.0
+        free_wait += (t - last) if waiting and not holding else 0.0
+        last = t
+        waiting += {0: 1, 1: -1}.get(kind, 0)
+        holding += {2: 1, 3: -1}.get(kind, 0)
+    span = (events[-1][0] - events[0][0]) if events else 0.0
+    return {"span_s": round(span, 1), "held_s": round(held, 1), "waited_while_free_s": round(free_wait, 1)}
+
+
+def row_estimate_quality(checked: list[dict]) -> dict:
+    """How the estimate from a few rows compares with the measured eager time, on the kept tasks: the filter
+    drops a task whose estimate exceeds 10x the window, so ratios near 10 would mean false drops."""
+    ratios = sorted(r["row_est_ms"] / r["eager_ms"] for r in checked if r["kept"] and r.get("row_est_ms"))
+    q = lambda p: round(ratios[min(len(ratios) - 1, int(p * len(ratios)))], 2) if ratios else None
+    return {"n": len(ratios), "median_ratio": q(0.5), "p95_ratio": q(0.95), "max_ratio": q(1.0)}
+
+
+def filter_diagnostics(taken: list, checked: list[dict]) -> dict:
+    """Where the filter's time went (funnel.json and the report): seconds summed over candidates by phase,
+    the device lock's use, the quality of the estimate from a few rows, and the longest turns under the lock
+    (one long turn stalls every worker)."""
+    secs = collections.Counter()
+    for r in checked:
+        secs.update(r.get("t", {}))
+    longest = sorted(zip(checked, taken), key=lambda rc: -rc[0].get("t", {}).get("locked", 0.0))[:8]
+    return {"child_seconds": {k: round(v, 1) for k, v in secs.items()},
+            "lock": lock_use([t for r in checked for t in r.get("turns", [])]),
+            "row_estimate": row_estimate_quality(checked),
+            "longest_locked": [{"ops": c["ops"], "locked_s": r["t"]["locked"], "first_run_s": r["t"].get("first", 0.0),
+                                "verdict": "kept" if r["kept"] else r["drop"][:120]} for r, c in longest if r.get("t")]}
 
 
 def _reason_class(why: str) -> str:

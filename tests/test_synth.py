@@ -147,7 +147,10 @@ def test_each_execution_filter_drops_its_crafted_bad_task(tmp_path):
         "broken": task("return self.missing(x)"),
         "hang": task("while True:\n            pass"),  # its child is killed after task_timeout_s
         # hangs on the full batch only, i.e. under the device lock (the warm-up runs one row outside it)
-        "hog": task("while x.shape[0] > 1:\n            pass\n        return x"),
+        "hog": task("while x.shape[0] == 256:\n            pass\n        return x"),
+        # a per-row cost that adds up (like a batched SVD looping over the batch): dropped from a few rows,
+        # outside the lock, before one full run
+        "loop": task("return torch.stack([torch.linalg.svdvals(m) for m in x])", inputs="torch.randn(8192, 32, 32)"),
     }
     cands = [{"code": c, "name": n} for n, c in crafted.items()]
     cfg = synth.Config(window_ms=(0.05, 5.0), workers=1, task_timeout_s=10)
@@ -157,7 +160,7 @@ def test_each_execution_filter_drops_its_crafted_bad_task(tmp_path):
     expect = {"random": "nondeterministic", "constant": "constant output", "identity": "output equals its input",
               "nonfinite": "non-finite", "too_fast": "too fast", "too_slow": "too slow", "crash": "child process crashed",
               "broken": "eager failed", "hang": "child process timed out: its checks took over 10 s",
-              "hog": "too slow: over 5 s under the device lock"}
+              "hog": "too slow: over 5 s under the device lock", "loop": "too slow: eager about"}
     for name, why in expect.items():
         assert not got[name]["kept"] and got[name]["drop"].startswith(why), (name, got[name])
     # every result was recorded as it arrived; a re-run reads them back instead of re-running anything
@@ -186,6 +189,22 @@ def test_kernelbench_near_duplicate_is_dropped_and_others_kept(seeds):
     assert all(synth.most_similar(c["code"], kb, 0.9) == (0.0, "") for c in gen)
 
 
+def test_lock_use_finds_waits_while_nobody_held_the_lock():
+    """The device-lock diagnostic (funnel.json "lock"): turns are (asked, got, released) wall-clock times."""
+    clean = [(0.0, 0.0, 1.0), (0.5, 1.0, 3.0), (2.0, 3.0, 3.5)]  # each waiter gets the lock as it is released
+    assert synth.lock_use(clean) == {"span_s": 3.5, "held_s": 3.5, "waited_while_free_s": 0.0}
+    stalled = [(0.0, 0.0, 1.0), (0.5, 2.5, 3.0)]  # released at 1.0, but the waiter only got it at 2.5
+    assert synth.lock_use(stalled) == {"span_s": 3.0, "held_s": 1.5, "waited_while_free_s": 1.5}
+    assert synth.lock_use([]) == {"span_s": 0.0, "held_s": 0.0, "waited_while_free_s": 0.0}
+
+
+def test_row_estimate_quality_compares_kept_tasks_only():
+    checked = [{"kept": True, "row_est_ms": 2.0, "eager_ms": 1.0}, {"kept": True, "row_est_ms": 3.0, "eager_ms": 3.0},
+               {"kept": False, "row_est_ms": 900.0, "eager_ms": 900.0, "drop": "too slow: eager about 900 ms"},
+               {"kept": True, "eager_ms": 5.0}]  # (no estimate: a forward that needs the whole batch)
+    assert synth.row_estimate_quality(checked) == {"n": 2, "median_ratio": 2.0, "p95_ratio": 2.0, "max_ratio": 2.0}
+
+
 # ---------------------------------------------------------------------------------------------- end to end
 @pytest.mark.slow
 def test_cli_smoke_writes_dataset_funnel_and_report(run_a):
@@ -203,7 +222,11 @@ def test_cli_smoke_writes_dataset_funnel_and_report(run_a):
     secs = funnel["child_seconds"]
     assert set(secs) == {"start", "setup", "warm", "wait", "locked", "first", "compile"}
     assert secs["compile"] > 0 and secs["start"] > 0 and secs["locked"] >= secs["first"]
-    assert "execution, seconds per candidate (2 workers): start " in r.stdout
+    assert "execution, seconds per candidate (2 workers): start " in r.stdout and "longest turns under the lock: " in r.stdout
+    assert "device lock: held " in r.stdout and set(funnel["lock"]) == {"span_s", "held_s", "waited_while_free_s"}
+    assert set(funnel["row_estimate"]) == {"n", "median_ratio", "p95_ratio", "max_ratio"}
+    longest = funnel["longest_locked"]
+    assert 1 <= len(longest) <= 8 and longest == sorted(longest, key=lambda x: -x["locked_s"])
     grouped = ("too fast", "too slow", "eager failed", "torch.compile failed", "child process")
     for why, n in st["execution"]["drops"].items():  # grouped reasons keep full example messages
         if why in grouped:
