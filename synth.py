@@ -1007,14 +1007,15 @@ def check_task(code: str, spec: dict, torch, lock_fd, spent: dict, tell=lambda s
     # A first run on one row and on k rows compiles the task's jiterator kernels (torch.special functions: seconds
     # each), loads its CUDA modules and picks its algorithms, so that the locked section runs kernels, not
     # compilers. Timed runs on 1 and k rows then extrapolate to the whole batch: a task far too slow for the
-    # window is dropped before it takes the lock from every other worker (on the H200, an op that loops over the
-    # batch, a batched SVD, held it for over 30 s). Launch-bound rows extrapolate flat, so only a real per-row
-    # cost adds up; k >= BATCH/64 bounds how much a timing error is magnified, and the fastest of three runs
-    # keeps other processes' device work out of it. Best effort: a forward that needs the whole batch skips this.
+    # window is dropped before it takes the lock from every other worker (on the H200, a task ending in
+    # `linalg.svdvals` held it for 27 s). Launch-bound rows extrapolate flat, so only a real per-row
+    # cost adds up; k >= BATCH/64 bounds how much a timing error is magnified, k <= BATCH/4 keeps these runs a
+    # fraction of the task's device work (they are not under the lock), and the fastest of three runs keeps
+    # other processes' device work out of the timing. Best effort: a forward that needs the whole batch skips this.
     t0, est = time.perf_counter(), None
     if all(isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] > 1 for x in sets[0]):
         batch = min(x.shape[0] for x in sets[0])
-        k = max(min(batch, 64), batch // 64)
+        k = min(max(64, batch // 64), max(2, batch // 4))
 
         def rows(n):  # seconds for one run on the first n rows
             sync()
@@ -1023,11 +1024,13 @@ def check_task(code: str, spec: dict, torch, lock_fd, spent: dict, tell=lambda s
             sync()
             return time.perf_counter() - t
         with contextlib.suppress(Exception), torch.no_grad():
-            rows(1), rows(k)
-            t1, tk = min(rows(1) for _ in range(3)), min(rows(k) for _ in range(3))
-            est = (t1 + (tk - t1) * (batch - 1) / (k - 1)) * 1e3
-            if facts is not None:
-                facts["row_est_ms"] = round(est, 4)
+            rows(1)
+            if batch >= 4:  # (below, k rows would be most of the batch)
+                rows(k)
+                t1, tk = min(rows(1) for _ in range(3)), min(rows(k) for _ in range(3))
+                est = (t1 + (tk - t1) * (batch - 1) / (k - 1)) * 1e3
+                if facts is not None:
+                    facts["row_est_ms"] = round(est, 4)
     spent["warm"] = time.perf_counter() - t0
     if est is not None and est > 10 * hi:
         return {"kept": False, "drop": f"too slow: eager about {est:.3g} ms (from {k} rows) > {hi:g} ms", "eager_ms": est}
