@@ -21,8 +21,8 @@ The pipeline, one readable function per stage, in order:
                then execution in --workers long-lived sandboxed children (env.run_sandboxed), fed one
                candidate at a time: eager must run, be deterministic, give finite outputs that depend on
                the input (not constant, not the input itself), eager time inside the window
-               (env.time_callable), torch.compile must run and agree with eager. Device work is serialised
-               per device (a lock: timings stay clean); compiling runs outside it, in parallel.
+               (env.time_callable), torch.compile must run and agree with eager. A task's runs, checks and
+               timing hold one lock per device; compiling and small warm-up runs are outside it, in parallel.
                Compose and filter form one stream: a candidate is composed when a worker is free and
                the tasks kept so far (plus the expected yield of those being checked) fall short.
   4. report    funnel (in/out and top drop reasons of every stage) on screen and in DIR/funnel.json,
@@ -728,7 +728,7 @@ def filter_similar(cands: list[dict], kb, cfg: Config, funnel: dict) -> list[dic
 
 
 def result_key(c: dict, cfg: Config, backend: str) -> str:
-    blob = json.dumps([c["code"], backend, list(cfg.window_ms), cfg.n_timed])
+    blob = json.dumps([c["code"], backend, list(cfg.window_ms), cfg.n_timed, cfg.task_timeout_s])
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
@@ -738,9 +738,9 @@ def filter_by_execution(stream, cfg: Config, backend: str, resume_file: Path | N
     With `need`, a candidate is taken only while the tasks kept so far plus the expected yield of those being
     checked fall short of `need`: the run stops within a few candidates of `need` kept tasks, and composing
     the next candidate overlaps the checks of the earlier ones. Every candidate taken is finished, so the results
-    cover a prefix of the stream: the first `need` kept tasks of a seed's stream do not depend on timing or
-    workers. Results are appended to `resume_file` as they arrive and read back from it on a re-run. Taking
-    stops early when the first 20 results all failed to run (a broken machine, see run())."""
+    cover a prefix of the stream: which of a seed's candidates are the first `need` kept does not depend on
+    scheduling or workers, given the same verdicts. Results are appended to `resume_file` as they arrive and
+    read back from it on a re-run. Raises MachineBroken when the first 20 results all failed to run."""
     from tqdm import tqdm
     done = {}
     if resume_file and resume_file.exists():
@@ -788,15 +788,19 @@ def filter_by_execution(stream, cfg: Config, backend: str, resume_file: Path | N
                     break
                 cond.wait()  # enough are being checked, if they keep the yield: wait for a result
             n["running"] += 1
-        with pulling:  # (a generator: one thread at a time)
-            for c in stream:
+        enough = lambda: n["end"] or stopping.is_set() or (need and n["kept"] >= need)
+        with pulling:  # (a generator: one thread at a time; while this one waited, enough may have come)
+            while not enough():
+                c = next(stream, None)
+                if c is None:  # the stream ran out
+                    n["end"] = True
+                    break
                 k = result_key(c, cfg, backend)
                 if k not in done:
                     return dict(c, key=k)
                 record(done[k], fresh=False)  # checked by an earlier, interrupted run
         with cond:
             n["running"] -= 1
-            n["end"] = True
             cond.notify_all()
         return None
 
@@ -806,6 +810,12 @@ def filter_by_execution(stream, cfg: Config, backend: str, resume_file: Path | N
             while (c := take()) is not None:
                 checker = checker or Checker(cfg, backend, stop_r)
                 r = checker.check(c)
+                if not r["kept"] and r["drop"].startswith("child process") and "timed out" not in r["drop"]:
+                    # the child died on it: maybe of something an earlier candidate left behind (a thread, a
+                    # memory limit). A fresh child tries once more; a crash that is the candidate's comes back.
+                    checker.close()
+                    checker = Checker(cfg, backend, stop_r)
+                    r = checker.check(c)
                 if stopping.is_set():
                     return  # killed by us: nothing to blame on the candidate
                 record(r)
@@ -823,6 +833,11 @@ def filter_by_execution(stream, cfg: Config, backend: str, resume_file: Path | N
             try:
                 for f in as_completed([pool.submit(worker) for _ in range(max(1, cfg.workers))]):
                     f.result()
+                if len(results) >= 20 and machine_broken(results[:20]):
+                    raise MachineBroken(f"all of the first 20 candidates checked failed to run (e.g. "
+                                        f"{results[0]['drop'][:300]})")
+            except MachineBroken:
+                raise
             except BaseException:  # Ctrl-C (or a bug): stop the children now, keep what was recorded
                 stopping.set()
                 with cond:
@@ -840,6 +855,10 @@ def filter_by_execution(stream, cfg: Config, backend: str, resume_file: Path | N
     return done
 
 
+class MachineBroken(UsageError):
+    pass
+
+
 def machine_broken(results: list[dict]) -> bool:
     """Every one of these results failed before any filter could judge it: the machine is at fault, not the
     tasks (on the H200, children once could not start CUDA at all)."""
@@ -853,7 +872,8 @@ class Checker:
     another. Importing torch, setting up CUDA and inductor cost a child seconds, so one child serves many
     candidates. A crash ends it, and so does a hang: the parent kills its process group (a signal from inside
     would not do: in a PID namespace the child is init, which ignores the default actions, and a Python-level
-    handler waits for a stuck C call). Either way the candidate it was checking is blamed."""
+    handler waits for a stuck C call). Either way the candidate it was checking gets the blame (after a retry
+    in a fresh child, see filter_by_execution)."""
     MAX_TASKS = 64  # candidates per child before a fresh one
 
     def __init__(self, cfg: Config, backend: str, stop_fd: int):
@@ -864,7 +884,11 @@ class Checker:
         self.lock_fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
         (cand_r, self.cand_w), (self.res_r, res_w) = os.pipe(), os.pipe()
         self.fds = [self.lock_fd, cand_r, self.cand_w, self.res_r, res_w]
+        self.child_fds = [self.lock_fd, cand_r, res_w]  # ours are closed once the child has them (started)
         extra, caches = env.compile_caches()  # shared by all children: each graph and jiterator kernel compiles once
+        if cfg.composer == "llm":  # code an LLM wrote does not get to write caches that env.py's reference loads
+            extra = {k: str(Path(self.dir, Path(v).name)) for k, v in extra.items()}
+            caches = []
         # CPU: one thread per child (workers use the cores; OpenMP teams on a busy machine make timings erratic).
         threads = 1 if backend == "cpu" else max(1, (os.cpu_count() or 1) // max(1, cfg.workers))
         extra.update(OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
@@ -883,12 +907,20 @@ class Checker:
         # (the wall-clock limit only backs up check()'s per-candidate one: importing torch, then MAX_TASKS candidates)
         kw = dict(timeout=300 + self.timeout * self.MAX_TASKS, writable=caches, mem_gb=16.0, env=extra,
                   pass_fds=[self.lock_fd, stop_fd, cand_r, res_w], kind=backend,  # kind: CUDA-safe namespaces
-                  started=lambda pid: setattr(self, "pid", pid))
+                  started=self._started)
 
         def run():
             self.sandbox = env.run_sandboxed(argv, self.dir, **kw)
         self.thread = threading.Thread(target=run, daemon=True)
         self.thread.start()
+
+    def _started(self, pid: int):
+        """The child runs, with its copies of the pipe ends and the lock: drop ours, so that the lock goes with
+        the child (a flock belongs to the open file, which we would otherwise keep open)."""
+        self.pid = pid
+        for fd in self.child_fds:
+            os.close(fd)
+            self.fds.remove(fd)
 
     def check(self, cand: dict) -> dict:
         """The child's verdict on `cand`, or a drop saying why the child died on it. Two deadlines: `timeout` s
@@ -903,8 +935,13 @@ class Checker:
         while True:
             while b"\n" in self.buf:
                 line, self.buf = self.buf.split(b"\n", 1)
-                msg = json.loads(line)
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    continue  # not ours (the child writes nothing else here)
                 if "state" not in msg:
+                    if killed:  # answered just as it was killed: wait until it is gone, so it is not reused
+                        self.thread.join()
                     return msg
                 now = time.monotonic()
                 used += now - since if state != "wait" else 0.0
@@ -912,15 +949,19 @@ class Checker:
                 held_from = time.time() if state == "hold" else None
             alive = self.thread.is_alive()  # (read before the pipe: an answer written just before dying counts)
             if select.select([self.res_r], [], [], 0.2 if alive else 0)[0]:
-                self.buf += os.read(self.res_r, 1 << 16)
-                continue
+                chunk = os.read(self.res_r, 1 << 16)
+                if chunk:
+                    self.buf += chunk
+                    continue
+                self.thread.join()  # end of the pipe: the child is gone; run_sandboxed is reaping it
+                alive = False
             if not alive:
                 r = self.sandbox
                 tail = r.stderr.strip().splitlines()[-1][:200] if r and r.stderr.strip() else ""
                 why = (r.crash if r else None) or f"exited with code {r.returncode if r else '?'}"
                 turns = [[held_from, held_from, time.time()]] if held_from else []  # it died holding the lock
-                return {"key": cand["key"], "kept": False, "turns": turns,
-                        "drop": killed or f"child process {why}" + (f": {tail}" if tail else "")}
+                return {"key": cand["key"], "kept": False, "turns": turns, "t": {"locked": turns[0][2] - held_from
+                        if turns else 0.0}, "drop": killed or f"child process {why}" + (f": {tail}" if tail else "")}
             now = time.monotonic()
             if killed is None and self.pid:
                 if state == "hold" and now - since > self.lock_limit:  # everyone waits: end it
@@ -938,7 +979,11 @@ class Checker:
     def close(self):
         os.close(self.cand_w)  # EOF: the child exits
         self.fds.remove(self.cand_w)
-        self.thread.join()
+        self.thread.join(10)
+        if self.thread.is_alive() and self.pid:  # stuck (in a C call, or after a Ctrl-C): end it
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
+            self.thread.join()
         for fd in self.fds:
             os.close(fd)
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -1011,8 +1056,9 @@ def check_task(code: str, spec: dict, torch, lock_fd, spent: dict, tell=lambda s
     # `linalg.svdvals` held it for 27 s). Launch-bound rows extrapolate flat, so only a real per-row
     # cost adds up; k >= BATCH/64 bounds how much a timing error is magnified, k <= BATCH/4 keeps these runs a
     # fraction of the task's device work (they are not under the lock), and the fastest of three runs keeps
-    # other processes' device work out of the timing. Best effort: a forward that needs the whole batch skips this.
-    t0, est = time.perf_counter(), None
+    # other processes' device work out of the timing. Best effort: a forward that needs the whole batch skips
+    # the estimate.
+    t0, est, warmed = time.perf_counter(), None, False
     if all(isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] > 1 for x in sets[0]):
         batch = min(x.shape[0] for x in sets[0])
         k = min(max(64, batch // 64), max(2, batch // 4))
@@ -1025,12 +1071,17 @@ def check_task(code: str, spec: dict, torch, lock_fd, spent: dict, tell=lambda s
             return time.perf_counter() - t
         with contextlib.suppress(Exception), torch.no_grad():
             rows(1)
+            warmed = True
             if batch >= 4:  # (below, k rows would be most of the batch)
                 rows(k)
                 t1, tk = min(rows(1) for _ in range(3)), min(rows(k) for _ in range(3))
                 est = (t1 + (tk - t1) * (batch - 1) / (k - 1)) * 1e3
                 if facts is not None:
                     facts["row_est_ms"] = round(est, 4)
+    if not warmed:  # a batch of one row, or a forward that needs the whole batch: one untimed run of the whole
+        with contextlib.suppress(Exception), torch.no_grad():  # task outside the lock still keeps compilers out
+            model(*sets[0])
+            sync()
     spent["warm"] = time.perf_counter() - t0
     if est is not None and est > 10 * hi:
         return {"kept": False, "drop": f"too slow: eager about {est:.3g} ms (from {k} rows) > {hi:g} ms", "eager_ms": est}
@@ -1075,8 +1126,8 @@ def check_task(code: str, spec: dict, torch, lock_fd, spent: dict, tell=lambda s
             c_outs = [compiled(*x) for x in sets[:2]]  # the first call compiles (outside the lock: CPU work)
             sync()
         spent["compile"] = time.perf_counter() - t0
-        for k in range(2):
-            if not close(c_outs[k], outs[k], 1e-2, full=True):
+        for i in range(2):
+            if not close(c_outs[i], outs[i], 1e-2, full=True):
                 return {"kept": False, "drop": "torch.compile disagrees with eager", "eager_ms": eager_ms}
         with _locked(lock_fd, spent, tell):
             compile_ms, _ = env.time_callable(compiled, sets[:2], n_timed=spec["n_timed"], min_s=spec["min_timed_s"], warmup=0)
@@ -1381,7 +1432,11 @@ def run(cfg: Config, out: Path, backend: str, kb: list, work: Path, t0: float, p
     secs = {"mine": round(time.time() - t0, 1), "compose": 0.0, "similarity": 0.0, "execution": 0.0}
     stream = candidate_stream(seeds, cfg, backend, kb, funnel, secs, taken, policy)  # 2. compose, 3a. cheap filters
     t = time.time()
-    results = filter_by_execution(stream, cfg, backend, work / "filtered.jsonl", need=cfg.num_tasks)  # 3b. execution
+    try:
+        results = filter_by_execution(stream, cfg, backend, work / "filtered.jsonl", need=cfg.num_tasks)  # 3b. execution
+    except MachineBroken as e:
+        shutil.rmtree(work, ignore_errors=True)  # these verdicts blame the machine: a re-run must not reuse them
+        raise UsageError(f"{e}; check that the {backend} backend works in env.py's sandbox on this machine")
     secs["execution"] = time.time() - t  # (composing and the cheap filters run inside it, as candidates are taken)
     checked = [results[result_key(c, cfg, backend)] for c in taken]
     for c, r in zip(taken, checked):
@@ -1396,11 +1451,6 @@ def run(cfg: Config, out: Path, backend: str, kb: list, work: Path, t0: float, p
             examples = funnel["execution"].setdefault("examples", {}).setdefault(why, [])
             if why != r["drop"] and len(examples) < 3:  # grouped reasons keep a few full messages for debugging
                 examples.append(f"{' -> '.join(c['ops'])}: {r['drop'][:240]}")
-    if not kept_rows and len(checked) >= 20 and machine_broken(checked):
-        first = checked[0]["drop"]
-        shutil.rmtree(work, ignore_errors=True)  # these verdicts blame the machine: a re-run must not reuse them
-        raise UsageError(f"all {len(checked)} candidates checked failed to run (e.g. {first[:300]}); "
-                         f"check that the {backend} backend works in env.py's sandbox on this machine")
     rows = [kept_rows[i] for i in sorted(kept_rows)][:cfg.num_tasks]  # first N by stream index: same seed, same set
     if len(rows) < cfg.num_tasks:
         print(f"synth.py: warning: only {len(rows)} of {cfg.num_tasks} tasks after {len(taken)} candidates", file=sys.stderr)

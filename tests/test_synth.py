@@ -144,6 +144,10 @@ def test_each_execution_filter_drops_its_crafted_bad_task(tmp_path):
         "too_fast": task("return torch.tanh(x)", inputs="torch.randn(4, 4)"),
         "too_slow": task("for _ in range(8):\n            x = torch.tanh(x @ x)\n        return x", inputs="torch.randn(512, 512)"),
         "crash": task("import ctypes; return ctypes.string_at(0)"),  # a real segmentation fault
+        # ends its child 1 s after its first run, when the child is checking the next candidate, which must not
+        # take the blame for it (it is retried in a fresh child)
+        "leftover": task("import os, threading; threading.Timer(1.0, os._exit, [7]).start(); return x - x"),
+        "next": task("import time; time.sleep(0.6); return torch.tanh(x)"),
         "broken": task("return self.missing(x)"),
         "hang": task("while True:\n            pass"),  # its child is killed after task_timeout_s
         # hangs on the full batch only, i.e. under the device lock (the warm-up runs one row outside it)
@@ -159,7 +163,7 @@ def test_each_execution_filter_drops_its_crafted_bad_task(tmp_path):
     # (tasks that pass every filter: see the end-to-end tests below; a compile costs ~10 s here)
     expect = {"random": "nondeterministic", "constant": "constant output", "identity": "output equals its input",
               "nonfinite": "non-finite", "too_fast": "too fast", "too_slow": "too slow", "crash": "child process crashed",
-              "broken": "eager failed", "hang": "child process timed out: its checks took over 10 s",
+              "broken": "eager failed", "leftover": "constant output", "next": "too slow", "hang": "child process timed out: its checks took over 10 s",
               "hog": "too slow: over 5 s under the device lock", "loop": "too slow: eager about"}
     for name, why in expect.items():
         assert not got[name]["kept"] and got[name]["drop"].startswith(why), (name, got[name])
