@@ -957,7 +957,9 @@ class Checker:
                 alive = False
             if not alive:
                 r = self.sandbox
-                tail = r.stderr.strip().splitlines()[-1][:200] if r and r.stderr.strip() else ""
+                # its last words about this candidate (the child marks where each one starts in stderr)
+                said = r.stderr.split(f"synth: checking {cand['key']}\n")[-1].strip() if r else ""
+                tail = said.splitlines()[-1][:200] if said else ""
                 why = (r.crash if r else None) or f"exited with code {r.returncode if r else '?'}"
                 turns = [[held_from, held_from, time.time()]] if held_from else []  # it died holding the lock
                 return {"key": cand["key"], "kept": False, "turns": turns, "t": {"locked": turns[0][2] - held_from
@@ -1162,6 +1164,7 @@ def _filter_child(spec_path: str):
         say = lambda msg: out.write((json.dumps(msg) + "\n").encode())
         while line := cands.readline():
             c = json.loads(line)
+            print(f"synth: checking {c['key']}", file=sys.stderr, flush=True)  # (Checker.check: last words)
             spent = {"start": start, "setup": 0.0, "warm": 0.0, "wait": 0.0, "locked": 0.0, "first": 0.0, "compile": 0.0}
             facts = {}
             r = check_task(c["code"], spec, torch, spec["lock_fd"], spent, lambda state: say({"state": state}), facts)
