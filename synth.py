@@ -961,9 +961,9 @@ class Checker:
                 said = r.stderr.split(f"synth: checking {cand['key']}\n")[-1].strip() if r else ""
                 tail = said.splitlines()[-1][:200] if said else ""
                 why = (r.crash if r else None) or f"exited with code {r.returncode if r else '?'}"
-                turns = [[held_from, held_from, time.time()]] if held_from else []  # it died holding the lock
-                return {"key": cand["key"], "kept": False, "turns": turns, "t": {"locked": turns[0][2] - held_from
-                        if turns else 0.0}, "drop": killed or f"child process {why}" + (f": {tail}" if tail else "")}
+                held = [[held_from, held_from, time.time()]] if held_from else []  # it died holding the lock
+                return {"key": cand["key"], "kept": False, "drop": killed or f"child process {why}" +
+                        (f": {tail}" if tail else ""), "turns": held, "t": {"locked": held[0][2] - held_from if held else 0.0}}
             now = time.monotonic()
             if killed is None and self.pid:
                 if state == "hold" and now - since > self.lock_limit:  # everyone waits: end it
