@@ -167,6 +167,9 @@ def test_each_execution_filter_drops_its_crafted_bad_task(tmp_path):
               "hog": "too slow: over 5 s under the device lock", "loop": "too slow: eager about"}
     for name, why in expect.items():
         assert not got[name]["kept"] and got[name]["drop"].startswith(why), (name, got[name])
+    # the hog's turn under the lock is counted although its child was killed in it (lock_use, longest turns)
+    (asked, held, released), = got["hog"]["turns"]
+    assert released - held >= 5 and got["hog"]["t"]["locked"] >= 5
     # every result was recorded as it arrived; a re-run reads them back instead of re-running anything
     assert len((tmp_path / "filtered.jsonl").read_text().splitlines()) == len(cands)
     t0 = time.time()
