@@ -384,16 +384,19 @@ def file_lock(path: Path):
         os.close(fd)
 
 
-def compile_caches() -> tuple[dict, list[Path]]:
-    """Environment and folders of the compile caches that trusted children (a task's reference, synth.py's
-    filter) share and write: inductor's graphs, Triton's kernels, and the NVRTC kernels of jiterator ops
-    (torch.special functions compile one on their first call, for seconds; without a shared folder every
-    child compiles it again, because a child's HOME is its own folder). Candidates only read them."""
-    dirs = {"TORCHINDUCTOR_CACHE_DIR": CACHE_DIR / "inductor", "TRITON_CACHE_DIR": CACHE_DIR / "triton",
-            "PYTORCH_KERNEL_CACHE_PATH": CACHE_DIR / "nvrtc"}
+def compile_caches(write: bool = True) -> tuple[dict, list[Path]]:
+    """Environment and folders (to pass as writable) of the compile caches that trusted children (a task's
+    reference, synth.py's filter) share and write: inductor's graphs, Triton's kernels, and the NVRTC kernels
+    of jiterator ops (torch.special functions compile one on their first call, for seconds; without a shared
+    folder every child compiles it again, because a child's HOME is its own folder). write=False (candidates):
+    inductor's and Triton's to read, no folder to write, and no NVRTC one (torch warns on an unwritable one;
+    the child's own HOME serves instead)."""
+    dirs = {"TORCHINDUCTOR_CACHE_DIR": CACHE_DIR / "inductor", "TRITON_CACHE_DIR": CACHE_DIR / "triton"}
+    if write:
+        dirs["PYTORCH_KERNEL_CACHE_PATH"] = CACHE_DIR / "nvrtc"
     for d in dirs.values():
         d.mkdir(parents=True, exist_ok=True)
-    return {k: str(v) for k, v in dirs.items()}, list(dirs.values())
+    return {k: str(v) for k, v in dirs.items()}, list(dirs.values()) if write else []
 
 
 def gpu_lock_path(backend: str) -> Path:
@@ -994,11 +997,9 @@ def evaluate(workspace, backend: str = "auto", reference: str | None = None, cfg
             try:
                 spec = dict(specs[name], lock_fd=fd)
                 (run / name / "spec.json").write_text(json.dumps(spec))
-                extra, caches = compile_caches()
+                # a candidate must not plant entries in shared caches: it only reads them
+                extra, writable = compile_caches(write=name == "ref")
                 extra["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
-                writable = caches if name == "ref" else []  # a candidate must not plant entries in shared caches
-                if name != "ref":  # (torch warns on an unwritable one; the candidate's own HOME serves instead)
-                    del extra["PYTORCH_KERNEL_CACHE_PATH"]
                 results[name] = run_sandboxed([sys.executable, "-E", "-B", str(ENV_PY), "_child", str(run / name / "spec.json")],
                                               run / name, cfg.timeout, writable=writable, mem_gb=cfg.mem_gb, env=extra, pass_fds=[fd],
                                               kind=backend)
