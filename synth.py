@@ -1511,7 +1511,10 @@ def filter_diagnostics(taken: list, checked: list[dict]) -> dict:
 
 
 def _reason_class(why: str) -> str:
-    """Group drop reasons for the funnel (numbers removed)."""
+    """Group drop reasons for the funnel (numbers removed). Drops from the few-row estimate are counted apart:
+    the estimate is a guess, and the funnel should show how many tasks it cost."""
+    if why.startswith("too slow: eager about"):
+        return "too slow (few-row estimate)"
     for prefix in ("too fast", "too slow", "eager failed", "torch.compile failed", "child process"):
         if why.startswith(prefix):
             return prefix

@@ -167,6 +167,8 @@ def test_each_execution_filter_drops_its_crafted_bad_task(tmp_path):
               "hog": "too slow: over 5 s under the device lock", "loop": "too slow: eager about"}
     for name, why in expect.items():
         assert not got[name]["kept"] and got[name]["drop"].startswith(why), (name, got[name])
+    # the funnel counts drops from the few-row estimate apart from measured ones
+    assert [synth._reason_class(got[n]["drop"]) for n in ("loop", "too_slow")] == ["too slow (few-row estimate)", "too slow"]
     # the hog's turn under the lock is counted although its child was killed in it (lock_use, longest turns)
     (asked, held, released), = got["hog"]["turns"]
     assert released - held >= 5 and got["hog"]["t"]["locked"] >= 5
@@ -234,7 +236,7 @@ def test_cli_smoke_writes_dataset_funnel_and_report(run_a):
     assert set(funnel["row_estimate"]) == {"n", "median_ratio", "p95_ratio", "max_ratio"}
     longest = funnel["longest_locked"]
     assert 1 <= len(longest) <= 8 and longest == sorted(longest, key=lambda x: -x["locked_s"])
-    grouped = ("too fast", "too slow", "eager failed", "torch.compile failed", "child process")
+    grouped = ("too fast", "too slow", "too slow (few-row estimate)", "eager failed", "torch.compile failed", "child process")
     for why, n in st["execution"]["drops"].items():  # grouped reasons keep full example messages
         if why in grouped:
             assert 1 <= len(st["execution"]["examples"][why]) <= min(n, 3), st["execution"]
