@@ -154,7 +154,11 @@ def test_each_execution_filter_drops_its_crafted_bad_task(tmp_path):
         "hog": task("while x.shape[0] == 256:\n            pass\n        return x"),
         # a per-row cost that adds up (like a batched SVD looping over the batch): dropped from a few rows,
         # outside the lock, before one full run
-        "loop": task("return torch.stack([torch.linalg.svdvals(m) for m in x])", inputs="torch.randn(8192, 32, 32)"),
+        # (k = 64 of 4,096 rows: a few ms, under the 2x-window cut below, so the estimate is what drops it)
+        "loop": task("return torch.stack([torch.linalg.svdvals(m) for m in x])", inputs="torch.randn(4096, 32, 32)"),
+        # one SVD of a 16,384 x 1,024 input (seconds): 256 rows alone take over twice the window, so the timed
+        # runs on a few rows are skipped too
+        "one_svd": task("return torch.linalg.svdvals(x)", inputs="torch.randn(16384, 1024)"),
     }
     cands = [{"code": c, "name": n} for n, c in crafted.items()]
     cfg = synth.Config(window_ms=(0.05, 5.0), workers=1, task_timeout_s=10)
@@ -164,11 +168,13 @@ def test_each_execution_filter_drops_its_crafted_bad_task(tmp_path):
     expect = {"random": "nondeterministic", "constant": "constant output", "identity": "output equals its input",
               "nonfinite": "non-finite", "too_fast": "too fast", "too_slow": "too slow", "crash": "child process crashed",
               "broken": "eager failed", "leftover": "constant output", "next": "too slow", "hang": "child process timed out: its checks took over 10 s",
-              "hog": "too slow: over 5 s under the device lock", "loop": "too slow: eager about"}
+              "hog": "too slow: over 5 s under the device lock", "loop": "too slow: eager about",
+              "one_svd": "too slow: eager over 5 ms (256 of 16384 rows took"}
     for name, why in expect.items():
         assert not got[name]["kept"] and got[name]["drop"].startswith(why), (name, got[name])
     # the funnel counts drops from the few-row estimate apart from measured ones
-    assert [synth._reason_class(got[n]["drop"]) for n in ("loop", "too_slow")] == ["too slow (few-row estimate)", "too slow"]
+    assert [synth._reason_class(got[n]["drop"]) for n in ("loop", "one_svd", "too_slow")] == \
+        ["too slow (from a few rows)"] * 2 + ["too slow"]
     # the hog's turn under the lock is counted although its child was killed in it (lock_use, longest turns)
     (asked, held, released), = got["hog"]["turns"]
     assert released - held >= 5 and got["hog"]["t"]["locked"] >= 5
@@ -236,7 +242,7 @@ def test_cli_smoke_writes_dataset_funnel_and_report(run_a):
     assert set(funnel["row_estimate"]) == {"n", "median_ratio", "p95_ratio", "max_ratio"}
     longest = funnel["longest_locked"]
     assert 1 <= len(longest) <= 8 and longest == sorted(longest, key=lambda x: -x["locked_s"])
-    grouped = ("too fast", "too slow", "too slow (few-row estimate)", "eager failed", "torch.compile failed", "child process")
+    grouped = ("too fast", "too slow", "too slow (from a few rows)", "eager failed", "torch.compile failed", "child process")
     for why, n in st["execution"]["drops"].items():  # grouped reasons keep full example messages
         if why in grouped:
             assert 1 <= len(st["execution"]["examples"][why]) <= min(n, 3), st["execution"]
