@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU figure in the README, on one H200, in parts; one 10-minute device call fits "data rollout",
 # "train" or "update reference" (each part's limit is below):
-#   bash bench/run_h200.sh data      OUT   # synth.py throughput and funnel (150 tasks; SYNTH_TASKS=1000 for more: ~320 s)
+#   bash bench/run_h200.sh data      OUT   # synth.py throughput and funnel (150 tasks; SYNTH_TASKS=1000 for more: ~260 s)
 #   bash bench/run_h200.sh reference OUT   # eager vs torch.compile on a KernelBench sample (.kb/KernelBench)
 #   bash bench/run_h200.sh train     OUT   # RFT overfit sanity + GPU tests (in parallel); a short default-preset run
 #   bash bench/run_h200.sh default-random OUT  # the short default run on random weights (no GGUF needed)
