@@ -172,7 +172,7 @@ def test_each_execution_filter_drops_its_crafted_bad_task(tmp_path):
               "one_svd": "too slow: eager over 5 ms (256 of 16384 rows took"}
     for name, why in expect.items():
         assert not got[name]["kept"] and got[name]["drop"].startswith(why), (name, got[name])
-    # the funnel counts drops from the few-row estimate apart from measured ones
+    # the funnel counts drops decided from a few rows (estimate or 2x-window cut) apart from measured ones
     assert [synth._reason_class(got[n]["drop"]) for n in ("loop", "one_svd", "too_slow")] == \
         ["too slow (from a few rows)"] * 2 + ["too slow"]
     # the hog's turn under the lock is counted although its child was killed in it (lock_use, longest turns)
