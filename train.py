@@ -3,7 +3,7 @@
 
     # tiny: minutes on a 2-core CPU, CPU backend, a tiny randomly initialised model (this is what CI runs)
     python train.py --stage all --preset tiny --backend cpu --run-dir runs/tiny
-    # default: one H200 with the embedded SmolLM2-135M-Instruct (meant for <= 30 min; not measured yet: see the README)
+    # default: one H200 with the embedded SmolLM2-135M-Instruct (~7 min of stages, projected from a short H200 run: README)
     python train.py --stage all --run-dir runs/default
     # one stage at a time (each needs its predecessor's checkpoint in --run-dir), resumable after kill -9
     python train.py --stage ppo --run-dir runs/default --resume
