@@ -68,15 +68,20 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import importlib.util
 import json
 import math
 import os
+import random
 import re
-import resource
+import secrets
+import select
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -84,8 +89,15 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
+from torch.utils import cpp_extension as ce
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import scan
+from sandbox import (CACHE_DIR, SandboxResult, candidate_alive, file_lock, gpu_lock_path, isolation, no_candidates,
+                     run_sandboxed)
+
 ENV_PY = Path(__file__).resolve()
-CACHE_DIR = Path(os.environ.get("CUDA_AGENT_CACHE", Path.home() / ".cache" / "cuda-agent-mini"))
 MARGIN = 0.05  # the paper's 5% speed margin
 
 SOURCE_EXT = {".cu", ".cpp"}
@@ -173,217 +185,6 @@ def reward_for(correct: bool, runtime_ms, eager_ms, compile_ms) -> int:
     return 2 if beats(eager_ms) else 1
 
 
-# ----------------------------------------------------------------------------------------------
-# Sandboxed child processes (also used by synth.py and agent.py's bash tool)
-# ----------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class SandboxResult:
-    returncode: int
-    stdout: str
-    stderr: str
-    timed_out: bool
-    seconds: float
-
-    @property
-    def crash(self) -> str | None:
-        """A readable cause when the child died abnormally."""
-        if self.timed_out:
-            return "timed out (the whole process group was killed)"
-        if self.returncode < 0:
-            sig = -self.returncode
-            name = {11: "segmentation fault", 9: "killed (memory or CPU limit?)", 6: "aborted", 7: "bus error",
-                    8: "floating point exception", 24: "CPU time limit exceeded", 25: "file size limit exceeded"}
-            return f"crashed: {name.get(sig, signal.Signals(sig).name)} (signal {sig})"
-        return None
-
-
-_ISOLATION: dict = {}  # {"cpu"|"cuda": the unshare prefix that worked here}, probed once per process
-_PASS_ENV = ("PATH", "LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_PATH", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES",
-             "NVIDIA_DRIVER_CAPABILITIES", "CC", "CXX", "NVCC_CCBIN", "TORCH_CUDA_ARCH_LIST", "CUDA_AGENT_CACHE",
-             "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
-_ISOLATION_LOCK = threading.Lock()
-_CUDA_PROBE = "import torch; torch.zeros(1, device='cuda').add_(1); torch.cuda.synchronize()"
-
-
-def isolation(kind: str = "cpu") -> list:
-    """Probe once which Linux namespaces we may create (for CUDA: in which a CUDA context still works;
-    some GPU VMs refuse CUDA inside a PID or mount namespace). Returns the command prefix."""
-    with _ISOLATION_LOCK:  # evaluate() starts two children at once; probe once, publish once
-        if kind not in _ISOLATION:
-            _ISOLATION[kind] = _probe_isolation(kind)
-    return _ISOLATION[kind]
-
-
-def _probe_isolation(kind: str) -> list:
-    user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
-    tries = [["--net", "--pid", "--fork", "--kill-child", "--mount"], ["--net", "--mount"],
-             ["--net", "--pid", "--fork", "--kill-child"], ["--net"], []]
-    probe = [sys.executable, "-c", _CUDA_PROBE if kind == "cuda" else "pass"]
-    if not shutil.which("unshare") or os.environ.get("CUDA_AGENT_NO_NAMESPACES") == "1":
-        tries = [[]]
-    with tempfile.TemporaryDirectory() as d:
-        for flags in tries:
-            prefix = ["unshare", *user, *flags] if flags else []
-            if run_sandboxed(probe, d, 120, mem_gb=None, kind=kind, prefix=prefix).returncode == 0:
-                break
-    lost = [k for k, f in {"network": "--net", "pid": "--pid", "filesystem": "--mount"}.items() if f not in prefix]
-    if lost:
-        print(f"env.py: cannot create Linux {'/'.join(lost)} namespaces here{' for CUDA' if kind == 'cuda' else ''};"
-              " candidates run with the remaining isolation, process groups and rlimits (see env.py's docstring)",
-              file=sys.stderr)
-    return prefix
-
-
-def _jail(new_mount_ns: bool, writable: list[str], argv: list[str]):
-    """Runs as root inside fresh namespaces: make every filesystem read-only except `writable`, then exec.
-    Only ever touches mounts inside a mount namespace of its own (never the host's)."""
-    if new_mount_ns:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 32, 4096, 16384, 1 << 18
-
-        def mount(src, tgt, flags):
-            return libc.mount(src and src.encode(), tgt.encode(), None, flags, None) == 0
-
-        if mount(None, "/", MS_REC | MS_PRIVATE):
-            for w in writable:
-                if not mount(w, w, MS_BIND | MS_REC):
-                    sys.exit(f"_jail: cannot bind {w}")
-            for line in open("/proc/self/mountinfo"):
-                mp = line.split()[4].replace("\\040", " ")
-                if mp.startswith(("/proc", "/sys", "/dev")) or any(mp == w or mp.startswith(w + "/") for w in writable):
-                    continue
-                mount(None, mp, MS_REMOUNT | MS_BIND | MS_RDONLY)  # best effort per mount point
-            os.chdir(os.getcwd())  # re-enter the cwd through the new writable bind mount
-    os.execvp(argv[0], argv)
-
-
-def _cgroup(name: str, pids_max: int, mem_bytes: int | None) -> list[Path]:
-    """Per-child pids (and memory) cgroups where the cgroup tree is writable (v1 or v2)."""
-    made = []
-    root = Path("/sys/fs/cgroup")
-    if (root / "cgroup.controllers").exists():  # cgroup v2: one directory holds both limits
-        try:
-            base = root / "cuda-agent-mini"
-            base.mkdir(exist_ok=True)
-            for d in (root, base):
-                with contextlib.suppress(OSError):
-                    (d / "cgroup.subtree_control").write_text("+pids +memory")
-            d = base / name
-            d.mkdir()
-            made.append(d)
-            (d / "pids.max").write_text(str(pids_max))
-            if mem_bytes:
-                (d / "memory.max").write_text(str(mem_bytes))
-        except OSError:
-            pass
-        return made
-    for ctrl, files in (("pids", {"pids.max": pids_max}), ("memory", {"memory.limit_in_bytes": mem_bytes})):
-        if not (root / ctrl / "cgroup.procs").exists() or (ctrl == "memory" and mem_bytes is None):
-            continue
-        d = root / ctrl / "cuda-agent-mini" / name
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-            made.append(d)
-            for f, v in files.items():
-                (d / f).write_text(str(v))
-        except OSError:
-            pass
-    return made
-
-
-def run_sandboxed(argv: list[str], cwd: str | Path, timeout: float, *, writable=(), mem_gb: float | None = 16.0,
-                  cpu_s: float | None = None, env: dict | None = None, pass_fds=(), output_limit: int = 20_000,
-                  max_tasks: int = 1024, kind: str = "cpu", prefix: list | None = None, started=None) -> SandboxResult:
-    """Run argv in a child process that cannot hurt us: own session and process group, PID/net/mount
-    namespaces where available, cgroup or rlimit caps, scrubbed environment, wall-clock timeout.
-    `cwd` and `writable` stay writable; everything else is read-only where the OS allows it.
-    stdout/stderr are kept to `output_limit` characters each (head and tail). kind="cuda" for children
-    that use the GPU (no address-space limit, namespaces that CUDA tolerates here). started(pid): called with
-    the child's process group once it runs, for a caller (another thread) that may need to kill it sooner."""
-    cwd = str(Path(cwd).resolve())
-    prefix = isolation(kind) if prefix is None else prefix
-    child_env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
-    child_env.update(HOME=cwd, TMPDIR=cwd, LANG="C.UTF-8", PYTHONDONTWRITEBYTECODE="1", **(env or {}))
-    cmd = list(argv)
-    if prefix:
-        ws = [cwd, *[str(Path(w).resolve()) for w in writable]]
-        cmd = [*prefix, sys.executable, "-E", str(ENV_PY), "_jail", str(int("--mount" in prefix)), *ws, "--", *argv]
-    groups = _cgroup(uuid.uuid4().hex, max_tasks, int(mem_gb * 2**30) if mem_gb else None)
-    # RLIMIT_AS breaks CUDA's address-space reservations; a memory cgroup (where writable) is used instead.
-    has_mem_cgroup = any((g / "memory.max").exists() or (g / "memory.limit_in_bytes").exists() for g in groups)
-    mem_limit = int(mem_gb * 2**30) if mem_gb and not has_mem_cgroup and kind != "cuda" else None
-
-    def limits():  # runs in the child between fork and exec
-        for g in groups:
-            with open(g / "cgroup.procs", "w") as f:
-                f.write(str(os.getpid()))
-        if mem_limit:
-            resource.setrlimit(resource.RLIMIT_AS, (mem_limit, mem_limit))
-        if cpu_s:
-            resource.setrlimit(resource.RLIMIT_CPU, (int(cpu_s), int(cpu_s) + 5))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 30, 4 << 30))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if os.geteuid() != 0:
-            resource.setrlimit(resource.RLIMIT_NPROC, (max_tasks * 4, max_tasks * 4))
-
-    t0 = time.monotonic()
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        p = subprocess.Popen(cmd, cwd=cwd, env=child_env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                             start_new_session=True, preexec_fn=limits, pass_fds=tuple(pass_fds))
-        if started:
-            started(p.pid)
-        timed_out = False
-        try:
-            p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        finally:  # also when the caller is interrupted (Ctrl-C): never leave a child behind
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGKILL)  # also reaps stragglers that kept our process group
-            p.wait()
-        for g in groups:  # leftover tasks in the cgroup (escaped the group): kill, then remove it
-            with contextlib.suppress(OSError, ValueError):
-                if (g / "cgroup.kill").exists():
-                    (g / "cgroup.kill").write_text("1")
-                for pid in (g / "cgroup.procs").read_text().split():
-                    os.kill(int(pid), signal.SIGKILL)
-            for _ in range(50):
-                try:
-                    g.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.02)
-        texts = []
-        for f in (out, err):
-            size = f.seek(0, 2)
-            f.seek(0)
-            if size <= output_limit:
-                texts.append(f.read().decode(errors="replace"))
-            else:
-                head = f.read(output_limit // 2).decode(errors="replace")
-                f.seek(size - output_limit // 2)
-                tail = f.read().decode(errors="replace")
-                texts.append(f"{head}\n... [{size - output_limit} bytes of output truncated] ...\n{tail}")
-    # Under `unshare --fork --kill-child`, a signal that kills the child shows up as 128+sig.
-    rc = p.returncode
-    if prefix and rc > 128 and "--fork" in prefix:
-        rc = -(rc - 128)
-    return SandboxResult(rc, texts[0], texts[1], timed_out, time.monotonic() - t0)
-
-
-@contextlib.contextmanager
-def file_lock(path: Path):
-    """An flock: the kernel releases it when the holder dies, so a killed process leaves no stale lock."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
 def compile_caches(write: bool = True) -> tuple[dict, list[Path]]:
     """Environment and folders (to pass as writable) of the compile caches that trusted children (a task's
     reference, synth.py's filter) share and write: inductor's graphs, Triton's kernels, and the NVRTC kernels
@@ -398,11 +199,6 @@ def compile_caches(write: bool = True) -> tuple[dict, list[Path]]:
         d.mkdir(parents=True, exist_ok=True)
     return {k: str(v) for k, v in dirs.items()}, list(dirs.values()) if write else []
 
-
-def gpu_lock_path(backend: str) -> Path:
-    """One timed section per GPU (or per CPU host) at a time, across all processes of this user."""
-    dev = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] if backend == "cuda" else "cpu"
-    return CACHE_DIR / "locks" / f"timing-{backend}-{dev}.lock"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -452,6 +248,8 @@ def collect(workspace: Path, backend: str) -> tuple[dict, list]:
     """The files that make up a candidate: {relative path: text}. Everything else is ignored."""
     files, notes = {}, []
     for d in (workspace, workspace / "kernels"):
+        if d.is_symlink() or (d.exists() and d.resolve() != workspace.resolve() / d.relative_to(workspace)):
+            raise ValueError(f"{d.relative_to(workspace)} is a symbolic link; kernels/ must be a folder inside the workspace")
         if not d.is_dir():
             continue
         for f in sorted(d.iterdir()):
@@ -466,81 +264,10 @@ def collect(workspace: Path, backend: str) -> tuple[dict, list]:
     return files, notes
 
 
-ALLOWED_IMPORTS = {"torch", "torch.nn", "torch.nn.functional", "math", "typing", "cuda_extension", "__future__",
-                   "functools", "collections", "itertools", "dataclasses", "numbers", "enum"}
-NUMERIC_LIBS = {"numpy", "cupy", "triton", "scipy", "jax", "numba", "tensorflow", "pycuda", "cuda", "tvm", "taichi"}
-BANNED_NAMES = {"__import__", "eval", "exec", "compile", "open", "globals", "vars", "setattr", "delattr", "breakpoint"}
-BANNED_ATTRS = {"__dict__", "__globals__", "__code__", "__builtins__", "__subclasses__", "__class__", "__bases__",
-                "__mro__", "__closure__", "numpy", "tolist", "__array__", "_C", "f_globals", "f_locals", "f_back"}
-CPP_BANNED = [
-    (r"\bstd::thread\b|\bpthread_create\b|\bstd::async\b|\bstd::jthread\b", "threads are not allowed (use OpenMP or CUDA)"),
-    (r"\b(fork|vfork|system|popen|execv|execvp|execl|execlp|posix_spawn)\s*\(", "starting processes is not allowed"),
-    (r"\bdlopen\b|\bdlsym\b", "dynamic loading is not allowed"),
-    (r"(py|pybind11)::module_?::import|\bPyImport_|\bPyRun_|(py|pybind11)::(exec|eval|globals)\b", "calling Python from C++ is not allowed"),
-    (r"\bgetenv\b|\bfopen\b|std::ifstream|std::ofstream", "file and environment access is not allowed"),
-]
-# Calls torch::X(...) / at::X(...) that allocate or describe tensors; anything else computes.
-CPP_ALLOWED_TORCH = {"empty", "empty_like", "empty_strided", "zeros", "zeros_like", "from_blob", "parallel_for",
-                     "get_num_threads", "device", "dtype", "elementSize", "typeMetaToScalarType", "toString",
-                     "isFloatingType", "kCUDA", "kCPU", "getCurrentCUDAStream", "check_dim_size", "get_parallel_state"}
-
-
 def static_scan(files: dict, model_new: str) -> tuple[list, list]:
-    """Returns (violations, hints). Violations are certain cheats; hints are advice, the run-time
-    dispatch monitor is the judge for PyTorch fallbacks."""
-    violations, hints = [], []
-    try:
-        tree = ast.parse(model_new)
-    except SyntaxError as e:
-        return [], [f"model_new.py: syntax error line {e.lineno}: {e.msg}"]
-    forward_calls = {id(c) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "forward"
-                     for c in ast.walk(f) if isinstance(c, ast.Call)}
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-            if isinstance(node, ast.ImportFrom) and node.level:
-                mods = ["." + (node.module or "")]
-            for m in mods:
-                if m.split(".")[0] in NUMERIC_LIBS:
-                    violations.append(f"model_new.py line {node.lineno}: imports {m}; only cuda_extension may compute")
-                elif m not in ALLOWED_IMPORTS:
-                    violations.append(f"model_new.py line {node.lineno}: import of {m} is not allowed "
-                                      f"(allowed: {', '.join(sorted(ALLOWED_IMPORTS))})")
-        elif isinstance(node, ast.Name) and node.id in BANNED_NAMES:
-            violations.append(f"model_new.py line {node.lineno}: {node.id} is not allowed")
-        elif isinstance(node, ast.Attribute) and node.attr in BANNED_ATTRS:
-            violations.append(f"model_new.py line {node.lineno}: .{node.attr} is not allowed")
-        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            for t in targets:
-                root = t
-                while isinstance(root, (ast.Attribute, ast.Subscript)):
-                    root = root.value
-                if isinstance(t, ast.Attribute) and isinstance(root, ast.Name) and root.id in {"torch", "nn", "F", "math"}:
-                    violations.append(f"model_new.py line {node.lineno}: monkey-patching {ast.unparse(t)} is not allowed")
-        elif isinstance(node, ast.Call) and id(node) in forward_calls:
-            name = ast.unparse(node.func)
-            if name.startswith(("torch.", "F.", "nn.functional.")) and not re.match(
-                    r"(torch\.(empty|zeros|nn\.|Size|device|cuda\.current_stream|cuda\.current_device|float|int|bool)"
-                    r"|torch\.(empty_like|zeros_like))", name):
-                hints.append(f"model_new.py line {node.lineno}: {name}(...) looks like a PyTorch compute op;"
-                             " those are rejected at run time")
-    for path, text in files.items():
-        code = re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.S)  # comments don't count
-        for pattern, why in CPP_BANNED:
-            m = re.search(pattern, code)
-            if m:
-                violations.append(f"{path} line {code[:m.start()].count(chr(10)) + 1}: {why} ({m.group(0).strip()})")
-        for m in re.finditer(r'#\s*include\s*([<"])([^>"]+)[>"]', code):  # no reading files outside the workspace
-            inc, quoted = m.group(2), m.group(1) == '"'
-            inside = os.path.normpath(os.path.join(os.path.dirname(path), inc))
-            if inc.startswith("/") or (".." in inc.split("/") and (not quoted or inside.startswith(".."))):
-                violations.append(f"{path} line {code[:m.start()].count(chr(10)) + 1}: {m.group(0)} reaches outside the workspace")
-        for m in re.finditer(r"\b(?:torch|at)::(\w+)\s*\(", code):
-            if m.group(1) not in CPP_ALLOWED_TORCH and not m.group(1)[0].isupper():
-                violations.append(f"{path} line {code[:m.start()].count(chr(10)) + 1}: {m.group(0)}...) is a PyTorch "
-                                  "compute op; write the kernel yourself")
-    return violations, hints
+    """(violations, hints) of model_new.py against scan.py's allow-list. The kernel sources are checked after
+    preprocessing, inside build(), where macros and includes are resolved."""
+    return scan.check_python(model_new), []
 
 
 # ----------------------------------------------------------------------------------------------
@@ -553,24 +280,24 @@ class Build:
     log: str
     seconds: float
     rebuilt: list  # sources that were compiled (not served from the cache)
+    violations: list = dataclasses.field(default_factory=list)  # what the preprocessed scan refused
 
 
 _TOOLCHAIN: dict = {}
+SCAN_VERSION = "2"  # part of every object's cache key: an object built under an older scan is never reused
 
 
 def toolchain(backend: str) -> dict:
     """Compiler commands and flags. Computed once per process (importing torch is the slow part)."""
     if backend in _TOOLCHAIN:
         return _TOOLCHAIN[backend]
-    import sysconfig
-    import torch
-    from torch.utils import cpp_extension as ce
     std = "-std=c++20" if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 10) else "-std=c++17"
-    inc = [f"-I{p}" for p in ce.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+    roots = [*ce.include_paths(), sysconfig.get_paths()["include"]]
+    inc = [f"-I{p}" for p in roots]
     defs = ["-DTORCH_EXTENSION_NAME=cuda_extension", "-DTORCH_API_INCLUDE_EXTENSION_H",
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     cxx = os.environ.get("CXX", "g++")
-    tc = {"cxx": [cxx, "-O3", "-fPIC", std, "-w", *defs, *inc], "ldflags": []}
+    tc = {"cxx": [cxx, "-O3", "-fPIC", std, "-w", *defs, *inc], "ldflags": [], "roots": roots}
     libdir = ce.library_paths()[0]
     tc["ldflags"] = [f"-L{libdir}", f"-Wl,-rpath,{libdir}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
     if backend == "cpu":
@@ -583,13 +310,57 @@ def toolchain(backend: str) -> dict:
         tc["nvcc"] = [nvcc, "-O3", std, "-Xcompiler", "-fPIC", "-w", "--expt-relaxed-constexpr",
                       f"-gencode=arch=compute_{arch},code=sm_{arch}", *defs, *inc, f"-I{cuda_home}/include"]
         tc["cxx"] += [f"-I{cuda_home}/include", "-DWITH_CUDA"]
+        tc["roots"] += [str(Path(cuda_home).resolve()), str(Path(cuda_home)), *map(str, Path(torch.__file__).parent.parent.glob("nvidia/*/include"))]
         libdirs = [Path(cuda_home) / "lib64", *Path(torch.__file__).parent.parent.glob("nvidia/*/lib")]
         tc["ldflags"] += ["-lc10_cuda", "-ltorch_cuda"] + [f"-L{d}" for d in libdirs if d.exists()] + \
                          [f"-Wl,-rpath,{d}" for d in libdirs if d.exists()] + ["-lcudart"]
+        tc["nvcc_pp"] = nvcc_host_preprocessor(tc["nvcc"])
     version = subprocess.run([tc["cxx"][0], "--version"], capture_output=True, text=True).stdout.split("\n")[0]
-    tc["id"] = hashlib.sha256(json.dumps([tc, version, torch.__version__]).encode()).hexdigest()[:16]
+    tc["id"] = hashlib.sha256(json.dumps([tc, version, torch.__version__, SCAN_VERSION]).encode()).hexdigest()[:16]
     _TOOLCHAIN[backend] = tc
     return tc
+
+
+def nvcc_host_preprocessor(nvcc: list) -> list:
+    """The host compiler's preprocessing command that nvcc itself runs on a .cu file (from `nvcc --dryrun`),
+    with SRC and OUT placeholders: the scan reads exactly the host code nvcc compiles."""
+    r = subprocess.run([*nvcc, "--dryrun", "-c", "SRC.cu", "-o", "OUT.o"], capture_output=True, text=True)
+    for line in (r.stdout + r.stderr).splitlines():
+        line = line.removeprefix("#$ ").strip()
+        if " -E " in line and "SRC.cu" in line and "__CUDA_ARCH__=" not in line:
+            argv = shlex.split(line)
+            argv[argv.index("-o") + 1] = "OUT"
+            return ["SRC" if a == "SRC.cu" else a for a in argv] + [f"-I{p}" for p in ce.include_paths()]
+    raise RuntimeError(f"cannot find the host preprocessing step in `nvcc --dryrun`:\n{r.stderr[-2000:]}")
+
+
+def preprocess(tc: dict, src: Path, out: Path, timeout: float):
+    """Run the preprocessor (sandboxed) that the compiler itself will use; returns (SandboxResult, text)."""
+    if src.suffix == ".cu":
+        cmd = [str(out) if a == "OUT" else str(src) if a == "SRC" else a for a in tc["nvcc_pp"]]
+    else:
+        cmd = [*tc["cxx"], "-E", "-o", str(out), str(src)]
+    cmd += [f"-I{src.parent}", f"-I{out.parent}", f"-I{out.parent}/kernels"]
+    r = run_sandboxed(cmd, out.parent, timeout, mem_gb=None, output_limit=40_000)
+    return r, (out.read_text(errors="replace") if r.returncode == 0 and out.exists() else "")
+
+
+_EXPANSION: dict = {}
+
+
+def module_expansion(tc: dict, suffix: str, timeout: float) -> list:
+    """The tokens PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) expands to with this toolchain (probed once)."""
+    key = (tc["id"], suffix)
+    if key not in _EXPANSION:
+        with tempfile.TemporaryDirectory(prefix="probe-", dir=CACHE_DIR) as d:
+            src = Path(d) / f"probe{suffix}"
+            src.write_text("#include <torch/extension.h>\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}\n")
+            r, text = preprocess(tc, src, Path(d) / "probe.ii", timeout)
+            if not text:
+                raise RuntimeError(f"the preprocessor failed on a probe file:\n{error_excerpt(r.stderr)}")
+            tokens, _ = scan.split_preprocessed(text, lambda p: p == str(src))
+            _EXPANSION[key] = scan.module_expansion(tokens)
+    return _EXPANSION[key]
 
 
 def error_excerpt(text: str, max_lines: int = 16) -> str:
@@ -606,56 +377,82 @@ def error_excerpt(text: str, max_lines: int = 16) -> str:
 
 
 def build(files: dict, backend: str, timeout: float = 600.0) -> Build:
-    """Compile every source into the object cache, then link the module. Killed builds leave
-    nothing behind: objects are renamed into place only when complete, locks are flocks."""
+    """Preprocess, scan and compile every source into the object cache, then link the module. Killed builds
+    leave nothing behind: objects are renamed into place only when complete, locks are flocks. A cached object
+    passed the same scan (the scan's version is part of its key); its metadata says whether it holds the module."""
     t0 = time.monotonic()
     tc = toolchain(backend)
     sources = sorted(p for p in files if Path(p).suffix in SOURCE_EXT)
     if not sources:
         return Build(False, None, "no kernel sources: write kernels/*.cpp" + (" or *.cu" if backend == "cuda" else ""), 0, [])
-    modules = [p for p in sources if re.search(r"PYBIND11_MODULE\s*\(", files[p])]
-    if len(modules) != 1:
-        msg = "no source defines" if not modules else f"{len(modules)} sources ({', '.join(modules)}) define"
-        return Build(False, None, f"{msg} PYBIND11_MODULE(TORCH_EXTENSION_NAME, m); exactly one must", 0, [])
     headers = "".join(f"{p}\0{files[p]}\0" for p in sorted(files) if Path(p).suffix in HEADER_EXT)
     objdir = CACHE_DIR / "obj"
     objdir.mkdir(parents=True, exist_ok=True)
     keys = {p: hashlib.sha256(f"{tc['id']}\0{p}\0{files[p]}\0{headers}".encode()).hexdigest()[:32] for p in sources}
-    rebuilt, errors = [], []
+    rebuilt, errors, violations, has_module = [], [], [], {}
     deadline = time.monotonic() + timeout
 
     with tempfile.TemporaryDirectory(prefix="build-", dir=CACHE_DIR) as tmp:
+        tmp = Path(tmp).resolve()
         for p, text in files.items():  # sources and headers, laid out as in the workspace
-            (Path(tmp) / p).parent.mkdir(parents=True, exist_ok=True)
-            (Path(tmp) / p).write_text(text)
+            (tmp / p).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / p).write_text(text)
+        is_user = lambda path: path.startswith("/") and os.path.normpath(path).startswith(str(tmp) + "/")
 
         def compile_one(p):
-            obj = objdir / f"{keys[p]}.o"
+            obj, meta = objdir / f"{keys[p]}.o", objdir / f"{keys[p]}.json"
             with file_lock(CACHE_DIR / "locks" / f"{keys[p]}.lock"):
-                if obj.exists():
+                if obj.exists() and meta.exists():
+                    has_module[p] = json.loads(meta.read_text())["module"]
                     return
-                tool = tc["nvcc"] if p.endswith(".cu") else tc["cxx"]
-                part = Path(tmp) / f"{keys[p]}.o.part"
-                cmd = [*tool, f"-I{tmp}", f"-I{tmp}/kernels", "-c", str(Path(tmp) / p), "-o", str(part)]
-                r = run_sandboxed(cmd, tmp, max(1.0, deadline - time.monotonic()), mem_gb=None, output_limit=40_000)
+                src, pre = tmp / p, tmp / f"{keys[p]}.ii"
+                r, text = preprocess(tc, src, pre, max(1.0, deadline - time.monotonic()))
+                if not text:
+                    errors.append(f"{p} failed to preprocess:\n{error_excerpt(r.stderr + r.stdout)}")
+                    return
+                tokens, includes = scan.split_preprocessed(text, is_user)
+                bad = [f"{p}: #include of {inc} is not allowed (workspace files, torch/CUDA headers and standard headers only)"
+                       for by, inc in includes if not is_user(inc) and not scan.header_allowed(inc, tc["roots"])]
+                expansion = module_expansion(tc, src.suffix, max(1.0, deadline - time.monotonic()))
+                hits = scan.find_seq(tokens, expansion)
+                for h in reversed(hits):
+                    del tokens[h:h + len(expansion)]
+                bad += scan.check_tokens(p, tokens)
+                if bad:
+                    violations.extend(bad)
+                    return
+                has_module[p] = len(hits)
+                part = tmp / f"{keys[p]}.o.part"
+                # A .cpp compiles from the text just scanned (no second preprocessing); nvcc runs its own passes.
+                cmd = [*tc["nvcc"], f"-I{tmp}", f"-I{tmp}/kernels", f"-I{src.parent}", "-c", str(src)] if p.endswith(".cu") \
+                    else [*tc["cxx"], "-x", "c++-cpp-output", "-c", str(pre)]
+                r = run_sandboxed([*cmd, "-o", str(part)], tmp, max(1.0, deadline - time.monotonic()), mem_gb=None, output_limit=40_000)
                 if r.returncode != 0 or not part.exists():
                     why = f"compilation of {p} {r.crash}" if r.crash else f"{p} failed to compile"
                     errors.append(f"{why}:\n{error_excerpt(r.stderr + r.stdout)}")
                     return
+                meta.write_text(json.dumps({"module": len(hits)}))
                 os.replace(part, obj)  # atomic: a half-written object never has the final name
                 rebuilt.append(p)
 
         with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
             list(pool.map(compile_one, sources))
+        if violations:
+            return Build(False, None, "\n".join(violations), time.monotonic() - t0, rebuilt, violations)
         if errors:
             return Build(False, None, "\n".join(errors), time.monotonic() - t0, rebuilt)
+        modules = [p for p in sources if has_module.get(p)]
+        if len(modules) != 1 or has_module[modules[0]] != 1:
+            msg = "no source defines" if not modules else f"{', '.join(modules)} define{'s' if len(modules) == 1 else ''}"
+            return Build(False, None, f"{msg} PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {'more than once' if modules else ''}; "
+                         "exactly one source must, once, with exactly that spelling", time.monotonic() - t0, rebuilt)
         link_key = hashlib.sha256("".join(keys[p] for p in sources).encode() + tc["id"].encode()).hexdigest()[:32]
         so = CACHE_DIR / "so" / link_key / "cuda_extension.so"
         if not so.exists():
             so.parent.mkdir(parents=True, exist_ok=True)
-            part = Path(tmp) / "cuda_extension.so"
+            part = tmp / "cuda_extension.so"
             cmd = [tc["cxx"][0], "-shared", *[str(objdir / f"{keys[p]}.o") for p in sources], "-o", str(part), *tc["ldflags"]]
-            r = run_sandboxed(cmd, tmp, max(1.0, deadline - time.monotonic()), mem_gb=None)
+            r = run_sandboxed(cmd, tmp, max(1.0, deadline - time.monotonic()), mem_gb=None, writable=[objdir])
             if r.returncode != 0:
                 return Build(False, None, "link failed:\n" + error_excerpt(r.stderr + r.stdout), time.monotonic() - t0, rebuilt)
             shutil.copy(part, so.with_suffix(".part"))
@@ -664,19 +461,117 @@ def build(files: dict, backend: str, timeout: float = 600.0) -> Build:
 
 
 # ----------------------------------------------------------------------------------------------
-# The child harness: runs inside the sandbox. "reference" computes outputs and baseline timings;
-# "candidate" loads ModelNew and the extension. The parent compares.
+# The run protocol. The PARENT holds the clock and every secret; a child only ever learns the input of
+# the run it is about to make. One exchange per run:
+#   parent: "load" (seed)   child: builds that input set once, copies it into the SAME buffers, flushes the L2,
+#                                  synchronises, "ok"
+#   parent: t0, "run"       child: out = fn(*buffers), device-wide sync, "ok"
+#   parent: "sample" (o)    child: copies out[o::step] (every output, o drawn now) and sends it; parent: t1
+# The sampled elements are chosen after the run and copied inside [t0, t1], so work that is deferred past
+# `run` (lazy pages, late kernels) is timed, and a candidate cannot know which elements it must get right.
+# Check runs ask "full" instead of "sample": every element, plus the input-mutation and type checks.
 # ----------------------------------------------------------------------------------------------
-ALLOWED_OPS = {  # aten ops that allocate, view or describe; everything else computes
+_clock = time.perf_counter  # the parent's clock; no candidate code ever runs in the parent
+SAMPLE = 65536  # elements per output compared after a timed run (every element of smaller outputs)
+
+
+def send(fd: int, obj, blobs=()):
+    blobs = [bytes(b) for b in blobs]
+    head = json.dumps({"obj": obj, "sizes": [len(b) for b in blobs]}).encode()
+    data = len(head).to_bytes(8, "little") + head + b"".join(blobs)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _read_exact(fd: int, n: int, alive=None) -> bytes:
+    chunks = []
+    while n:
+        while alive is not None and not select.select([fd], [], [], 0.5)[0]:
+            if not alive():  # the child is gone, but something it left behind may still hold the pipe
+                raise EOFError("the child process ended")
+        chunk = os.read(fd, min(n, 1 << 24))
+        if not chunk:
+            raise EOFError("the other side closed the pipe")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def recv(fd: int, limit: int = 1 << 34, alive=None):
+    n = int.from_bytes(_read_exact(fd, 8, alive), "little")
+    if not 0 < n < 1 << 20:
+        raise ValueError(f"malformed message header ({n} bytes)")
+    head = json.loads(_read_exact(fd, n, alive))
+    sizes = head.get("sizes", []) if isinstance(head, dict) else None
+    if not isinstance(sizes, list) or not all(isinstance(s, int) and 0 <= s for s in sizes) or sum(sizes) > limit:
+        raise ValueError("malformed message sizes")
+    return head.get("obj"), [_read_exact(fd, s, alive) for s in sizes]
+
+
+def pack(out, blobs: list):
+    """A nested output as JSON-able structure + raw tensor bytes (no pickle crosses the boundary)."""
+    if isinstance(out, torch.Tensor):
+        t = out.detach().contiguous().cpu()
+        blobs.append(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        return {"t": len(blobs) - 1, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+    if isinstance(out, (tuple, list)):
+        return {"seq": [pack(o, blobs) for o in out], "tuple": isinstance(out, tuple)}
+    if out is None or isinstance(out, (bool, int, float)):
+        return {"v": out}
+    raise TypeError(f"outputs must be tensors (or tuples of them), not {type(out).__name__}")
+
+
+def unpack(obj, blobs: list):
+    """The inverse of pack, validating every field: a malformed reply raises ValueError."""
+    if not isinstance(obj, dict):
+        raise ValueError("malformed output")
+    if "t" in obj:
+        dtype = getattr(torch, str(obj.get("dtype")), None)
+        shape = obj.get("shape")
+        if not isinstance(dtype, torch.dtype) or not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+            raise ValueError("malformed tensor in output")
+        raw = blobs[obj["t"]] if isinstance(obj["t"], int) and 0 <= obj["t"] < len(blobs) else None
+        n = math.prod(shape)
+        if raw is None or len(raw) != n * torch.empty((), dtype=dtype).element_size():
+            raise ValueError("tensor bytes do not match the declared shape")
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape) if n else torch.empty(shape, dtype=dtype)
+    if "seq" in obj and isinstance(obj["seq"], list):
+        seq = [unpack(o, blobs) for o in obj["seq"]]
+        return tuple(seq) if obj.get("tuple") else seq
+    if "v" in obj and (obj["v"] is None or isinstance(obj["v"], (bool, int, float))):
+        return obj["v"]
+    raise ValueError("malformed output")
+
+
+def sample_of(out, offset: int):
+    """out[offset % step :: step] of every output tensor, step = numel // SAMPLE (all of a small one)."""
+    if isinstance(out, torch.Tensor):
+        flat = out.detach().reshape(-1)
+        step = max(1, flat.numel() // SAMPLE)
+        return flat[offset % step::step]
+    if isinstance(out, (tuple, list)):
+        return type(out)(sample_of(o, offset) for o in out)
+    return out
+
+
+ALLOWED_OPS = frozenset({  # aten ops that allocate, view or describe; everything else computes
     "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros", "zeros_like", "new_zeros",
     "zero_", "view", "_unsafe_view", "_reshape_alias", "as_strided", "t", "transpose", "permute", "unsqueeze",
     "squeeze", "expand", "slice", "select", "split", "split_with_sizes", "unbind", "chunk", "narrow", "alias",
     "detach", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size", "stride", "dim", "is_contiguous",
-    "resize_", "_local_scalar_dense", "lift_fresh", "set_", "view_as_real", "view_as_complex", "_unsafe_view",
-    "record_stream", "is_same_size", "equal_size",
-}
+    "resize_", "_local_scalar_dense", "lift_fresh", "view_as_real", "view_as_complex", "record_stream",
+    "is_same_size", "equal_size", "fill_", "full", "full_like", "ones", "ones_like", "new_full", "new_ones",
+})
+# While the candidate's module loads and ModelNew is built: also random initialisation and copies (parameters
+# are created, then overwritten by load_state_dict and moved to the device).
+INIT_OPS = ALLOWED_OPS | {"normal_", "uniform_", "randn", "rand", "randint", "random_", "bernoulli_", "copy_", "_to_copy",
+                          "arange", "kaiming_uniform_", "lift_fresh_copy", "clone", "_has_compatible_shallow_copy_type",
+                          "set_", "bernoulli", "exponential_", "geometric_", "log_normal_", "cauchy_",
+                          "mul_", "add_", "clamp_", "erfinv_"}  # (in place: what nn.init.trunc_normal_ does)
 
 
+# Trusted in-process timing (synth.py's filter, evaluate.py's reference table); verdicts use the pipe clock.
 _perf_counter = time.perf_counter  # bound at import, before any candidate code can patch `time`
 _SYNC = None  # torch.cuda.synchronize, bound by the child harness before candidate code loads
 
@@ -725,27 +620,14 @@ def time_callable(fn, input_sets, *, n_timed=20, min_s=0.25, warmup=3, lock_fd=N
 
 
 def _child_main(spec_path: str):
+    """A sandboxed child: mode "reference" (trusted task code; computes outputs and serves baseline runs) or
+    "candidate" (loads ModelNew under the dispatch monitor and serves runs). Both obey the parent's commands."""
     spec = json.loads(Path(spec_path).read_text())
-    import importlib.util
-    import random
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    global _SYNC
+    cmd_fd, rep_fd = spec["cmd_fd"], spec["rep_fd"]
     device = torch.device("cuda" if spec["backend"] == "cuda" else "cpu")
-    _SYNC = torch.cuda.synchronize
-    sync = _SYNC if device.type == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.set_num_threads(os.cpu_count() or 1)
-    result = {"violations": [], "error": None, "warnings": []}
-    saved = {"checks": [], "timed": []}
-
-    def finish():
-        if result["violations"] or result["error"]:
-            saved.clear()  # outputs of a rejected candidate are never read back
-        torch.save(saved, spec["out"] + ".pt")
-        Path(spec["out"] + ".json").write_text(json.dumps(result))
-        sys.stdout.flush()
-        os._exit(0)  # skip interpreter teardown: candidate atexit hooks and destructors don't run
+    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=device) if device.type == "cuda" else None  # > 2x the L2
 
     def load(path, name):
         s = importlib.util.spec_from_file_location(name, path)
@@ -754,136 +636,223 @@ def _child_main(spec_path: str):
         s.loader.exec_module(m)
         return m
 
-    def to_dev(x):
-        return x.to(device) if isinstance(x, torch.Tensor) else x
+    sets = {}  # seed -> input set, built when the parent first asks for it
 
     def inputs_for(seed):
-        torch.manual_seed(seed)
-        random.seed(seed)
-        return [to_dev(x) for x in ref.get_inputs()]
-
-    def snapshot(out, offset=None):
-        """Outputs as CPU tensors. For timed runs, a strided sample (cheap) at a secret offset."""
-        def one(t):
-            if not isinstance(t, torch.Tensor):
-                return t
-            t = t.detach()
-            if offset is not None and t.numel() > 65536:
-                step = t.numel() // 65536
-                return t.reshape(-1)[offset % step::step].cpu().clone()
-            return t.cpu().clone()
-        return tuple(one(t) for t in out) if isinstance(out, (tuple, list)) else one(out)
+        if seed not in sets:
+            torch.manual_seed(seed)
+            random.seed(seed)
+            sets[seed] = [x.to(device) if isinstance(x, torch.Tensor) else x for x in ref.get_inputs()]
+        return sets[seed]
 
     ref = load(spec["reference"], "reference_model")
     init = ref.get_init_inputs()
     torch.manual_seed(spec["seed0"])
     model = ref.Model(*init).to(device).eval()
-    check_inputs = [inputs_for(s) for s in spec["check_seeds"]]
-    # Fresh input sets for timing, drawn now: candidate code cannot see them coming.
-    per_set = sum(x.numel() * x.element_size() for x in check_inputs[0] if isinstance(x, torch.Tensor)) + 1
-    n_sets = int(max(2, min(len(spec["timed_seeds"]), spec["input_budget_mb"] * 2**20 // per_set)))
-    timed_sets = [inputs_for(s) for s in spec["timed_seeds"][:n_sets]]
 
-    def time_forward(fn, lock_fd):
-        return time_callable(fn, timed_sets, n_timed=spec["n_timed"], min_s=spec["min_timed_s"], warmup=spec["warmup"],
-                             lock_fd=lock_fd, on_output=lambda k, out: snapshot(out, spec["offsets"][k]))
-
+    bad = []  # aten ops outside the allow-list seen by the candidate's monitor
     if spec["mode"] == "reference":
-        # The reference holds the timing lock for all its work, so that nothing it computes
-        # overlaps a candidate's timed runs on the same device.
-        fcntl.flock(spec["lock_fd"], fcntl.LOCK_EX)
-        with torch.no_grad():
-            saved["checks"] = [snapshot(model(*x)) for x in check_inputs]
-            saved["timed"] = [snapshot(model(*x), spec["offsets"][k]) for k, x in enumerate(timed_sets)]
-        if spec["time_baselines"]:
-            result["eager_ms"], _ = time_forward(model, None)
-            compiled = torch.compile(model)
-            result["compile_ms"], _ = time_forward(compiled, None)
-        finish()
+        seeds, n_checks = spec["seeds"], spec["n_checks"]
+        per_set = sum(x.numel() * x.element_size() for x in inputs_for(seeds[0]) if isinstance(x, torch.Tensor)) + 1
+        n_sets = int(max(2, min(len(seeds) - n_checks, spec["budget_mb"] * 2**20 // per_set))) if len(seeds) > n_checks else 0
+        send(rep_fd, {"timed_sets": n_sets})  # distinct fresh input sets for timing, within the memory budget
+        with torch.no_grad():  # every output the parent will compare against, before any candidate run
+            for seed in seeds[:n_checks + n_sets]:
+                blobs = []
+                send(rep_fd, pack(model(*inputs_for(seed)), blobs), blobs)
+        fns = {"eager": model}
+    else:
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        del model
 
-    # ---------------- candidate ----------------
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    del model
-    sys.path[:0] = [spec["ext_dir"], spec["cand_dir"]]
-    try:
-        cand_mod = load(spec["model_new"], "model_new")
-        torch.manual_seed(spec["seed0"])
-        cand = cand_mod.ModelNew(*init)
-        missing, unexpected = cand.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            result["error"] = (f"ModelNew's parameters differ from Model's (missing {list(missing)[:5]}, "
-                               f"unexpected {list(unexpected)[:5]}): keep the same constructor and parameter names")
-            finish()
-        cand = cand.to(device).eval()
-    except BaseException as e:  # noqa: BLE001  - the candidate's problem, reported to it
-        result["error"] = f"model_new.py failed to load: {type(e).__name__}: {str(e)[:500]}"
-        finish()
+        class OpMonitor(TorchDispatchMode):
+            """Records every aten op outside `allowed` (from Python or C++ on this thread)."""
+            def __init__(self, allowed):
+                super().__init__()
+                self.allowed = allowed
 
-    class OpMonitor(TorchDispatchMode):
-        """Records every aten op that computes values while ModelNew.forward runs (Python or C++)."""
-        def __init__(self):
-            super().__init__()
-            self.bad = []
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__
+                if name not in self.allowed and name not in bad:
+                    bad.append(name)
+                return func(*args, **(kwargs or {}))
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            if name not in ALLOWED_OPS and name not in self.bad:
-                self.bad.append(name)
-            return func(*args, **(kwargs or {}))
-
-    def no_numpy(*a, **k):
-        raise RuntimeError("converting tensors to numpy/lists inside forward is not allowed")
-
-    def monitored(x):
-        mon = OpMonitor()
-        patched = {n: getattr(torch.Tensor, n) for n in ("numpy", "tolist", "__array__")}
-        for n in patched:
-            setattr(torch.Tensor, n, no_numpy)
+        sys.path[:0] = [spec["ext_dir"], spec["cand_dir"]]
         try:
-            with torch.no_grad(), mon:
-                out = cand(*x)
-            sync()
-        finally:
-            for n, f in patched.items():
-                setattr(torch.Tensor, n, f)
-        if mon.bad:
-            result["violations"].append("PyTorch compute ops ran inside ModelNew.forward: " + ", ".join(
-                f"aten.{n}" for n in mon.bad[:8]) + " (only allocation, views and cuda_extension may be used)")
-        return out
+            with torch.no_grad(), OpMonitor(INIT_OPS):  # the module's import, __init__ and set-up are watched too
+                cand_mod = load(spec["model_new"], "model_new")
+                torch.manual_seed(spec["seed0"])
+                cand = cand_mod.ModelNew(*init)
+                missing, unexpected = cand.load_state_dict(state, strict=False)
+                cand = cand.to(device).eval()
+        except BaseException as e:  # noqa: BLE001  - the candidate's problem, reported to it
+            send(rep_fd, {"error": f"model_new.py failed to load: {type(e).__name__}: {str(e)[:500]}"})
+            os._exit(0)
+        if missing or unexpected:
+            send(rep_fd, {"error": f"ModelNew's parameters differ from Model's (missing {list(missing)[:5]}, "
+                                   f"unexpected {list(unexpected)[:5]}): keep the same constructor and parameter names"})
+            os._exit(0)
+        monitor = OpMonitor(ALLOWED_OPS)
 
-    def check_types(out):
-        outs = out if isinstance(out, (tuple, list)) else [out]
-        for o in outs:
-            if isinstance(o, torch.Tensor) and type(o) is not torch.Tensor:
-                result["violations"].append(f"output is a {type(o).__name__}, not a plain torch.Tensor")
-            elif isinstance(o, torch.Tensor) and o.device.type != device.type:
-                result["error"] = f"output is on {o.device}, expected {device.type}"
+        def watched(*x):
+            with monitor:
+                return cand(*x)
 
-    try:
-        for x in check_inputs:
-            before = [t.clone() if isinstance(t, torch.Tensor) else t for t in x]
-            out = monitored(x)
-            check_types(out)
-            for a, b in zip(x, before):
-                if isinstance(a, torch.Tensor) and not torch.equal(a, b):
-                    result["violations"].append("ModelNew.forward mutated its inputs")
-                    break
-            saved["checks"].append(snapshot(out))
-            if result["violations"] or result["error"]:
-                finish()
-        if spec["time_candidate"]:
-            result["runtime_ms"], saved["timed"] = time_forward(cand, spec["lock_fd"])
-    except BaseException as e:  # noqa: BLE001
-        result["error"] = f"{type(e).__name__}: {str(e)[:800]}"
-    finish()
+        fns = {"candidate": watched}
+        send(rep_fd, {"ready": True, "init_ops": list(bad)})
+        bad.clear()
+
+    buffers, out, loaded, fn = None, None, None, None
+    while True:  # serve the parent's commands until it says exit (or closes the pipe)
+        try:
+            cmd, _ = recv(cmd_fd)
+        except (EOFError, ValueError):
+            os._exit(0)
+        try:
+            op = cmd["op"]
+            reply, blobs = {"ok": True}, []
+            if op == "exit":
+                os._exit(0)
+            elif op == "use":
+                fn = fns[cmd["fn"]] if cmd["fn"] in fns else torch.compile(fns["eager"])
+            elif op == "load":
+                loaded = inputs_for(cmd["seed"])
+                if buffers is None:
+                    buffers = [x.clone() if isinstance(x, torch.Tensor) else x for x in loaded]
+                for b, x in zip(buffers, loaded):
+                    if isinstance(b, torch.Tensor):
+                        b.copy_(x)
+                if flush is not None:
+                    flush.zero_()
+                sync()
+            elif op == "run":
+                with torch.no_grad():
+                    out = fn(*buffers)
+                sync()
+            elif op == "sample":
+                reply = pack(sample_of(out, cmd["offset"]), blobs)
+                sync()
+            elif op == "full":
+                outs = out if isinstance(out, (tuple, list)) else [out]
+                reply = {"out": pack(out, blobs), "ops": list(bad),
+                         "mutated": any(isinstance(b, torch.Tensor) and not torch.equal(b, x) for b, x in zip(buffers, loaded)),
+                         "types": [type(o).__name__ for o in outs if isinstance(o, torch.Tensor) and type(o) is not torch.Tensor],
+                         "devices": sorted({o.device.type for o in outs if isinstance(o, torch.Tensor)} - {device.type})}
+            send(rep_fd, reply, blobs)
+        except BaseException as e:  # noqa: BLE001
+            send(rep_fd, {"error": f"{type(e).__name__}: {str(e)[:800]}"})
+
+
+# ----------------------------------------------------------------------------------------------
+# The parent's side: children, their pipes, the clock
+# ----------------------------------------------------------------------------------------------
+class Child:
+    """A sandboxed child (run_sandboxed in a thread) and the two pipes the parent drives it through."""
+
+    def __init__(self, spec: dict, run_dir: Path, backend: str, cfg: Config, writable=(), env=None):
+        self.cmd_r, self.cmd_w = os.pipe()
+        self.rep_r, self.rep_w = os.pipe()
+        spec = dict(spec, cmd_fd=self.cmd_r, rep_fd=self.rep_w)
+        (run_dir / "spec.json").write_text(json.dumps(spec))
+        argv = [sys.executable, "-E", "-B", str(ENV_PY), "_child", str(run_dir / "spec.json")]
+        extra = dict(env or {}, OMP_NUM_THREADS=str(os.cpu_count() or 1))
+        self.result = None
+        self.pgid = None
+
+        def go():
+            self.result = run_sandboxed(argv, run_dir, cfg.timeout, writable=writable, mem_gb=cfg.mem_gb, env=extra,
+                                        pass_fds=[self.cmd_r, self.rep_w], kind=backend, started=self._started)
+            os.close(self.rep_w)  # our copy: the parent's next read sees the end of the pipe
+        self._started_evt = threading.Event()
+        self.thread = threading.Thread(target=go, daemon=True)
+        self.thread.start()
+        self._started_evt.wait()
+        os.close(self.cmd_r)  # the child holds its own copies now
+
+    def _started(self, pid):
+        self.pgid = pid
+        self._started_evt.set()
+
+    def ask(self, obj):
+        send(self.cmd_w, obj)
+        return self.answer()
+
+    def answer(self):
+        obj, blobs = recv(self.rep_r, alive=self.thread.is_alive)
+        if isinstance(obj, dict) and "error" in obj and isinstance(obj["error"], str) and len(obj) == 1:
+            raise ChildError(obj["error"])
+        return obj, blobs
+
+    def close(self):
+        if self.cmd_w is None:
+            return self.result
+        with contextlib.suppress(OSError):
+            send(self.cmd_w, {"op": "exit"})
+        os.close(self.cmd_w)
+        self.cmd_w = None
+        self.thread.join(5)
+        if self.thread.is_alive() and self.pgid:  # did not exit when told: its sandbox kills it
+            with contextlib.suppress(OSError):
+                os.killpg(self.pgid, signal.SIGKILL)
+            self.thread.join()
+        os.close(self.rep_r)
+        return self.result
+
+    def why_dead(self) -> str:
+        self.thread.join()
+        r = self.result
+        tail = error_excerpt(r.stderr, 12) if r.stderr.strip() else ""
+        return (r.crash or f"exited with code {r.returncode}") + (f"\n{tail}" if tail else "")
+
+
+class ChildError(Exception):
+    """A command the child reported as failed (an exception in its code)."""
+
+
+def timed_runs(child: Child, seeds: list, cfg: Config, check=None) -> list:
+    """Times fn over the input sets `seeds` in turn (>= n_timed runs, >= min_timed_s) with the parent's clock,
+    after `warmup` untimed runs. check(k, sample, offset) sees each run's sampled output. Milliseconds per run."""
+    child.ask({"op": "load", "seed": seeds[0]})
+    for _ in range(cfg.warmup):
+        child.ask({"op": "run"})
+    times, i, start = [], 0, _clock()
+    while i < cfg.n_timed or (_clock() - start < cfg.min_timed_s and i < 200):
+        k = i % len(seeds)
+        child.ask({"op": "load", "seed": seeds[k]})
+        offset = None
+        t0 = _clock()
+        child.ask({"op": "run"})
+        offset = secrets.randbelow(1 << 30)  # drawn after the run returned
+        obj, blobs = child.ask({"op": "sample", "offset": offset})
+        times.append((_clock() - t0) * 1e3)
+        if check is not None:
+            check(k, unpack(obj, blobs), offset)
+        i += 1
+    return times
+
+
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def spread(xs):
+    """p90 / p10 of a set of run times: how noisy the measurement was."""
+    xs = sorted(xs)
+    return xs[int(0.9 * (len(xs) - 1))] / max(xs[int(0.1 * (len(xs) - 1))], 1e-9)
 
 
 # ----------------------------------------------------------------------------------------------
 # Compare (in the parent, which never runs candidate code)
 # ----------------------------------------------------------------------------------------------
+RMS_FLOOR = 1e-6  # an RMS error this small is float32 noise, whatever the output's scale
+
+
 def compare(out, ref, atol, rtol, what: str) -> str | None:
-    """None if `out` matches `ref` exactly in structure/shape/dtype and within tolerance."""
-    import torch
+    """None if `out` matches `ref` exactly in structure/shape/dtype and is close at two scales: every element
+    within atol + rtol*|ref| (torch.isclose), AND the RMS error within rtol of the reference's own RMS (or
+    RMS_FLOOR). The second check is what makes a check able to fail when every reference value is below atol
+    (a softmax over 100k columns): an all-zero answer has an RMS error equal to the reference's RMS."""
     if isinstance(ref, (tuple, list)):
         if not isinstance(out, (tuple, list)) or len(out) != len(ref):
             return f"{what}: output structure differs (expected a sequence of {len(ref)})"
@@ -900,18 +869,30 @@ def compare(out, ref, atol, rtol, what: str) -> str | None:
         if ref.dtype == torch.bool or not (ref.is_floating_point() or ref.is_complex()):
             ok = torch.equal(out, ref)
             return None if ok else f"{what}: integer/bool output differs"
-        close = torch.isclose(out.double(), ref.double(), atol=atol, rtol=rtol, equal_nan=True)
-        if bool(close.all()):
-            return None
-        bad = (~close).sum().item()
-        diff = (out.double() - ref.double()).abs().nan_to_num(float("inf")).max().item()
-        return f"{what}: {bad}/{ref.numel()} values differ (max abs diff {diff:.3g}, atol={atol}, rtol={rtol})"
+        o, r = out.to(torch.complex128 if ref.is_complex() else torch.float64), ref.to(torch.complex128 if ref.is_complex() else torch.float64)
+        close = torch.isclose(o, r, atol=atol, rtol=rtol, equal_nan=True)
+        if not bool(close.all()):
+            bad = (~close).sum().item()
+            diff = (o - r).abs().nan_to_num(float("inf")).max().item()
+            return f"{what}: {bad}/{ref.numel()} values differ (max abs diff {diff:.3g}, atol={atol}, rtol={rtol})"
+        finite = torch.isfinite(r) & torch.isfinite(o)
+        if ref.numel() and bool(finite.any()):
+            rms = lambda x: x[finite].abs().pow(2).mean().sqrt().item()
+            err, scale = rms(o - r), rms(r)
+            if err > rtol * scale + RMS_FLOOR:
+                return (f"{what}: RMS error {err:.3g} is {err / max(scale, 1e-30):.0%} of the reference's RMS {scale:.3g} "
+                        f"(allowed {rtol:.0%}): the values are at the wrong scale even where each is within atol")
+        return None
     return None if out == ref else f"{what}: expected {ref!r}, got {out!r}"
+
 
 
 # ----------------------------------------------------------------------------------------------
 # evaluate(): the one scorer used by agent.py, train.py, evaluate.py and synth.py
 # ----------------------------------------------------------------------------------------------
+NOISY = 1.10  # a cached baseline whose runs spread more than this (p90/p10) is measured again next time
+
+
 def evaluate(workspace, backend: str = "auto", reference: str | None = None, cfg: Config | None = None, **overrides) -> Verdict:
     """Compile, verify, profile and reward one workspace. `reference` (the task's code) overrides
     the workspace's model.py, so an agent that edits model.py changes nothing but gets a violation."""
@@ -955,128 +936,168 @@ def evaluate(workspace, backend: str = "auto", reference: str | None = None, cfg
     v.stage = "compile"
     b = build(files, backend, cfg.compile_timeout)
     v.compiled, v.log = b.ok, b.log
+    v.violations += b.violations
     if not b.ok:
-        v.error = "compilation failed"
+        v.error = "the kernel sources use what is not allowed" if b.violations else "compilation failed"
         return done()
     if cfg.stage == "compile":
         return done()
-
     v.stage = "verify"
-    CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="run-", dir=CACHE_DIR) as run:
+    try:
+        _check_and_time(v, ref_code, model_new, b.so_path, backend, cfg)
+    except ChildError as e:  # noqa: PERF203
+        v.error = str(e)
+    if v.error or v.violations:
+        v.correct, v.reward = False, -1
+    return done()
+
+
+def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, backend: str, cfg: Config):
+    """Steps 4-6 of a verdict, filling `v`. The reference child computes every output first; the candidate child
+    starts only after the baselines (if any are needed) are timed, and gets nothing but its own inputs."""
+    timed = cfg.stage == "profile"
+    rng = secrets.SystemRandom()
+    seed0 = rng.randrange(2**31)
+    check_seeds = [rng.randrange(2**31) for _ in range(cfg.n_checks)]
+    timed_seeds = [rng.randrange(2**31) for _ in range(max(cfg.n_timed, 2))] if timed else []
+    base_key = hashlib.sha256(f"{ref_code}\0{backend}\0{toolchain_id_light(backend)}\0{cfg.n_timed}\0pipe-clock-1".encode()).hexdigest()[:24]
+    base_file = CACHE_DIR / "baselines" / f"{base_key}.json"
+    cached = json.loads(base_file.read_text()) if base_file.exists() else None
+    # Re-measured while noisy, up to 3 times; the least noisy measurement is kept.
+    need_baselines = timed and (cached is None or (max(cached["spread"]) > NOISY and cached["attempts"] < 3))
+    common = dict(backend=backend, seed0=seed0)
+
+    with tempfile.TemporaryDirectory(prefix="run-", dir=CACHE_DIR) as run, contextlib.ExitStack() as stack:
         run = Path(run)
-        for d in ("ref", "cand", "ext", "inductor"):
-            (run / d).mkdir()
+        (run / "ref").mkdir()
+        (run / "cand" / "ext").mkdir(parents=True)
         (run / "ref" / "model.py").write_text(ref_code)
+        (run / "cand" / "model.py").write_text(ref_code)  # the task itself, which the candidate may read
         (run / "cand" / "model_new.py").write_text(model_new)
-        shutil.copy(b.so_path, run / "ext" / "cuda_extension.so")
-        rng = int.from_bytes(os.urandom(4), "little")
-        import random
-        rnd = random.Random(rng)
-        timed = cfg.stage == "profile"
-        n_timed_seeds = max(cfg.n_timed, 2)
-        base_key = hashlib.sha256(f"{ref_code}\0{backend}\0{toolchain_id_light(backend)}\0{cfg.n_timed}".encode()).hexdigest()[:24]
-        base_file = CACHE_DIR / "baselines" / f"{base_key}.json"
-        cached = json.loads(base_file.read_text()) if base_file.exists() else None
-        common = dict(backend=backend, reference=str(run / "ref" / "model.py"), seed0=rnd.randrange(2**31),
-                      check_seeds=[rnd.randrange(2**31) for _ in range(cfg.n_checks)],
-                      timed_seeds=[rnd.randrange(2**31) for _ in range(n_timed_seeds)],
-                      offsets=[rnd.randrange(2**20) for _ in range(n_timed_seeds)], warmup=cfg.warmup, n_timed=cfg.n_timed,
-                      min_timed_s=cfg.min_timed_s, input_budget_mb=cfg.input_budget_mb)
-        specs = {
-            "ref": dict(common, mode="reference", out=str(run / "ref" / "result"), time_baselines=timed and cached is None),
-            "cand": dict(common, mode="candidate", out=str(run / "cand" / "result"), time_candidate=timed,
-                         model_new=str(run / "cand" / "model_new.py"), ext_dir=str(run / "ext"), cand_dir=str(run / "cand")),
-        }
-        lock = gpu_lock_path(backend)
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        results = {}
+        shutil.copy(so_path, run / "cand" / "ext" / "cuda_extension.so")
+        extra, writable = compile_caches()
+        ref = stack.enter_context(_closing(Child(dict(common, mode="reference", reference=str(run / "ref" / "model.py"),
+                                                        seeds=check_seeds + timed_seeds, n_checks=len(check_seeds),
+                                                        budget_mb=cfg.input_budget_mb),
+                                                   run / "ref", backend, cfg, writable=writable, env=extra)))
 
-        def run_child(name):
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)  # own open file description per child
-            try:
-                spec = dict(specs[name], lock_fd=fd)
-                (run / name / "spec.json").write_text(json.dumps(spec))
-                # a candidate must not plant entries in shared caches: it only reads them
-                extra, writable = compile_caches(write=name == "ref")
-                extra["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
-                results[name] = run_sandboxed([sys.executable, "-E", "-B", str(ENV_PY), "_child", str(run / name / "spec.json")],
-                                              run / name, cfg.timeout, writable=writable, mem_gb=cfg.mem_gb, env=extra, pass_fds=[fd],
-                                              kind=backend)
-            finally:
-                os.close(fd)
+        def start_candidate():
+            stack.enter_context(candidate_alive(backend))  # held by us, released after the child is gone
+            cand_extra, _ = compile_caches(write=False)
+            spec = dict(common, mode="candidate", reference=str(run / "cand" / "model.py"),
+                        model_new=str(run / "cand" / "model_new.py"), ext_dir=str(run / "cand" / "ext"), cand_dir=str(run / "cand"))
+            return stack.enter_context(_closing(Child(spec, run / "cand", backend, cfg, env=cand_extra)))
 
-        with ThreadPoolExecutor(2) as pool:  # reference and candidate run side by side
-            list(pool.map(run_child, ["ref", "cand"]))
-
-        def child_output(name):
-            r = results[name]
-            res_file = run / name / "result.json"
-            if r.crash or not res_file.exists():
-                tail = error_excerpt(r.stderr, 12) if r.stderr.strip() else ""
-                return None, None, (r.crash or f"exited with code {r.returncode} without a result"), tail
-            import torch
-            res = json.loads(res_file.read_text())
-            try:  # weights_only: a candidate-written pickle cannot run code in this process
-                data = torch.load(run / name / "result.pt", weights_only=True)
-            except Exception as e:  # noqa: BLE001
-                return res, None, f"returned outputs that are not plain tensors ({str(e).splitlines()[-1][:200]})", ""
-            return res, data, None, ""
-
-        ref_res, ref_data, ref_err, ref_tail = child_output("ref")
-        if ref_err or ref_res.get("error"):
-            v.error = f"the reference model.py failed: {ref_err or ref_res['error']}"
-            v.log = ref_tail
-            return done()
-        cand_res, cand_data, cand_err, cand_tail = child_output("cand")
-        if cand_err:
-            v.error = f"ModelNew {cand_err}"
-            v.log = cand_tail
-            return done()
-        v.violations += cand_res["violations"]
-        if cand_res["error"]:
-            v.error = cand_res["error"]
-            v.log = cand_tail
-        if v.violations or v.error:
-            return done()
-        for i, (o, r) in enumerate(zip(cand_data["checks"], ref_data["checks"])):
-            err = compare(o, r, cfg.atol, cfg.rtol, f"check {i + 1}/{cfg.n_checks}")
-            if err:
-                v.error = err
-                return done()
-        if len(cand_data["checks"]) != len(ref_data["checks"]):
-            v.error = "ModelNew did not produce every check's output"
-            return done()
-        import torch
-        if len(ref_data["checks"]) > 1 and all(
-                compare(r, ref_data["checks"][0], 0, 0, "") is None for r in ref_data["checks"][1:]):
-            v.warnings.append("the reference output is the same for every input: this task is degenerate")
-        v.correct, v.reward = True, 1
-        if not timed:
-            return done()
-
-        v.stage = "profile"
-        for k, out in cand_data["timed"]:  # every timed run's output, re-checked
-            err = compare(out, ref_data["timed"][k], cfg.atol, cfg.rtol, "a timed run")
-            if err:
-                v.correct, v.reward = False, -1
-                v.error = f"{err}: outputs are wrong when inputs change in place (cached by pointer, or work skipped?)"
-                return done()
-        if cached is None:
-            cached = {"eager_ms": ref_res["eager_ms"], "compile_ms": ref_res["compile_ms"]}
+        cand = None if need_baselines else start_candidate()  # overlaps its start-up with the reference's work
+        try:
+            n_sets = ref.answer()[0]["timed_sets"]
+            timed_seeds = timed_seeds[:n_sets]
+            ref_outs = [unpack(*ref.answer()) for _ in check_seeds + timed_seeds]
+        except (EOFError, ValueError, KeyError, TypeError, ChildError) as e:
+            v.error = f"the reference model.py failed: {e if isinstance(e, ChildError) else ref.why_dead()}"
+            return
+        ref_checks, ref_timed = ref_outs[:len(check_seeds)], ref_outs[len(check_seeds):]
+        if need_baselines:
+            with no_candidates(backend), file_lock(gpu_lock_path(backend)):
+                times = {}
+                for name in ("eager", "compile"):
+                    ref.ask({"op": "use", "fn": name})
+                    times[name] = timed_runs(ref, timed_seeds, cfg)
+            new = {"eager_ms": median(times["eager"]), "compile_ms": median(times["compile"]),
+                   "spread": [round(spread(times["eager"]), 4), round(spread(times["compile"]), 4)]}
+            if cached is not None and max(cached["spread"]) < max(new["spread"]):
+                new = dict(cached)
+            cached = dict(new, attempts=(cached or {}).get("attempts", 0) + 1)
             base_file.parent.mkdir(parents=True, exist_ok=True)
             tmp = base_file.with_suffix(f".{uuid.uuid4().hex}.tmp")
             tmp.write_text(json.dumps(cached))
             os.replace(tmp, base_file)
-        v.runtime_ms, v.eager_ms, v.compile_ms = cand_res["runtime_ms"], cached["eager_ms"], cached["compile_ms"]
-        v.speedup_eager = v.eager_ms / v.runtime_ms if v.runtime_ms > 0 else None
-        v.speedup_compile = v.compile_ms / v.runtime_ms if v.runtime_ms > 0 else None
-        if v.runtime_ms <= 0:
-            v.error = "runtime measured as 0 ms"
-            v.correct, v.reward = False, -1
-            return done()
+        ref.close()
+        cand = cand or start_candidate()
+        try:
+            _drive_candidate(v, cand, check_seeds, ref_checks, timed_seeds, ref_timed, cfg, backend)
+        except (EOFError, ValueError) as e:
+            dead = cand.why_dead() if not cand.thread.is_alive() or isinstance(e, EOFError) else None
+            v.error = f"ModelNew {dead}" if dead else f"the candidate process sent a malformed reply ({e})"
+            v.log = ""
+        if v.error or v.violations or not timed:
+            return
+        v.eager_ms, v.compile_ms = cached["eager_ms"], cached["compile_ms"]
+        v.speedup_eager, v.speedup_compile = v.eager_ms / v.runtime_ms, v.compile_ms / v.runtime_ms
         v.reward = reward_for(True, v.runtime_ms, v.eager_ms, v.compile_ms)
-    return done()
+
+
+def _drive_candidate(v, cand, check_seeds, ref_checks, timed_seeds, ref_timed, cfg, backend):
+    obj, _ = cand.answer()  # "ready", or the error that stopped model_new.py from loading
+    if not isinstance(obj, dict) or obj.get("ready") is not True or not isinstance(obj.get("init_ops"), list):
+        raise ValueError("no ready message")
+    if obj["init_ops"]:
+        v.violations.append("PyTorch compute ops ran while model_new.py loaded or ModelNew was built: " + ", ".join(
+            f"aten.{n}" for n in map(str, obj["init_ops"][:8])) + " (only allocation, random initialisation and copies)")
+        return
+    cand.ask({"op": "use", "fn": "candidate"})
+    outs = []
+    for i, seed in enumerate(check_seeds):
+        cand.ask({"op": "load", "seed": seed})
+        cand.ask({"op": "run"})
+        obj, blobs = cand.ask({"op": "full"})
+        if not isinstance(obj, dict) or not isinstance(obj.get("ops"), list):
+            raise ValueError("bad check reply")
+        if obj["ops"]:
+            v.violations.append("PyTorch compute ops ran inside ModelNew.forward: " + ", ".join(
+                f"aten.{n}" for n in map(str, obj["ops"][:8])) + " (only allocation, views and cuda_extension may be used)")
+        if obj.get("mutated") is not False:
+            v.violations.append("ModelNew.forward mutated its inputs")
+        if obj.get("types"):
+            v.violations.append(f"output is a {obj['types'][0]}, not a plain torch.Tensor")
+        if obj.get("devices"):
+            v.error = f"output is on {obj['devices'][0]}, expected {backend}"
+        if v.violations or v.error:
+            return
+        out = unpack(obj.get("out"), blobs)
+        err = compare(out, ref_checks[i], cfg.atol, cfg.rtol, f"check {i + 1}/{cfg.n_checks}")
+        if err:
+            v.error = err
+            return
+        outs.append(out)
+    if len(ref_checks) > 1 and all(compare(r, ref_checks[0], 0, 0, "") is None for r in ref_checks[1:]):
+        v.warnings.append("the reference output is the same for every input: this task is degenerate")
+    v.correct, v.reward = True, 1
+    if not timed_seeds:
+        return
+    v.stage = "profile"
+
+    def check(k, sample, offset):  # every timed run's sampled output, against the reference's full output
+        err = compare(sample, sample_of(ref_timed[k], offset), cfg.atol, cfg.rtol, "a timed run")
+        if err:
+            raise Rejected(f"{err}: outputs are wrong when inputs change in place (cached by pointer, or work skipped?)")
+
+    try:
+        with file_lock(gpu_lock_path(backend)):
+            times = timed_runs(cand, timed_seeds, cfg, check)
+    except Rejected as e:
+        v.error = str(e)
+        return
+    obj, blobs = cand.ask({"op": "full"})
+    if not isinstance(obj, dict) or not isinstance(obj.get("ops"), list):
+        raise ValueError("bad final reply")
+    if obj["ops"]:
+        v.violations.append("PyTorch compute ops ran inside ModelNew.forward during timed runs: " + ", ".join(
+            f"aten.{n}" for n in map(str, obj["ops"][:8])))
+        return
+    v.runtime_ms = median(times)
+
+
+class Rejected(Exception):
+    """A timed run's output did not match."""
+
+
+@contextlib.contextmanager
+def _closing(child: Child):
+    try:
+        yield child
+    finally:
+        child.close()
 
 
 def gpu_query(field: str) -> str:
@@ -1140,10 +1161,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "_jail":
-        i = sys.argv.index("--")
-        _jail(sys.argv[2] == "1", sys.argv[3:i], sys.argv[i + 1:])
-    elif len(sys.argv) == 3 and sys.argv[1] == "_child":
+    if len(sys.argv) == 3 and sys.argv[1] == "_child":
         _child_main(sys.argv[2])
     else:
         sys.exit(main())

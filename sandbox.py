@@ -1,0 +1,374 @@
+"""sandbox.py: child processes that cannot touch the host, and the locks the timing relies on.
+
+Used by env.py (builds, reference and candidate children), agent.py (the `bash` tool), synth.py and
+evaluate.py (task children). One function, `run_sandboxed(argv, cwd, timeout, ...)`.
+
+Layers, each probed once per process (`isolation(kind)`) and reported once on stderr when missing:
+  namespaces   net (no interfaces), pid (the child is init: killing it kills every descendant, setsid or
+               not) with a FRESH /proc that shows only the sandbox's own processes, mount, ipc; a user
+               namespace when not run by root. CUDA needs the fresh /proc to start inside a PID namespace.
+  filesystem   every mount read-only (/sys and /proc included) except `cwd` and `writable`; fresh private
+               tmpfs on /tmp, /var/tmp and /dev/shm; `hide` paths (by default the cache root, which holds
+               reference outputs, baselines and other runs) covered by an empty tmpfs, with any writable
+               folder inside them bound back.
+  credentials  no_new_privs; every capability dropped (bounding set included), so root inside cannot
+               remount, override file permissions, ptrace or write /proc/sys; when run by root and the
+               interpreter is reachable by it, an unprivileged uid (65534) as well.
+  limits       own session and process group, a pids (and memory) cgroup where writable, RLIMIT_NPROC
+               for ordinary users, RLIMIT_AS (CPU), RLIMIT_CPU, RLIMIT_FSIZE, no core files, a wall clock
+               timeout that kills the process group, and the cgroup's leftovers.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import fcntl
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+SANDBOX_PY = Path(__file__).resolve()
+CACHE_DIR = Path(os.environ.get("CUDA_AGENT_CACHE", Path.home() / ".cache" / "cuda-agent-mini"))
+NOBODY = 65534
+
+_PASS_ENV = ("PATH", "LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_PATH", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES",
+             "NVIDIA_DRIVER_CAPABILITIES", "CC", "CXX", "NVCC_CCBIN", "TORCH_CUDA_ARCH_LIST", "CUDA_AGENT_CACHE",
+             "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+_CUDA_PROBE = "import torch; torch.zeros(1, device='cuda').add_(1); torch.cuda.synchronize()"
+
+
+@dataclasses.dataclass
+class SandboxResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+    seconds: float
+
+    @property
+    def crash(self) -> str | None:
+        """A readable cause when the child died abnormally."""
+        if self.timed_out:
+            return "timed out (the whole process group was killed)"
+        if self.returncode < 0:
+            sig = -self.returncode
+            name = {11: "segmentation fault", 9: "killed (memory or CPU limit?)", 6: "aborted", 7: "bus error",
+                    8: "floating point exception", 24: "CPU time limit exceeded", 25: "file size limit exceeded"}
+            return f"crashed: {name.get(sig, signal.Signals(sig).name)} (signal {sig})"
+        return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Which layers work here (probed once per process and kind)
+# ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Isolation:
+    prefix: tuple  # the unshare command prefix
+    uid: int | None  # the uid to drop to (root only), None to keep the uid and drop capabilities
+    missing: tuple  # layers not available here, for the one-line notice
+
+    @property
+    def mount(self) -> bool:
+        return "--mount" in self.prefix
+
+
+_ISOLATION: dict = {}
+_ISOLATION_LOCK = threading.Lock()
+
+
+def isolation(kind: str = "cpu") -> Isolation:
+    """The strongest isolation under which a child (for kind="cuda": a CUDA context) still starts here."""
+    with _ISOLATION_LOCK:  # evaluate() starts children from several threads; probe once, publish once
+        if kind not in _ISOLATION:
+            _ISOLATION[kind] = _probe_isolation(kind)
+    return _ISOLATION[kind]
+
+
+def _probe_isolation(kind: str) -> Isolation:
+    root = os.geteuid() == 0
+    user = () if root else ("--user", "--map-root-user")
+    full = ("--net", "--ipc", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc")
+    tries = [full, ("--net", "--ipc", "--mount"), ("--net", "--pid", "--fork", "--kill-child"), ("--net",), ()]
+    if not shutil.which("unshare") or os.environ.get("CUDA_AGENT_NO_NAMESPACES") == "1":
+        tries = [()]
+    probe = [sys.executable, "-c", _CUDA_PROBE if kind == "cuda" else "pass"]
+    found = Isolation((), None, ())
+    with tempfile.TemporaryDirectory() as d:
+        os.chmod(d, 0o777)
+        for flags in tries:
+            for uid in ([NOBODY, None] if root else [None]):
+                iso = Isolation(("unshare", *user, *flags) if flags else (), uid, ())
+                if run_sandboxed(probe, d, 120, mem_gb=None, kind=kind, iso=iso).returncode == 0:
+                    found = iso
+                    break
+            else:
+                continue
+            break
+    missing = [name for name, flag in (("network", "--net"), ("pid", "--pid"), ("filesystem", "--mount"))
+               if flag not in found.prefix]
+    if root and found.uid is None:
+        missing.append(f"unprivileged uid ({sys.executable} is not reachable by uid {NOBODY})")
+    if missing:
+        print(f"sandbox.py: not available here{' for CUDA' if kind == 'cuda' else ''}: {', '.join(missing)}; children run"
+              " with the remaining layers (see sandbox.py's docstring)", file=sys.stderr)
+    return dataclasses.replace(found, missing=tuple(missing))
+
+
+# ----------------------------------------------------------------------------------------------
+# The jail: runs inside the fresh namespaces, sets up mounts and credentials, then execs the command
+# ----------------------------------------------------------------------------------------------
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
+MNT_FLAGS = {"nodev": MS_NODEV, "noexec": 8, "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21}
+PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 38, 24, 47, 4
+
+
+def _jail(cfg: dict, argv: list[str]):
+    """cfg: {"mount": bool, "writable": [...], "hide": [...], "uid": int | None}. Only ever changes mounts of
+    a mount namespace of its own (never the host's)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def mount(src, tgt, fstype, flags, data=None):
+        enc = lambda s: s.encode() if s else None
+        if libc.mount(enc(src), enc(tgt), enc(fstype), flags, enc(data)) != 0:
+            raise OSError(ctypes.get_errno(), f"mount {tgt}: {os.strerror(ctypes.get_errno())}")
+
+    cwd = os.getcwd()
+    writable = [w for w in cfg["writable"] if os.path.isdir(w)]
+    if cfg["mount"]:
+        mount(None, "/", None, MS_REC | MS_PRIVATE)
+        keep = {w: os.open(w, os.O_PATH | os.O_DIRECTORY) for w in writable}  # reachable after covers
+        covers = []
+        for d in sorted({"/tmp", "/var/tmp", "/dev/shm", *cfg["hide"]}, key=len):
+            if os.path.isdir(d) and not os.path.islink(d) and not any(d.startswith(c + "/") for c in covers):
+                covers.append(d)  # (a folder under a covered one is hidden already)
+        for d in covers:
+            mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "size=1g,mode=1777")
+        for w in sorted(writable, key=len):
+            os.makedirs(w, exist_ok=True)
+            mount(f"/proc/self/fd/{keep[w]}", w, None, MS_BIND | MS_REC)
+            os.close(keep[w])
+        rw = set(writable) | set(covers)
+        for line in open("/proc/self/mountinfo"):
+            fields = line.split()
+            mp = fields[4].replace("\\040", " ")
+            if mp in rw or any(mp.startswith(w.rstrip("/") + "/") for w in writable):
+                continue
+            if mp == "/dev" or (mp.startswith("/dev/") and mp != "/dev/shm"):
+                continue  # device nodes (/dev/nvidia*) must stay openable for writing
+            # A remount must repeat the mount's own flags: a user namespace may not clear locked ones.
+            keep_flags = sum(f for name, f in MNT_FLAGS.items() if name in fields[5].split(","))
+            with contextlib.suppress(OSError):  # best effort per mount point (some refuse remounts)
+                mount(None, mp, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | keep_flags)
+        os.chdir(cwd)  # re-enter the cwd through its writable bind mount
+    if cfg["uid"] is not None:
+        for w in writable:
+            with contextlib.suppress(OSError):
+                os.chown(w, cfg["uid"], cfg["uid"])
+    _drop_privileges(libc, cfg["uid"])
+    os.execvp(argv[0], argv)
+
+
+def _drop_privileges(libc, uid):
+    """no_new_privs, an empty capability bounding set, no capabilities; then (root only) another uid."""
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        sys.exit("sandbox: cannot set no_new_privs")
+    libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    for cap in range(64):  # stops at the first capability this kernel does not know (EINVAL)
+        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() == 22:
+            break
+    if uid is not None:
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)  # clears every capability set
+        return
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    hdr, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3, all sets empty
+    if libc.capset(ctypes.byref(hdr), data) != 0:
+        sys.exit("sandbox: cannot drop capabilities")
+
+
+# ----------------------------------------------------------------------------------------------
+# cgroups and the sandboxed run
+# ----------------------------------------------------------------------------------------------
+def _cgroup(name: str, pids_max: int, mem_bytes: int | None) -> list[Path]:
+    """Per-child pids (and memory) cgroups where the cgroup tree is writable (v1 or v2)."""
+    made = []
+    root = Path("/sys/fs/cgroup")
+    if (root / "cgroup.controllers").exists():  # cgroup v2: one directory holds both limits
+        try:
+            base = root / "cuda-agent-mini"
+            base.mkdir(exist_ok=True)
+            for d in (root, base):
+                with contextlib.suppress(OSError):
+                    (d / "cgroup.subtree_control").write_text("+pids +memory")
+            d = base / name
+            d.mkdir()
+            made.append(d)
+            (d / "pids.max").write_text(str(pids_max))
+            if mem_bytes:
+                (d / "memory.max").write_text(str(mem_bytes))
+        except OSError:
+            pass
+        return made
+    for ctrl, files in (("pids", {"pids.max": pids_max}), ("memory", {"memory.limit_in_bytes": mem_bytes})):
+        if not (root / ctrl / "cgroup.procs").exists() or (ctrl == "memory" and mem_bytes is None):
+            continue
+        d = root / ctrl / "cuda-agent-mini" / name
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            made.append(d)
+            for f, v in files.items():
+                (d / f).write_text(str(v))
+        except OSError:
+            pass
+    return made
+
+
+def run_sandboxed(argv: list[str], cwd: str | Path, timeout: float, *, writable=(), hide=None, mem_gb: float | None = 16.0,
+                  cpu_s: float | None = None, env: dict | None = None, pass_fds=(), output_limit: int = 20_000,
+                  max_tasks: int = 1024, kind: str = "cpu", iso: Isolation | None = None, started=None) -> SandboxResult:
+    """Run argv in a child process that cannot hurt us (see the module docstring). `cwd` and `writable` stay
+    writable; everything else is read-only, and `hide` (default: the cache root) is empty. stdout/stderr are kept
+    to `output_limit` characters each (head and tail). kind="cuda" for children that use the GPU (no
+    address-space limit, the layers CUDA tolerates here). started(pid): called with the child's process group
+    once it runs, for a caller (another thread) that may need to kill it sooner."""
+    cwd = str(Path(cwd).resolve())
+    iso = isolation(kind) if iso is None else iso
+    child_env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
+    child_env.update(HOME=cwd, TMPDIR=cwd, LANG="C.UTF-8", PYTHONDONTWRITEBYTECODE="1", **(env or {}))
+    cfg = {"mount": iso.mount, "writable": [cwd, *[str(Path(w).resolve()) for w in writable]], "uid": iso.uid,
+           "hide": [str(Path(h).resolve()) for h in ([CACHE_DIR] if hide is None else hide)]}
+    cmd = [*iso.prefix, sys.executable, "-E", "-S", str(SANDBOX_PY), "_jail", json.dumps(cfg), *argv]
+    groups = _cgroup(uuid.uuid4().hex, max_tasks, int(mem_gb * 2**30) if mem_gb else None)
+    # RLIMIT_AS breaks CUDA's address-space reservations; a memory cgroup (where writable) is used instead.
+    has_mem_cgroup = any((g / "memory.max").exists() or (g / "memory.limit_in_bytes").exists() for g in groups)
+    mem_limit = int(mem_gb * 2**30) if mem_gb and not has_mem_cgroup and kind != "cuda" else None
+
+    def limits():  # runs in the child between fork and exec
+        for g in groups:
+            with open(g / "cgroup.procs", "w") as f:
+                f.write(str(os.getpid()))
+        if mem_limit:
+            resource.setrlimit(resource.RLIMIT_AS, (mem_limit, mem_limit))
+        if cpu_s:
+            resource.setrlimit(resource.RLIMIT_CPU, (int(cpu_s), int(cpu_s) + 5))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 30, 4 << 30))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if os.geteuid() != 0:
+            resource.setrlimit(resource.RLIMIT_NPROC, (max_tasks * 4, max_tasks * 4))
+
+    t0 = time.monotonic()
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        p = subprocess.Popen(cmd, cwd=cwd, env=child_env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                             start_new_session=True, preexec_fn=limits, pass_fds=tuple(pass_fds))
+        if started:
+            started(p.pid)
+        timed_out = False
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:  # also when the caller is interrupted (Ctrl-C): never leave a child behind
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)  # also reaps stragglers that kept our process group
+            p.wait()
+        for g in groups:  # leftover tasks in the cgroup (escaped the group): kill, then remove it
+            with contextlib.suppress(OSError, ValueError):
+                if (g / "cgroup.kill").exists():
+                    (g / "cgroup.kill").write_text("1")
+                for pid in (g / "cgroup.procs").read_text().split():
+                    os.kill(int(pid), signal.SIGKILL)
+            for _ in range(50):
+                try:
+                    g.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.02)
+        texts = [_read_limited(f, output_limit) for f in (out, err)]
+    # Under `unshare --fork --kill-child`, a signal that kills the child shows up as 128+sig.
+    rc = p.returncode
+    if rc > 128 and "--fork" in iso.prefix:
+        rc = -(rc - 128)
+    return SandboxResult(rc, texts[0], texts[1], timed_out, time.monotonic() - t0)
+
+
+def _read_limited(f, limit: int) -> str:
+    size = f.seek(0, 2)
+    f.seek(0)
+    if size <= limit:
+        return f.read().decode(errors="replace")
+    head = f.read(limit // 2).decode(errors="replace")
+    f.seek(size - limit // 2)
+    return f"{head}\n... [{size - limit} bytes of output truncated] ...\n{f.read().decode(errors='replace')}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Locks (flock: the kernel drops them when the holder dies, so a killed process leaves no stale lock)
+# ----------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def file_lock(path: Path, shared: bool = False):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def device_name(backend: str) -> str:
+    return f"{backend}-{os.environ.get('CUDA_VISIBLE_DEVICES', '0').split(',')[0]}" if backend == "cuda" else "cpu"
+
+
+def gpu_lock_path(backend: str) -> Path:
+    """One timed section per GPU (or per CPU host) at a time, across all processes of this user."""
+    return CACHE_DIR / "locks" / f"timing-{device_name(backend)}.lock"
+
+
+@contextlib.contextmanager
+def candidate_alive(backend: str):
+    """Held (shared) by the PARENT for as long as a candidate child lives on this device; the candidate cannot
+    release it. Baselines are timed under `no_candidates` (exclusive), so a candidate can never slow them. The
+    gate keeps a stream of candidates from starving a waiting baseline."""
+    locks = CACHE_DIR / "locks"
+    with file_lock(locks / f"gate-{device_name(backend)}.lock", shared=True):
+        fd = os.open(_alive_path(backend), os.O_RDWR | os.O_CREAT, 0o666)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def no_candidates(backend: str):
+    locks = CACHE_DIR / "locks"
+    with file_lock(locks / f"gate-{device_name(backend)}.lock"), file_lock(_alive_path(backend)):
+        yield
+
+
+def _alive_path(backend: str) -> Path:
+    path = CACHE_DIR / "locks" / f"alive-{device_name(backend)}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 3 and sys.argv[1] == "_jail":
+        _jail(json.loads(sys.argv[2]), sys.argv[3:])

@@ -1,0 +1,233 @@
+"""scan.py: what a candidate's sources may contain. Both checks are allow-lists where one is possible.
+
+model_new.py (`check_python`): an allow-list of Python. Imports from a fixed set; module-level constants;
+classes derived from nn.Module; inside them plain statements over names, literals, calls and attributes.
+Names come from an allow-list of builtins, the file's own definitions and locals; `torch.X` only for X in
+an allow-list of constructors, dtypes and types; no attribute that starts with "_" (dunders included), so
+nothing reaches torch.sys, torch.os, torch.utils, torch._C or a function's globals; no getattr/setattr/
+globals/vars/eval/exec/open. What the allowed Python computes is judged at run time by the dispatch monitor.
+
+C++/CUDA (`check_preprocessed`): the sources are run through the compiler's own preprocessor, so macros,
+token pasting, digraphs, line continuations and computed includes are already resolved, and then:
+  - every file a workspace file includes must be a workspace file, a torch/pybind11/Python/CUDA toolkit
+    header, or a standard header from an allow-list (no <unistd.h>, <dlfcn.h>, <thread>, "/etc/passwd");
+  - the tokens that come from workspace files (strings and comments removed) may not name the doors out of
+    the process or around the monitor: processes, threads, signals, memory mapping, raw syscalls and inline
+    assembly in host code, dynamic loading, files and the environment, the Python C API or pybind11 beyond
+    `m.def`, dispatch-key guards. Qualified names in torch/at/c10/pybind11 must be on an allow-list, so a
+    namespace alias or `using` cannot rename a compute op (aliases of those namespaces are refused);
+  - exactly one source contains the real expansion of PYBIND11_MODULE(TORCH_EXTENSION_NAME, m).
+"""
+from __future__ import annotations
+
+import ast
+import re
+
+# ---------------------------------------------------------------------------------------------- Python
+ALLOWED_IMPORTS = {"torch", "torch.nn", "torch.nn.functional", "math", "typing", "cuda_extension", "__future__"}
+ALLOWED_BUILTINS = {"len", "range", "int", "float", "bool", "tuple", "list", "dict", "min", "max", "abs", "round", "zip",
+                    "enumerate", "isinstance", "super", "print", "sum", "any", "all", "sorted", "reversed", "str", "divmod",
+                    "pow", "slice", "None", "True", "False", "ValueError", "RuntimeError", "NotImplementedError",
+                    "AssertionError", "TypeError", "self"}
+TORCH_ATTRS = {  # torch.X that model_new.py may name: allocation, dtypes, types (compute is refused at run time)
+    "empty", "empty_like", "empty_strided", "zeros", "zeros_like", "ones", "ones_like", "full", "full_like", "randn",
+    "rand", "randint", "arange", "Size", "device", "dtype", "Tensor", "nn", "cuda", "no_grad", "float32", "float16",
+    "bfloat16", "float64", "int8", "int16", "int32", "int64", "uint8", "bool", "float", "half", "double", "long", "int",
+    "contiguous_format", "channels_last", "is_tensor",
+}
+TORCH_CUDA_ATTRS = {"current_stream", "current_device", "is_available"}
+ALLOWED_NODES = (
+    ast.Module, ast.Expr, ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Return, ast.Pass, ast.If, ast.For, ast.While,
+    ast.Break, ast.Continue, ast.Assert, ast.Raise, ast.Delete, ast.FunctionDef, ast.ClassDef, ast.arguments, ast.arg,
+    ast.Import, ast.ImportFrom, ast.alias, ast.Name, ast.Attribute, ast.Subscript, ast.Slice, ast.Starred, ast.Constant,
+    ast.Tuple, ast.List, ast.Dict, ast.Call, ast.keyword, ast.BinOp, ast.UnaryOp, ast.BoolOp, ast.Compare, ast.IfExp,
+    ast.ListComp, ast.GeneratorExp, ast.comprehension, ast.JoinedStr, ast.FormattedValue, ast.Load, ast.Store, ast.Del,
+    ast.operator, ast.unaryop, ast.boolop, ast.cmpop, ast.expr_context,
+)
+BANNED_METHODS = {"numpy", "tolist", "as_subclass", "untyped_storage", "storage", "set_", "register_forward_hook",
+                  "register_forward_pre_hook", "register_full_backward_hook", "apply_", "map_", "share_memory_"}
+
+
+def check_python(source: str) -> list[str]:
+    """Violations of the model_new.py allow-list (an empty list: the file is allowed)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as e:
+        return [f"model_new.py line {e.lineno}: SyntaxError: {e.msg}"]
+    out = []
+    bad = lambda node, why: out.append(f"model_new.py line {getattr(node, 'lineno', '?')}: {why}")
+    defined = set(ALLOWED_BUILTINS)
+    for node in ast.walk(tree):  # every name the file binds (imports, classes, functions, arguments, targets)
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, ast.arg):
+            defined.add(node.arg)
+        elif isinstance(node, ast.alias):
+            defined.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            defined.add(node.id)
+    torch_names = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+                   if a.name == "torch"} | {"torch"}
+    for node in tree.body:  # the top level: docstring, imports, constants, classes
+        if isinstance(node, ast.ClassDef):
+            bases = [ast.unparse(b) for b in node.bases]
+            if node.keywords or node.decorator_list or not bases or any(b not in ("nn.Module", "torch.nn.Module") for b in bases):
+                bad(node, f"class {node.name} must derive from nn.Module only (no decorators, metaclasses or other bases)")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [("." * node.level) + (node.module or "")]
+            for m in mods:
+                if m not in ALLOWED_IMPORTS:
+                    bad(node, f"import of {m} is not allowed (allowed: {', '.join(sorted(ALLOWED_IMPORTS))}); "
+                              "only cuda_extension may compute")
+        elif not (isinstance(node, (ast.Assign, ast.AnnAssign)) or
+                  (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))):
+            bad(node, f"only imports, constants and classes may appear at the top level, not {type(node).__name__}")
+    for node in ast.walk(tree):
+        if not isinstance(node, ALLOWED_NODES):
+            bad(node, f"{type(node).__name__} is not allowed in model_new.py")
+        elif isinstance(node, ast.FunctionDef) and node.decorator_list:
+            bad(node, "decorators are not allowed")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)) and node not in tree.body:
+            bad(node, "imports belong at the top of the file")
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in defined:
+            bad(node, f"the name {node.id} is not allowed")
+        elif isinstance(node, ast.Name) and node.id.startswith("__") and node.id != "__future__":
+            bad(node, f"the name {node.id} is not allowed")
+        elif isinstance(node, ast.Attribute):
+            if node.attr == "__init__" and ast.unparse(node.value) == "super()":
+                continue  # super().__init__(...) is the one dunder a module needs
+            if node.attr.startswith("_"):
+                bad(node, f".{node.attr} is not allowed (no attribute that starts with an underscore)")
+            elif node.attr in BANNED_METHODS:
+                bad(node, f".{node.attr} is not allowed")
+            elif isinstance(node.value, ast.Name) and node.value.id in torch_names and node.attr not in TORCH_ATTRS:
+                bad(node, f"torch.{node.attr} is not allowed in model_new.py (allowed: allocation, dtypes, torch.nn); "
+                          "write the computation as a kernel")
+            elif ast.unparse(node.value) in {f"{t}.cuda" for t in torch_names} and node.attr not in TORCH_CUDA_ATTRS:
+                bad(node, f"torch.cuda.{node.attr} is not allowed")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, bytes):
+            bad(node, "bytes literals are not allowed")
+    return list(dict.fromkeys(out))
+
+
+# ---------------------------------------------------------------------------------------------- C++ / CUDA
+STD_HEADERS = {
+    "algorithm", "array", "atomic", "bitset", "cassert", "cfloat", "climits", "cmath", "complex", "cstddef", "cstdint",
+    "cstdio", "cstdlib", "cstring", "functional", "initializer_list", "iostream", "iomanip", "sstream", "string",
+    "string_view", "iterator", "limits", "map", "set", "memory", "numeric", "optional", "stdexcept", "tuple",
+    "type_traits", "unordered_map", "unordered_set", "utility", "vector", "deque", "random", "chrono", "mutex",
+    "math.h", "stdint.h", "stdio.h", "stdlib.h", "string.h", "float.h", "limits.h", "assert.h", "stddef.h",
+    "stdbool.h", "omp.h", "immintrin.h", "xmmintrin.h", "emmintrin.h", "pmmintrin.h", "smmintrin.h", "tmmintrin.h",
+    "nmmintrin.h", "arm_neon.h", "cuda_runtime.h", "cuda_runtime_api.h", "cuda.h", "cuda_fp16.h", "cuda_bf16.h",
+    "cuda_fp8.h", "cublas_v2.h", "cublasLt.h", "cudnn.h", "mma.h", "cooperative_groups.h", "device_launch_parameters.h",
+    "vector_types.h", "math_constants.h",
+}
+SYSTEM_ROOTS = ("/usr/include/", "/usr/lib/gcc/", "/usr/local/include/", "/usr/lib/llvm")
+BANNED_TOKENS = {
+    # processes, threads, signals, memory mapping, raw syscalls, inline assembly (host code only is scanned)
+    "fork", "vfork", "clone", "clone3", "execve", "execv", "execvp", "execvpe", "execl", "execlp", "execle", "fexecve",
+    "system", "popen", "posix_spawn", "posix_spawnp", "daemon", "thread", "jthread", "async", "timer_create",
+    "signal", "sigaction", "sigset", "raise", "kill", "mprotect", "mmap", "mmap64", "munmap", "mremap", "madvise",
+    "userfaultfd", "syscall", "asm", "__asm__", "__asm", "ptrace", "prctl", "unshare", "setns", "mount",
+    "process_vm_readv", "process_vm_writev", "setjmp", "longjmp",
+    # dynamic loading, files, pipes, sockets, the environment
+    "dlopen", "dlsym", "dlmopen", "dlvsym", "open", "open64", "openat", "creat", "fopen", "fopen64", "freopen", "fdopen",
+    "open_memstream", "read", "write", "pread", "pwrite", "readv", "writev", "dup", "dup2", "dup3", "close", "ioctl",
+    "fcntl", "socket", "connect", "sendfile", "splice", "pipe", "pipe2", "getenv", "secure_getenv", "setenv", "putenv",
+    "environ", "__environ", "ifstream", "ofstream", "fstream", "filebuf", "unlink", "rename", "mkdir", "rmdir", "chdir",
+    "chmod", "chown", "symlink", "link", "truncate", "ftruncate", "memfd_create", "shm_open", "filesystem", "tmpfile",
+    # Python from C++, the dispatcher's thread-local state
+    "import", "exec", "eval", "globals", "builtins", "attr", "getattr", "setattr", "hasattr", "delattr",
+    "reinterpret_borrow", "reinterpret_steal", "ExcludeDispatchKeyGuard", "IncludeDispatchKeyGuard",
+    "ExcludeDispatchKeySetGuard", "IncludeDispatchKeySetGuard", "AutoDispatchBelowAutograd",
+    "AutoDispatchBelowADInplaceOrView", "AutoDispatchSkipFunctionalize", "DispatchKeySet", "DispatchKey",
+    "TorchDispatchModeTLS", "PythonTLSSnapshot", "ThreadLocalState", "ThreadLocalStateGuard", "tls_local_dispatch_key_set",
+    "tls_set_dispatch_key_excluded", "tls_set_dispatch_key_included", "_force_tls_local_dispatch_key_set",
+}
+BANNED_TOKEN_RE = re.compile(r"^(_?Py[A-Z]?\w*_\w+|pthread_\w+|__NR_\w+|_Py\w+|THP\w+)$")  # C API, threads, syscalls
+# Calls torch::X / at::X that allocate or describe tensors; anything else computes.
+CPP_ALLOWED_TORCH = {"empty", "empty_like", "empty_strided", "zeros", "zeros_like", "ones", "ones_like", "full",
+                     "full_like", "from_blob", "parallel_for", "get_num_threads", "device", "dtype", "elementSize",
+                     "typeMetaToScalarType", "toString", "isFloatingType", "getCurrentCUDAStream", "check_dim_size",
+                     "get_parallel_state", "cuda", "indexing", "irange", "scalarTypeToTypeMeta", "getCurrentCUDABlasHandle",
+                     "getDefaultCUDAStream", "getStreamFromPool", "detail", "impl", "ScalarTypeToCPPTypeT",
+                     "torchCheckFail", "torchCheckMsgImpl", "torchInternalAssertFail", "str", "toUnderlying"}
+CPP_ALLOWED_PYBIND = {"module_", "arg", "kw_only", "pos_only", "return_value_policy"}
+ROOT_NAMESPACES = {"torch", "at", "aten", "c10", "caffe2", "pybind11", "py"}
+TOKEN_RE = re.compile(r'R"([^()\\\s]{0,16})\(.*?\)\1"|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|'
+                      r"[A-Za-z_]\w*|\d[\w.]*|::|\S", re.S)
+MARKER_RE = re.compile(r'^#\s*(\d+)\s+"((?:\\.|[^"\\])*)"((?:\s+\d+)*)\s*$')
+
+
+def split_preprocessed(text: str, is_user) -> tuple[list[str], list[tuple[str, str]]]:
+    """(tokens from user files, [(includer, included)] for every include made by a user file)."""
+    user_lines, includes, stack = [], [], []
+    current = None
+    for line in text.split("\n"):
+        m = MARKER_RE.match(line)
+        if m:
+            path, flags = m.group(2).replace('\\"', '"'), m.group(3).split()
+            if "1" in flags and current is not None and is_user(current):
+                includes.append((current, path))
+            current = path
+            continue
+        if current is not None and is_user(current) and not line.startswith("#pragma"):
+            user_lines.append(line)
+    tokens = []
+    for m in TOKEN_RE.finditer("\n".join(user_lines)):
+        t = m.group(0)
+        if t[0] not in "\"'" and not t.startswith('R"'):
+            tokens.append(t)
+    return tokens, includes
+
+
+def header_allowed(path: str, roots: list[str]) -> bool:
+    if any(path.startswith(r.rstrip("/") + "/") for r in roots):
+        return True
+    return path.startswith(SYSTEM_ROOTS) and any(path.endswith("/" + h) for h in STD_HEADERS)
+
+
+def module_expansion(tokens: list[str]) -> list[str]:
+    """The tokens of PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {} as preprocessed by this toolchain, from a probe
+    file that holds nothing else (the empty body's braces dropped)."""
+    assert tokens[-2:] == ["{", "}"], tokens[-4:]
+    return tokens[:-2]
+
+
+def find_seq(tokens: list[str], seq: list[str]) -> list[int]:
+    n, first, hits = len(seq), seq[0], []
+    i = 0
+    while i <= len(tokens) - n:
+        if tokens[i] == first and tokens[i:i + n] == seq:
+            hits.append(i)
+            i += n
+        else:
+            i += 1
+    return hits
+
+
+def check_tokens(path: str, tokens: list[str]) -> list[str]:
+    """Violations among the user tokens of one source (the PYBIND11_MODULE expansion already removed)."""
+    out = []
+    for i, t in enumerate(tokens):
+        if t in BANNED_TOKENS or BANNED_TOKEN_RE.match(t):
+            out.append(f"{path}: `{t}` is not allowed in kernel sources (processes, threads, signals, files, the "
+                       "environment, dynamic loading, inline assembly in host code, Python from C++ and dispatcher "
+                       "state are closed doors; rename a variable that only shares the name)")
+        elif t == "namespace" and i + 2 < len(tokens) and tokens[i + 2] == "=":
+            out.append(f"{path}: namespace aliases are not allowed (`namespace {tokens[i + 1]} = ...`)")
+        elif t == "using" and i + 2 < len(tokens) and tokens[i + 1] == "namespace" and tokens[i + 2] in ROOT_NAMESPACES:
+            out.append(f"{path}: `using namespace {tokens[i + 2]}` is not allowed; qualify the names you use")
+        elif t in ROOT_NAMESPACES and i + 1 < len(tokens) and tokens[i + 1] == "::" and (i == 0 or tokens[i - 1] != "::"):
+            segs, j = [], i + 1
+            while j + 1 < len(tokens) and tokens[j] == "::" and re.match(r"[A-Za-z_]\w*$", tokens[j + 1]):
+                segs.append(tokens[j + 1])
+                j += 2
+            allowed = CPP_ALLOWED_PYBIND if t in ("pybind11", "py") else CPP_ALLOWED_TORCH
+            for s in segs:
+                if s not in allowed and (t in ("pybind11", "py") or not (s[0].isupper() or re.match(r"k[A-Z]", s))):
+                    out.append(f"{path}: {t}::{'::'.join(segs)} is not allowed "
+                               + ("(only m.def and py::arg are)" if t in ("pybind11", "py") else
+                                  "(a PyTorch compute op or internal; write the kernel yourself)"))
+                    break
+    return list(dict.fromkeys(out))
