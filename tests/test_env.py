@@ -15,15 +15,17 @@ from pathlib import Path
 import pytest
 
 import env
+import sandbox
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ROOT / "tests" / "env_cases"
 OPS = (CASES / "ops.cpp").read_text()
 RELU = (ROOT / "examples" / "relu.py").read_text()
-PROBLEMS = {"relu": RELU, **{p: (CASES / f"{p}.py").read_text() for p in ("add", "softmax", "matmul", "tuple_out")}}
+PROBLEMS = {"relu": RELU, **{p: (CASES / f"{p}.py").read_text() for p in ("add", "softmax", "softmax_wide", "matmul", "tuple_out")}}
 # (constructor signature, __init__ body, forward signature) per problem, as Model declares them
 SIGS = {"relu": ("dim", "self.scale = nn.Parameter(torch.empty(dim))", "x"), "add": ("", "pass", "a, b"),
-        "softmax": ("", "pass", "x"), "matmul": ("", "pass", "a, b"), "tuple_out": ("", "pass", "x")}
+        "softmax": ("", "pass", "x"), "softmax_wide": ("", "pass", "x"), "matmul": ("", "pass", "a, b"),
+        "tuple_out": ("", "pass", "x")}
 
 
 def model_new(problem, body, header="", init_extra=""):
@@ -74,12 +76,12 @@ def test_honest_kernels_are_accepted(tmp_path, problem, body, stage):
 
 # ------------------------------------------------------------------ cheats: each must get reward -1
 CHEATS = {
-    # PyTorch fallback, seen by the run-time dispatch monitor
-    "torch_add_in_python": ("add", model_new("add", "torch.add(a, b)"), "aten.add"),
+    # PyTorch fallback: refused by model_new.py's allow-list, or seen by the run-time dispatch monitor
+    "torch_add_in_python": ("add", model_new("add", "torch.add(a, b)"), "torch.add is not allowed"),
     "tensor_method_in_python": ("relu", model_new("relu", "(x * self.scale).relu()"), "aten.mul"),
     "functional_in_python": ("softmax", model_new("softmax", "F.softmax(x, -1)", "import torch.nn.functional as F"), "aten._softmax"),
     "torch_op_called_from_cpp": ("add", model_new("add", "cuda_extension.add_by_fallback(a, b)"), "aten.add"),
-    "decoy_kernel": ("relu", model_new("relu", "(cuda_extension.relu_scale(x, self.scale), torch.relu(x * self.scale))[1]"), "aten.mul"),
+    "decoy_kernel": ("relu", model_new("relu", "(cuda_extension.relu_scale(x, self.scale), (x * self.scale).relu())[1]"), "aten.mul"),
     "precision_downcast": ("relu", model_new("relu", "cuda_extension.relu_scale(x.half().float(), self.scale)"), "aten._to_copy"),
     # caching and skipped work, caught by re-checking every timed run with fresh values in the same buffers
     "pointer_keyed_cache": ("relu", model_new("relu", "cuda_extension.relu_scale_cached(x, self.scale)"), "timed run"),
@@ -87,33 +89,20 @@ CHEATS = {
     # output tricks
     "mutates_inputs": ("relu", model_new("relu", "cuda_extension.relu_scale_inplace(x, self.scale)"), "mutated its inputs"),
     "lazy_tensor_subclass": ("relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale).as_subclass(Lazy)",
-                                              "class Lazy(torch.Tensor):\n    pass"), "not a plain torch.Tensor"),
+                                              "class Lazy(torch.Tensor):\n    pass"), "must derive from nn.Module"),
     "reuse_freed_reference_memory": ("relu", model_new("relu", "torch.empty_like(x)"), "values differ"),
     "hard_coded_test_inputs": ("relu", model_new(
         "relu", "cuda_extension.copy_of(self.answer)",
-        init_extra="g = torch.Generator().manual_seed(0); self.answer = torch.relu(torch.randn(64, 4096, generator=g))"),
-        "values differ"),
-    # static: certain cheats rejected before anything is built
-    "monkeypatch_allclose": ("relu", model_new("relu", "torch.empty_like(x)", "torch.allclose = lambda *a, **k: True"), "monkey-patching"),
+        init_extra="self.answer = torch.randn(64, 4096).clamp(min=0)"), "aten.clamp"),
+    # certain cheats refused before anything is built
+    "monkeypatch_allclose": ("relu", model_new("relu", "torch.empty_like(x)", "torch.allclose = lambda *a, **k: True"), "torch.allclose is not allowed"),
     "monkeypatch_timer": ("relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)",
                                             "import time\ntime.perf_counter = lambda: 0.0"), "import of time"),
-    "numpy_compute": ("relu", model_new("relu", "torch.from_numpy(np.maximum(x.numpy() * 1, 0))", "import numpy as np"), "imports numpy"),
+    "numpy_compute": ("relu", model_new("relu", "torch.from_numpy(np.maximum(x.numpy() * 1, 0))", "import numpy as np"), "import of numpy"),
     "numpy_without_import": ("relu", model_new("relu", "cuda_extension.copy_of(x.new_tensor(x.numpy().clip(0)))"), ".numpy"),
     "introspection_via_os": ("relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)", "import os"), "import of os"),
     "dunder_import": ("relu", model_new("relu", "__import__('numpy')", ""), "__import__"),
 }
-CPP_CHEATS = {  # kernel sources that the static scan rejects (no build needed)
-    "cpp_torch_matmul": ("#include <torch/extension.h>\ntorch::Tensor f(torch::Tensor a, torch::Tensor b)"
-                         " { return torch::matmul(a, b); }\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def(\"matmul\", &f); }",
-                         "PyTorch compute op"),
-    "cpp_side_thread": ("#include <torch/extension.h>\n#include <thread>\nvoid go() { std::thread t([]{}); t.detach(); }\n"
-                        "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def(\"matmul\", &go); }", "threads are not allowed"),
-    "cpp_calls_python": ("#include <torch/extension.h>\nvoid go() { pybind11::module_::import(\"gc\"); }\n"
-                         "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def(\"matmul\", &go); }", "calling Python from C++"),
-    "cpp_reads_outside": ("#include </etc/passwd>\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}", "reaches outside the workspace"),
-}
-
-
 @pytest.mark.parametrize("name", sorted(CHEATS))
 def test_cheats_are_rejected(tmp_path, name):
     problem, source, expect = CHEATS[name]
@@ -121,6 +110,17 @@ def test_cheats_are_rejected(tmp_path, name):
     assert v.reward == -1 and not v.correct, v.summary()
     said = " ".join(v.violations) + " " + (v.error or "")
     assert expect in said, v.summary()
+
+
+TORCH_H = "#include <torch/extension.h>\n"
+MODULE = "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def(\"matmul\", &f); }\n"
+CPP_CHEATS = {  # kernel sources that the preprocessed scan refuses (nothing is compiled)
+    "cpp_torch_matmul": (TORCH_H + "torch::Tensor f(torch::Tensor a, torch::Tensor b) { return torch::matmul(a, b); }\n" + MODULE,
+                         "torch::matmul is not allowed"),
+    "cpp_side_thread": (TORCH_H + "#include <thread>\nvoid f() { std::thread t([]{}); t.detach(); }\n" + MODULE, "thread is not allowed"),
+    "cpp_calls_python": (TORCH_H + "void f() { pybind11::module_::import(\"gc\"); }\n" + MODULE, "`import` is not allowed"),
+    "cpp_reads_outside": ("#include </etc/passwd>\n" + MODULE, "#include of /etc/passwd is not allowed"),
+}
 
 
 @pytest.mark.parametrize("name", sorted(CPP_CHEATS))
@@ -194,7 +194,7 @@ def test_missing_files_and_compile_errors(tmp_path):
     assert not v.compiled and v.error == "compilation failed" and "error" in v.log and v.log.count("\n") < 20
     two = {"a.cpp": "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}", "b.cpp": "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}"}
     v = env.evaluate(make_ws(tmp_path, "relu", model_new("relu", "x"), two, name="two"), backend="cpu")
-    assert not v.compiled and "exactly one must" in v.log
+    assert not v.compiled and "exactly one source must" in v.log
 
 
 def test_a_killed_build_leaves_nothing_behind(tmp_path):
@@ -252,9 +252,9 @@ def test_sandbox_contains_fork_bomb_network_and_writes(tmp_path):
     server.close()
     assert "DONE" in r.stdout and (cwd / "inside.txt").read_text() == "ok"
     iso = env.isolation()
-    if "--net" in iso:
+    if "--net" in iso.prefix:
         assert "NET BLOCKED" in r.stdout
-    if "--mount" in iso:
+    if iso.mount:
         assert "WRITE BLOCKED" in r.stdout and not outside.exists()
 
 
@@ -332,3 +332,281 @@ def test_reward_milestones():
     assert env.reward_for(True, 1.0, 1.04, 1.04) == 1  # within the 5% margin is not faster
     assert env.reward_for(True, 0.94, 1.0, 1.0) == 3
     assert env.reward_for(True, 1.0, 1.0, 2.0) == 1  # beating compile but not eager gives no bonus
+
+
+# ------------------------------------------------------------------ attack classes: the design that closes each
+# 1. Escape from the sandbox: every child (candidate, reference, build, the agent's bash) gets a fresh /proc,
+#    read-only /sys, private /tmp and /dev/shm, no capabilities, the cache root hidden.
+ESCAPE = r"""
+import glob, os, subprocess
+found = []
+for root in glob.glob("/proc/[0-9]*/root"):  # any process's root that leads back to the host's filesystem
+    try:
+        open(os.path.join(root, MARK.lstrip("/")), "w").write("x"); found.append("proc-root " + root)
+    except OSError:
+        pass
+for path in ("/sys/fs/cgroup/cgroup.procs", "/sys/fs/cgroup/escape"):
+    try:
+        open(path, "w").write(str(os.getpid())); found.append("sys " + path)
+    except OSError:
+        pass
+try:
+    os.listdir(CACHE) and found.append("cache " + ",".join(os.listdir(CACHE)))
+except OSError:
+    pass
+open("/dev/shm/" + os.path.basename(MARK), "w").write("x")
+subprocess.Popen(["setsid", "sleep", "123.456"])  # a survivor, if it could outlive the sandbox
+print("FOUND", found)
+"""
+
+
+def escape_probe(tmp_path):
+    mark = tmp_path / "outside" / "written-from-inside"
+    mark.parent.mkdir()
+    return mark, f"MARK = {str(mark)!r}\nCACHE = {str(env.CACHE_DIR)!r}\n" + ESCAPE
+
+
+def assert_nothing_escaped(mark, out):
+    assert "FOUND []" in out, out
+    assert not mark.exists() and not Path("/dev/shm", mark.name).exists()
+    survivors = subprocess.run(["pgrep", "-f", "sleep 123.456"], capture_output=True, text=True).stdout.split()
+    assert survivors == [], "a process outlived its sandbox"
+
+
+def test_escape_sandboxed_child(tmp_path):
+    mark, probe = escape_probe(tmp_path)
+    (tmp_path / "box").mkdir()
+    (env.CACHE_DIR / "baselines").mkdir(parents=True, exist_ok=True)
+    r = env.run_sandboxed([sys.executable, "-c", probe], tmp_path / "box", timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert_nothing_escaped(mark, r.stdout)
+
+
+def test_escape_agent_bash_tool(tmp_path):
+    import agent
+    mark, probe = escape_probe(tmp_path)
+    ws = env.new_workspace(tmp_path / "ws", RELU, "cpu")
+    (ws / "probe.py").write_text(probe)
+    obs, _, ok = agent.run_tool("bash", {"command": f"{sys.executable} probe.py"}, ws, RELU, "cpu", agent.AgentConfig())
+    assert ok, obs
+    assert_nothing_escaped(mark, obs)
+
+
+# 2. Nothing the candidate can read holds an answer; 3. only the parent writes the verdict;
+# 4. harness state out of Python's reach: model_new.py is an allow-list.
+PY_ATTACKS = {
+    "read_reference_outputs": "cuda_extension.copy_of(torch.load(torch.os.path.join('..', 'ref', 'result.pt'))['checks'][0])",
+    "read_spec_seeds": "cuda_extension.copy_of(x) if torch.sys.modules else x",
+    "rebind_harness_clock": "(setattr(torch.sys.modules['__main__'], '_clock', lambda: 0.0), cuda_extension.relu_scale(x, self.scale))[1]",
+    "grow_op_allow_list": "(torch.sys.modules['__main__'].ALLOWED_OPS.add('mul'), (x * self.scale).relu())[1]",
+    "disable_dispatch_monitor": "(torch.utils._python_dispatch._disable_current_modes(), (x * self.scale).relu())[1]",
+    "getattr_chain": "getattr(getattr(torch, 'sys'), 'modules')['__main__']",
+    "class_walk": "x.__class__.__base__.__subclasses__()",
+    "write_result_files": "(open('result.json', 'w').write('{\"runtime_ms\": 0.001}'), x)[1]",
+    "lambda_and_vars": "(lambda: vars())()",
+    "torch_ops_namespace": "torch.ops.aten.relu(x)",
+    "torch_library": "torch.library.Library('aten', 'IMPL')",
+}
+
+
+@pytest.mark.parametrize("name", sorted(PY_ATTACKS))
+def test_python_attacks_are_refused_by_the_allow_list(tmp_path, name):
+    v = env.evaluate(make_ws(tmp_path, "relu", model_new("relu", PY_ATTACKS[name])), backend="cpu")
+    assert v.reward == -1 and v.violations and not v.compiled, v.summary()
+
+
+def test_candidate_spec_and_view_hold_no_secret(tmp_path, monkeypatch):
+    """The candidate child's spec names no seed but its own model's, and the reference's folder is not in its view."""
+    specs = []
+    real = env.Child.__init__
+
+    def spy(self, spec, run_dir, *a, **k):
+        specs.append((dict(spec), run_dir))
+        real(self, spec, run_dir, *a, **k)
+
+    monkeypatch.setattr(env.Child, "__init__", spy)
+    v = env.evaluate(make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)")), backend="cpu")
+    assert v.correct, v.summary()
+    (cand, cand_dir), = [(s, d) for s, d in specs if s["mode"] == "candidate"]
+    (ref, ref_dir), = [(s, d) for s, d in specs if s["mode"] == "reference"]
+    assert set(cand) <= {"backend", "seed0", "mode", "reference", "model_new", "ext_dir", "cand_dir", "cmd_fd", "rep_fd"}
+    assert "seeds" in ref and not any(str(s) in json.dumps(cand) for s in ref["seeds"])
+    assert env.CACHE_DIR in ref_dir.parents  # hidden from every sandboxed child (the default `hide`)
+
+
+class FakeChild:
+    """Speaks the parent's protocol from a script of replies: what a candidate that forges its results sends."""
+
+    def __init__(self, replies):
+        self.replies = list(replies)
+        self.thread = type("T", (), {"is_alive": staticmethod(lambda: True)})()
+
+    def answer(self):
+        r = self.replies.pop(0)
+        if isinstance(r, Exception):
+            raise r
+        return r
+
+    def ask(self, obj):
+        return self.answer()
+
+    def why_dead(self):
+        return "exited"
+
+
+@pytest.mark.parametrize("replies,expect", [
+    ([{"ready": True, "init_ops": []}, ({}, []), ({}, []), ({}, []), ({"runtime_ms": "fast"}, [])], ValueError),
+    ([{"ready": True, "init_ops": []}, ({}, []), ({}, []), ({}, []),
+      ({"out": {"t": 0, "dtype": "float32", "shape": [64, 4096]}, "ops": [], "mutated": False}, [b"\0" * 8])], ValueError),
+    ([{"ready": True, "init_ops": []}, ({}, []), ({}, []), ({}, []),
+      ({"out": {"t": 0, "dtype": "os.system", "shape": [1]}, "ops": [], "mutated": False}, [b"\0" * 4])], ValueError),
+    (["ready"], ValueError),
+    ([EOFError("closed")], EOFError),
+], ids=["result_json_fields", "short_tensor", "bad_dtype", "not_a_dict", "died"])
+def test_forged_replies_are_rejected(replies, expect):
+    v = env.Verdict()
+    replies = [r if isinstance(r, (tuple, Exception)) else (r, []) for r in replies]
+    with pytest.raises(expect):
+        env._drive_candidate(v, FakeChild(replies), [1, 2], [torch_zeros()] * 2, [], [], env.Config(), "cpu")
+    assert v.reward == -1 and not v.correct
+
+
+def torch_zeros():
+    import torch
+    return torch.zeros(64, 4096)
+
+
+def test_timed_runs_are_rechecked_where_the_candidate_cannot_know(tmp_path):
+    """After the checks, a kernel that computes every 4th element only (the sampled ones, if it knew which) fails."""
+    v = env.evaluate(make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale_strided_after_checks(x, self.scale)")),
+                     backend="cpu")
+    assert v.reward == -1 and "timed run" in (v.error or ""), v.summary()
+
+
+# 5. Work after the clock, 7. the scan: C/C++ checked after preprocessing, by token, with resolved includes.
+SCAN_ATTACKS = {
+    "namespace_alias": "namespace T = torch; void f() { T::Tensor a; }",
+    "spaced_qualified_call": "torch::Tensor f(torch::Tensor a) { return torch :: matmul(a, a); }",
+    "using_namespace_at": "using namespace at; void f() {}",
+    "token_pasting": "#define CAT(a, b) a##b\nvoid f() { CAT(fo, rk)(); }",
+    "posix_spawnp": "void f() { posix_spawnp(0, 0, 0, 0, 0, 0); }",
+    "execve": "void f() { execve(0, 0, 0); }",
+    "syscall_clone": "void f() { syscall(56); }",
+    "std_spaced_thread": "void f() { std:: thread t; }",
+    "timer_create": "void f() { timer_create(0, 0, 0); }",
+    "import_through_alias": "namespace p = pybind11; void f() { p::module_::import(\"os\"); }",
+    "environ": "extern char** environ; void f() { (void)environ; }",
+    "std_fstream": "void f() { std::fstream s; }",
+    "posix_open_read_write": "void f() { int fd = open(\"/etc/passwd\", 0); char b[8]; read(fd, b, 8); write(1, b, 8); }",
+    "computed_include": "#define HDR </etc/passwd>\n#include HDR\nvoid f() {}",
+    "digraph_include": "%:include </etc/passwd>\nvoid f() {}",
+    "continued_include": "#inc\\\nlude </etc/passwd>\nvoid f() {}",
+    "asm_incbin": "void f() { asm(\".incbin \\\"/etc/passwd\\\"\"); }",
+    "hidden_between_strings": "const char* a = \"/*\"; void f() { fork(); } const char* b = \"*/\";",
+    "lazy_pages": "void f() { mprotect(0, 4096, 0); sigaction(11, 0, 0); }",
+    "dispatch_key_guard": "void f() { c10::impl::ExcludeDispatchKeyGuard g(c10::DispatchKeySet()); }",
+    "python_c_api": "void f() { PyRun_SimpleString(\"import os\"); }",
+    "at_native_call": "at::Tensor f(at::Tensor a) { return at::native::add(a, a, 1); }",
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCAN_ATTACKS))
+def test_scan_attacks_are_refused_after_preprocessing(tmp_path, name):
+    # No torch header: the scan reads the preprocessed tokens before anything compiles, and this keeps it fast.
+    src = SCAN_ATTACKS[name] + "\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}\n"
+    b = env.build({"kernels/x.cpp": src}, "cpu")
+    assert not b.ok and b.violations and b.rebuilt == [], b.log
+
+
+def test_included_host_file_never_reaches_the_log(tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOP-SECRET-LINE\n")
+    src = f"%:include \"{secret}\"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{}}\n"
+    ws = make_ws(tmp_path, "relu", model_new("relu", "x"), {"x.cpp": src})
+    v = env.evaluate(ws, backend="cpu")
+    assert v.reward == -1 and v.violations and "TOP-SECRET" not in v.summary() + v.log, v.summary()
+
+
+def test_module_in_a_comment_is_not_a_module(tmp_path):
+    b = env.build({"kernels/x.cpp": "#include <torch/extension.h>\n// PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)\nint x;\n"}, "cpu")
+    assert not b.ok and "exactly one source must" in b.log, b.log
+
+
+def test_kernels_symlink_out_of_the_workspace_is_refused(tmp_path):
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "ops.cpp").write_text(OPS)
+    ws = make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)"), {})
+    (ws / "kernels").rmdir()
+    (ws / "kernels").symlink_to(outside)
+    v = env.evaluate(ws, backend="cpu")
+    assert v.reward == -1 and "symbolic link" in (v.error or ""), v.summary()
+
+
+def test_fills_are_allocation_not_compute(tmp_path):
+    src = ("#include <torch/extension.h>\ntorch::Tensor f(torch::Tensor x) { auto a = torch::full({2}, 1.0); "
+           "auto b = torch::ones_like(x); auto c = torch::full_like(x, 2.0); auto d = torch::zeros_like(x); return b; }\n"
+           "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def(\"f\", &f); }\n")
+    b = env.build({"kernels/fill.cpp": src}, "cpu")
+    assert b.ok, b.log
+
+
+# 6. Baselines are timed only while no candidate of this device is alive.
+def test_baselines_are_timed_while_no_candidate_lives(tmp_path, monkeypatch):
+    events = []
+    real_init, real_close, real_timed = env.Child.__init__, env.Child.close, env.timed_runs
+
+    def init(self, spec, *a, **k):
+        real_init(self, spec, *a, **k)
+        self.mode = spec["mode"]
+        events.append(("start", self.mode))
+
+    def close(self):
+        r = real_close(self)
+        if self.thread.is_alive() is False and ("end", self.mode) not in events:
+            events.append(("end", self.mode))
+        return r
+
+    def timed(child, *a, **k):
+        events.append(("time", child.mode))
+        return real_timed(child, *a, **k)
+
+    monkeypatch.setattr(env.Child, "__init__", init)
+    monkeypatch.setattr(env.Child, "close", close)
+    monkeypatch.setattr(env, "timed_runs", timed)
+    nonce = f"\n# baseline nonce {os.urandom(8).hex()}\n"  # a reference never seen: its baselines are measured now
+    ws = make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)"))
+    v = env.evaluate(ws, backend="cpu", reference=RELU + nonce)
+    assert v.correct and v.eager_ms and v.compile_ms, v.summary()
+    ref_times = [i for i, e in enumerate(events) if e == ("time", "reference")]
+    assert len(ref_times) == 2 and events.index(("start", "candidate")) > max(ref_times), events
+
+
+def test_no_candidates_waits_for_live_candidates(tmp_path):
+    import fcntl
+    with env.candidate_alive("cpu"):
+        fd = os.open(sandbox._alive_path("cpu"), os.O_RDWR)
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(fd)
+    with env.no_candidates("cpu"):
+        pass
+
+
+# 8. Checks that can fail at the output's own scale.
+def test_zeros_do_not_pass_a_wide_softmax(tmp_path):
+    v = env.evaluate(make_ws(tmp_path, "softmax_wide", model_new("softmax_wide", "torch.zeros_like(x)")), backend="cpu",
+                     stage="verify")
+    assert v.reward == -1 and "RMS error" in (v.error or ""), v.summary()
+    v = env.evaluate(make_ws(tmp_path, "softmax_wide", model_new("softmax_wide", "cuda_extension.softmax_lastdim(x)"), name="ok"),
+                     backend="cpu", stage="verify")
+    assert v.correct, v.summary()
+
+
+def test_compare_scales():
+    import torch
+    ref = torch.softmax(torch.rand(4, 65536), -1)
+    assert env.compare(torch.zeros_like(ref), ref, 1e-2, 1e-2, "x") is not None
+    assert env.compare(ref * 1.001, ref, 1e-2, 1e-2, "x") is None
+    noise = torch.randn(1000) * 1e-8  # outputs that are float noise around zero: any noise of that size is fine
+    assert env.compare(torch.randn(1000) * 1e-8, noise, 1e-2, 1e-2, "x") is None
