@@ -7,57 +7,66 @@
 Python API (one scorer everywhere): `evaluate(workspace, backend=...) -> Verdict`.
 
 What one verdict does, in order
-  1. collect   only model_new.py and the kernel sources (*.cu *.cpp *.h *.cuh *.hpp in the root and
-               in kernels/) are copied into a fresh run directory; anything else is ignored.
-  2. scan      a static scan of model_new.py and the C++ gives readable hints, and rejects what can
-               only be a cheat (imports of numpy/ctypes/os..., monkey-patching torch, threads or
-               processes or Python calls from C++). The run-time checks below are the judge.
-  3. build     every source is compiled on its own (nvcc for .cu, g++ for .cpp, -O3, OpenMP on the
-               CPU backend) into a content-hash cache and linked into one module `cuda_extension`.
-               An unchanged source is never rebuilt; editing one kernel rebuilds only that object.
-  4. verify    5 checks, each on inputs drawn with a fresh random seed; outputs compared at
-               atol = rtol = 1e-2 in THIS process, against reference outputs computed in ANOTHER
-               process that never loads candidate code. Structure, shape and dtype must match
-               exactly, outputs must be plain tensors, inputs must not be mutated. While
-               ModelNew.forward runs, a dispatch monitor flags every PyTorch operator that computes
-               values (from Python or from C++); only allocation, views and metadata are allowed.
-  5. profile   candidate, eager and torch.compile are timed by the same function: warm-up, then
-               the median of >= 20 runs, device-wide synchronisation, L2 flushed, fresh random
-               values copied into the SAME input buffers before every run, and every timed run's
-               output re-checked (defeats pointer-keyed caches and "real work only on call 1").
-               One timed section per GPU at a time (a file lock). Baseline timings are cached per
-               reference source, so RL pays for torch.compile once per task.
+  1. collect   only model_new.py and the kernel sources (*.cu *.cpp *.h *.cuh *.hpp in the root and in
+               kernels/, no symbolic links) are taken; anything else is ignored.
+  2. scan      model_new.py against an allow-list of Python (scan.py): allowed imports, nn.Module
+               classes, plain statements; no underscore attributes, no getattr/eval/open, no torch.X
+               outside allocation, dtypes and torch.nn.
+  3. build     every source is run through the compiler's own preprocessor and its tokens checked
+               (scan.py: allowed includes only, no doors out of the process, no compute ops by name,
+               exactly one real PYBIND11_MODULE); then compiled on its own (nvcc for .cu, g++ for .cpp,
+               -O3, OpenMP on the CPU backend) into a content-hash cache and linked into one module
+               `cuda_extension`. Editing one kernel rebuilds only that object.
+  4. verify    a trusted REFERENCE child computes the outputs of 5 check inputs and of the timing inputs
+               (each drawn from a fresh secret seed) and sends them to this process over a pipe. The
+               CANDIDATE child starts afterwards, knowing no seed: it loads ModelNew under a dispatch
+               monitor (module import, __init__, load_state_dict: only allocation, random
+               initialisation and copies), then is told one input at a time. Its whole outputs on the
+               check inputs are compared here, at atol = rtol = 1e-2 element by element AND by RMS error
+               at the reference's own scale. While forward runs (every run, timed or not), any PyTorch
+               operator that computes is a violation; inputs must not be mutated; outputs must be plain
+               tensors on the right device.
+  5. profile   candidate, eager and torch.compile are timed the same way, by THIS process's clock,
+               around one exchange per run: "run" (forward, device-wide sync) then "sample" (copy
+               out[o::step] of every output, o drawn after the run returned). Fresh inputs are copied
+               into the same buffers and the L2 flushed before each run, outside the clock. Every
+               sample is compared with the reference, so pointer-keyed caches, work skipped after the
+               checks, and work deferred past the run are caught or timed. Median of >= 20 runs. One
+               timed section per device at a time (a lock this process holds). Baselines are timed
+               while no candidate lives on the device, cached per reference with their spread, and
+               measured again (up to 3 times) while noisy.
   6. reward    the paper's milestones: -1 incorrect; 3 if >5% faster than eager AND compile;
                2 if >5% faster than eager only; 1 otherwise (correct).
 
-What the sandbox protects against
-  - crashes (segfault, illegal memory access, aborts), exceptions, syntax errors, missing files:
-    every candidate runs in a fresh child process, so a poisoned CUDA context dies with it;
-  - hangs and infinite loops: a wall-clock timeout kills the whole process group and, where
-    Linux namespaces are available, the whole PID namespace (escaped grandchildren included);
-  - fork bombs: a pids cgroup (where writable) caps the number of tasks, RLIMIT_NPROC otherwise;
-  - huge allocations and CPU burn: RLIMIT_AS (CPU backend), a memory cgroup where writable,
-    RLIMIT_CPU, RLIMIT_FSIZE; megabytes of output are truncated;
-  - the network: a fresh network namespace (no interfaces but a down loopback);
-  - writes outside the run directory: a mount namespace remounts every filesystem read-only
-    except the run directory (and /dev, /proc, /sys);
-  - stray files (torch.py, sitecustomize.py, ...): only the allowed files are copied, and the
-    child runs with a scrubbed environment (`python -E`);
-  - monkey-patching of timers, comparisons or torch itself: timers are bound before candidate
-    code loads, and the comparison happens in the parent, which never imports candidate code.
-  - killed builds: objects are written to a temporary name and renamed into the cache; locks are
-    flock()s, which the kernel drops when the holder dies.
+What the sandbox protects against (sandbox.py has the layers)
+  - reading the answers: reference outputs, seeds and sampled positions never exist where the candidate
+    can reach them; its filesystem view hides the cache root (other runs, baselines, references), /tmp and
+    /dev/shm are its own, and the next input arrives only after the previous run's result.
+  - forging the verdict: only this process measures time and judges; a child's replies are validated
+    field by field (a malformed one is reward -1, never a crash).
+  - reaching the host: fresh PID namespace with its own /proc, read-only mounts (/sys and /proc too),
+    no capabilities, no_new_privs, no network; a killed child takes all its descendants with it.
+  - crashes, hangs, fork bombs, huge allocations, megabytes of output: a fresh process per verdict, wall
+    clock timeouts, cgroups or rlimits, truncated logs.
+  - slowing the baselines: they are never timed while a candidate is alive on that device.
+  - hiding a cheat from the scan: the scan reads the preprocessed tokens, so aliases, token pasting,
+    digraphs, computed includes and comments change nothing.
 
 What it does NOT protect against (be honest; RL will look)
-  - native code in the candidate process can, in principle, read or write anything in that
-    process, including the harness's own timing results. The static scan bans the usual doors
-    (threads, processes, dlopen/dlsym, Python calls from C++); a determined attacker with raw
-    pointer arithmetic is not stopped.
-  - PyTorch operators issued from a thread other than the one running forward() are invisible to
-    the dispatch monitor (threads are banned statically, OpenMP regions are not).
-  - reduced precision inside a kernel that stays within atol/rtol passes, as in the paper.
-  - when no namespaces are available (e.g. some containers), isolation falls back to process
-    groups and rlimits; this is said once on stderr.
+  - native code in the candidate's own process can, in principle, write anything in that process's memory,
+    including the harness's monitor, and speak the pipe protocol itself. The scan closes the doors it would
+    need (raw syscalls, I/O functions, signals, mmap, inline assembly in host code, the Python C API); a
+    determined attacker using raw pointer arithmetic on the interpreter's memory is not stopped. What it
+    cannot forge: the clock, the sampled positions, the comparison.
+  - PyTorch operators issued from a thread other than the one running forward() are invisible to the
+    monitor (threads are closed statically; OpenMP regions are not).
+  - a content-keyed output cache when the inputs are so large that fewer distinct input sets than timed
+    runs fit in `input_budget_mb`: the sets are then reused in turn.
+  - reduced precision inside a kernel that stays within atol/rtol (and the RMS bound) passes, as in the paper.
+  - the time includes two pipe round trips (tens of microseconds): for tiny kernels the reward sees host
+    overhead. It is the same for the candidate and both baselines.
+  - where a layer is unavailable (no namespaces in some containers; an unprivileged uid only where the
+    interpreter is reachable by it), isolation falls back to the rest; this is said once on stderr.
   - GPU memory is not capped per candidate on the CUDA backend (RLIMIT_AS breaks CUDA).
 """
 from __future__ import annotations
@@ -399,30 +408,33 @@ def build(files: dict, backend: str, timeout: float = 600.0) -> Build:
             (tmp / p).write_text(text)
         is_user = lambda path: path.startswith("/") and os.path.normpath(path).startswith(str(tmp) + "/")
 
+        def scan_one(p):  # preprocess and check (skipped for a cached object: it passed the same scan)
+            obj, meta = objdir / f"{keys[p]}.o", objdir / f"{keys[p]}.json"
+            if obj.exists() and meta.exists():
+                has_module[p] = json.loads(meta.read_text())["module"]
+                return
+            src, pre = tmp / p, tmp / f"{keys[p]}.ii"
+            r, text = preprocess(tc, src, pre, max(1.0, deadline - time.monotonic()))
+            if not text:
+                why = f"preprocessing of {p} {r.crash}" if r.crash else f"{p} failed to preprocess"
+                errors.append(f"{why}:\n{error_excerpt(r.stderr + r.stdout)}")
+                return
+            tokens, includes = scan.split_preprocessed(text, is_user)
+            bad = [f"{p}: #include of {inc} is not allowed (workspace files, torch/CUDA headers and standard headers only)"
+                   for _, inc in includes if not is_user(inc) and not scan.header_allowed(inc, tc["roots"])]
+            expansion = module_expansion(tc, src.suffix, max(1.0, deadline - time.monotonic()))
+            hits = scan.find_seq(tokens, expansion)
+            for h in reversed(hits):
+                del tokens[h:h + len(expansion)]
+            violations.extend(bad + scan.check_tokens(p, tokens))
+            has_module[p] = len(hits)
+
         def compile_one(p):
             obj, meta = objdir / f"{keys[p]}.o", objdir / f"{keys[p]}.json"
             with file_lock(CACHE_DIR / "locks" / f"{keys[p]}.lock"):
                 if obj.exists() and meta.exists():
-                    has_module[p] = json.loads(meta.read_text())["module"]
                     return
-                src, pre = tmp / p, tmp / f"{keys[p]}.ii"
-                r, text = preprocess(tc, src, pre, max(1.0, deadline - time.monotonic()))
-                if not text:
-                    errors.append(f"{p} failed to preprocess:\n{error_excerpt(r.stderr + r.stdout)}")
-                    return
-                tokens, includes = scan.split_preprocessed(text, is_user)
-                bad = [f"{p}: #include of {inc} is not allowed (workspace files, torch/CUDA headers and standard headers only)"
-                       for by, inc in includes if not is_user(inc) and not scan.header_allowed(inc, tc["roots"])]
-                expansion = module_expansion(tc, src.suffix, max(1.0, deadline - time.monotonic()))
-                hits = scan.find_seq(tokens, expansion)
-                for h in reversed(hits):
-                    del tokens[h:h + len(expansion)]
-                bad += scan.check_tokens(p, tokens)
-                if bad:
-                    violations.extend(bad)
-                    return
-                has_module[p] = len(hits)
-                part = tmp / f"{keys[p]}.o.part"
+                src, pre, part = tmp / p, tmp / f"{keys[p]}.ii", tmp / f"{keys[p]}.o.part"
                 # A .cpp compiles from the text just scanned (no second preprocessing); nvcc runs its own passes.
                 cmd = [*tc["nvcc"], f"-I{tmp}", f"-I{tmp}/kernels", f"-I{src.parent}", "-c", str(src)] if p.endswith(".cu") \
                     else [*tc["cxx"], "-x", "c++-cpp-output", "-c", str(pre)]
@@ -431,21 +443,24 @@ def build(files: dict, backend: str, timeout: float = 600.0) -> Build:
                     why = f"compilation of {p} {r.crash}" if r.crash else f"{p} failed to compile"
                     errors.append(f"{why}:\n{error_excerpt(r.stderr + r.stdout)}")
                     return
-                meta.write_text(json.dumps({"module": len(hits)}))
+                meta.write_text(json.dumps({"module": has_module[p]}))
                 os.replace(part, obj)  # atomic: a half-written object never has the final name
                 rebuilt.append(p)
 
         with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-            list(pool.map(compile_one, sources))
-        if violations:
-            return Build(False, None, "\n".join(violations), time.monotonic() - t0, rebuilt, violations)
+            list(pool.map(scan_one, sources))
+            if violations:
+                return Build(False, None, "\n".join(violations), time.monotonic() - t0, [], violations)
+            modules = [p for p in sources if has_module.get(p)]
+            if not errors and (len(modules) != 1 or has_module[modules[0]] != 1):
+                msg = "no source defines" if not modules else f"{', '.join(modules)} define{'s' if len(modules) == 1 else ''}"
+                return Build(False, None, f"{msg} PYBIND11_MODULE(TORCH_EXTENSION_NAME, m){' more than once' if modules else ''}; "
+                             "exactly one source must, once, with exactly that spelling", time.monotonic() - t0, [])
+            if not errors:
+                list(pool.map(compile_one, sources))
+        rebuilt.sort()
         if errors:
             return Build(False, None, "\n".join(errors), time.monotonic() - t0, rebuilt)
-        modules = [p for p in sources if has_module.get(p)]
-        if len(modules) != 1 or has_module[modules[0]] != 1:
-            msg = "no source defines" if not modules else f"{', '.join(modules)} define{'s' if len(modules) == 1 else ''}"
-            return Build(False, None, f"{msg} PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {'more than once' if modules else ''}; "
-                         "exactly one source must, once, with exactly that spelling", time.monotonic() - t0, rebuilt)
         link_key = hashlib.sha256("".join(keys[p] for p in sources).encode() + tc["id"].encode()).hexdigest()[:32]
         so = CACHE_DIR / "so" / link_key / "cuda_extension.so"
         if not so.exists():

@@ -19,6 +19,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+work = Path(tempfile.mkdtemp(prefix="env-bench-"))
+os.environ["CUDA_AGENT_CACHE"] = str(work / "cache")  # a cold cache: nothing built before this run
 import env  # noqa: E402
 
 CASES = ROOT / "tests" / "env_cases"
@@ -28,8 +30,6 @@ p.add_argument("--repeats", type=int, default=5)
 args = p.parse_args()
 backend = env.resolve_backend(args.backend)
 cuda = backend == "cuda"
-work = Path(tempfile.mkdtemp(prefix="env-bench-"))
-env.CACHE_DIR = work / "cache"  # a cold cache: nothing built before this run
 rows = []
 
 

@@ -84,7 +84,7 @@ CHEATS = {
     "decoy_kernel": ("relu", model_new("relu", "(cuda_extension.relu_scale(x, self.scale), (x * self.scale).relu())[1]"), "aten.mul"),
     "precision_downcast": ("relu", model_new("relu", "cuda_extension.relu_scale(x.half().float(), self.scale)"), "aten._to_copy"),
     # caching and skipped work, caught by re-checking every timed run with fresh values in the same buffers
-    "pointer_keyed_cache": ("relu", model_new("relu", "cuda_extension.relu_scale_cached(x, self.scale)"), "timed run"),
+    "pointer_keyed_cache": ("relu", model_new("relu", "cuda_extension.relu_scale_cached(x, self.scale)"), "values differ"),  # same buffers in every check
     "work_only_first_calls": ("relu", model_new("relu", "cuda_extension.relu_scale_first_calls(x, self.scale)"), "timed run"),
     # output tricks
     "mutates_inputs": ("relu", model_new("relu", "cuda_extension.relu_scale_inplace(x, self.scale)"), "mutated its inputs"),
@@ -117,7 +117,7 @@ MODULE = "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def(\"matmul\", &f); }\n"
 CPP_CHEATS = {  # kernel sources that the preprocessed scan refuses (nothing is compiled)
     "cpp_torch_matmul": (TORCH_H + "torch::Tensor f(torch::Tensor a, torch::Tensor b) { return torch::matmul(a, b); }\n" + MODULE,
                          "torch::matmul is not allowed"),
-    "cpp_side_thread": (TORCH_H + "#include <thread>\nvoid f() { std::thread t([]{}); t.detach(); }\n" + MODULE, "thread is not allowed"),
+    "cpp_side_thread": (TORCH_H + "#include <thread>\nvoid f() { std::thread t([]{}); t.detach(); }\n" + MODULE, "`thread` is not allowed"),
     "cpp_calls_python": (TORCH_H + "void f() { pybind11::module_::import(\"gc\"); }\n" + MODULE, "`import` is not allowed"),
     "cpp_reads_outside": ("#include </etc/passwd>\n" + MODULE, "#include of /etc/passwd is not allowed"),
 }
@@ -188,8 +188,7 @@ def test_missing_files_and_compile_errors(tmp_path):
     assert v.reward == -1 and not v.compiled and "no kernel sources" in v.log
     (ws / "model_new.py").unlink()
     assert env.evaluate(ws, backend="cpu").error == "model_new.py is missing"
-    broken = "int broken( {\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}\n"
-    ws = make_ws(tmp_path, "relu", model_new("relu", "x"), {"bad.cpp": broken}, name="broken")
+    ws = make_ws(tmp_path, "relu", model_new("relu", "x"), {"ops.cpp": OPS, "bad.cpp": "int broken( {\n"}, name="broken")
     v = env.evaluate(ws, backend="cpu")
     assert not v.compiled and v.error == "compilation failed" and "error" in v.log and v.log.count("\n") < 20
     two = {"a.cpp": "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}", "b.cpp": "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}"}
@@ -254,8 +253,8 @@ def test_sandbox_contains_fork_bomb_network_and_writes(tmp_path):
     iso = env.isolation()
     if "--net" in iso.prefix:
         assert "NET BLOCKED" in r.stdout
-    if iso.mount:
-        assert "WRITE BLOCKED" in r.stdout and not outside.exists()
+    if iso.mount:  # (a write may land in the sandbox's own /tmp, never on the host)
+        assert not outside.exists()
 
 
 def test_a_normal_evaluation_still_succeeds_after_the_faults(tmp_path):
@@ -361,7 +360,7 @@ print("FOUND", found)
 
 
 def escape_probe(tmp_path):
-    mark = tmp_path / "outside" / "written-from-inside"
+    mark = tmp_path / "outside" / f"written-from-inside-{os.urandom(4).hex()}"
     mark.parent.mkdir()
     return mark, f"MARK = {str(mark)!r}\nCACHE = {str(env.CACHE_DIR)!r}\n" + ESCAPE
 
@@ -519,11 +518,14 @@ def test_scan_attacks_are_refused_after_preprocessing(tmp_path, name):
 
 
 def test_included_host_file_never_reaches_the_log(tmp_path):
-    secret = tmp_path / "secret.txt"
+    secret = ROOT / "tests" / f".secret-{os.urandom(4).hex()}.txt"  # outside /tmp, which every sandbox has its own of
     secret.write_text("TOP-SECRET-LINE\n")
-    src = f"%:include \"{secret}\"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{}}\n"
-    ws = make_ws(tmp_path, "relu", model_new("relu", "x"), {"x.cpp": src})
-    v = env.evaluate(ws, backend="cpu")
+    try:
+        src = f"%:include \"{secret}\"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{}}\n"
+        ws = make_ws(tmp_path, "relu", model_new("relu", "x"), {"x.cpp": src})
+        v = env.evaluate(ws, backend="cpu")
+    finally:
+        secret.unlink()
     assert v.reward == -1 and v.violations and "TOP-SECRET" not in v.summary() + v.log, v.summary()
 
 
@@ -576,7 +578,8 @@ def test_baselines_are_timed_while_no_candidate_lives(tmp_path, monkeypatch):
     monkeypatch.setattr(env, "timed_runs", timed)
     nonce = f"\n# baseline nonce {os.urandom(8).hex()}\n"  # a reference never seen: its baselines are measured now
     ws = make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)"))
-    v = env.evaluate(ws, backend="cpu", reference=RELU + nonce)
+    (ws / "model.py").write_text(RELU + nonce)
+    v = env.evaluate(ws, backend="cpu")
     assert v.correct and v.eager_ms and v.compile_ms, v.summary()
     ref_times = [i for i, e in enumerate(events) if e == ("time", "reference")]
     assert len(ref_times) == 2 and events.index(("start", "candidate")) > max(ref_times), events

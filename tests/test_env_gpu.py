@@ -1,11 +1,12 @@
 """env.py on the CUDA backend (run on the H200; skipped without CUDA). Same cases as test_env.py,
 with pure .cu kernels and one torch binding shared by every workspace (one build)."""
+import sys
 from pathlib import Path
 
 import pytest
 
 import env
-from test_env import CASES, make_ws, model_new
+from test_env import CASES, PY_ATTACKS, assert_nothing_escaped, escape_probe, make_ws, model_new
 
 pytestmark = pytest.mark.gpu
 CUDA = {p.name: p.read_text() for p in (CASES / "cuda").glob("ops*")}
@@ -28,9 +29,11 @@ def test_honest_cuda_kernels(tmp_path, problem, body):
 @pytest.mark.parametrize("problem,body,expect", [
     ("add", "torch.add(a, b)", "aten.add"),
     ("add", "cuda_extension.add_by_fallback(a, b)", "aten.add"),
-    ("relu", "cuda_extension.relu_scale_cached(x, self.scale)", "timed run"),
+    ("relu", "cuda_extension.relu_scale_cached(x, self.scale)", "values differ"),
     ("relu", "torch.empty_like(x)", "values differ"),
-], ids=["python_fallback", "cpp_fallback", "pointer_cache", "freed_memory"])
+    ("relu", "cuda_extension.relu_scale_part_after_checks(x, self.scale)", "timed run"),
+    ("softmax_wide", "torch.zeros_like(x)", "RMS error"),
+], ids=["python_fallback", "cpp_fallback", "pointer_cache", "freed_memory", "part_after_checks", "zeros_wide_softmax"])
 def test_cuda_cheats_rejected(tmp_path, problem, body, expect):
     v = env.evaluate(ws_for(tmp_path, problem, body), backend="cuda")
     assert v.reward == -1 and expect in " ".join(v.violations) + (v.error or ""), v.summary()
@@ -49,3 +52,20 @@ def test_illegal_memory_access_is_contained(tmp_path):
     assert v.reward == -1 and v.error, v.summary()
     ok = env.evaluate(ws_for(tmp_path / "b", "relu", "cuda_extension.relu_scale(x, self.scale)"), backend="cuda")
     assert ok.correct, ok.summary()
+
+
+@pytest.mark.parametrize("name", ["read_reference_outputs", "disable_dispatch_monitor", "rebind_harness_clock"])
+def test_python_attacks_on_cuda(tmp_path, name):
+    v = env.evaluate(ws_for(tmp_path, "relu", PY_ATTACKS[name]), backend="cuda")
+    assert v.reward == -1 and v.violations, v.summary()
+
+
+def test_escape_from_a_cuda_child(tmp_path):
+    """The isolation CUDA gets (a PID namespace with a fresh /proc where possible) holds as for the CPU."""
+    mark, probe = escape_probe(tmp_path)
+    (tmp_path / "box").mkdir()
+    r = env.run_sandboxed([sys.executable, "-c", "import torch; torch.zeros(1, device='cuda')\n" + probe], tmp_path / "box",
+                          timeout=120, kind="cuda")
+    assert r.returncode == 0, r.stderr
+    assert_nothing_escaped(mark, r.stdout)
+    assert "--pid" in env.isolation("cuda").prefix, env.isolation("cuda")
