@@ -83,6 +83,7 @@ class Isolation:
 
 
 _ISOLATION: dict = {}
+_PROBE_LOG: list = []  # (kind, isolation, stderr) of every failed try, for diagnosis
 _ISOLATION_LOCK = threading.Lock()
 
 
@@ -108,9 +109,11 @@ def _probe_isolation(kind: str) -> Isolation:
         for flags in tries:
             for uid in ([NOBODY, None] if root else [None]):
                 iso = Isolation(("unshare", *user, *flags) if flags else (), uid, ())
-                if run_sandboxed(probe, d, 120, mem_gb=None, kind=kind, iso=iso).returncode == 0:
+                r = run_sandboxed(probe, d, 120, mem_gb=None, kind=kind, iso=iso)
+                if r.returncode == 0:
                     found = iso
                     break
+                _PROBE_LOG.append((kind, iso, r.stderr[-600:]))
             else:
                 continue
             break
@@ -170,12 +173,19 @@ def _jail(cfg: dict, argv: list[str]):
             with contextlib.suppress(OSError):  # best effort per mount point (some refuse remounts)
                 mount(None, mp, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | keep_flags)
         os.chdir(cwd)  # re-enter the cwd through its writable bind mount
-    if cfg["uid"] is not None:
-        for w in writable:
-            with contextlib.suppress(OSError):
-                os.chown(w, cfg["uid"], cfg["uid"])
+    if cfg["uid"] is not None:  # its folders become the unprivileged uid's (only they are visible and writable)
+        for i, w in enumerate(writable):
+            if i == 0 or os.stat(w).st_uid != cfg["uid"]:  # the cwd always (the parent writes into it); caches once
+                _chown_tree(w, cfg["uid"])
     _drop_privileges(libc, cfg["uid"])
     os.execvp(argv[0], argv)
+
+
+def _chown_tree(top: str, uid: int):
+    for root, dirs, files in os.walk(top):
+        for name in [root, *(os.path.join(root, f) for f in dirs + files)]:
+            with contextlib.suppress(OSError):
+                os.lchown(name, uid, uid)
 
 
 def _drop_privileges(libc, uid):
