@@ -7,7 +7,7 @@ Layers, each probed once per process (`isolation(kind)`) and reported once on st
   namespaces   net (no interfaces), pid (the child is init: killing it kills every descendant, setsid or
                not) with a FRESH /proc that shows only the sandbox's own processes, mount, ipc; a user
                namespace when not run by root. CUDA needs the fresh /proc to start inside a PID namespace.
-  filesystem   every mount read-only (/sys and /proc included) except `cwd` and `writable`; fresh private
+  filesystem   every mount read-only (/sys and /proc/sys included) except `cwd` and `writable`; fresh private
                tmpfs on /tmp, /var/tmp and /dev/shm; `hide` paths (by default the cache root, which holds
                reference outputs, baselines and other runs) covered by an empty tmpfs, with any writable
                folder inside them bound back.
@@ -131,6 +131,8 @@ def _probe_isolation(kind: str) -> Isolation:
 # The jail: runs inside the fresh namespaces, sets up mounts and credentials, then execs the command
 # ----------------------------------------------------------------------------------------------
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
+PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")  # a fresh tmpfs each
+KEEP_RW = ("/proc",)  # left writable: CUDA fails to start (error 304) on a read-only /proc; its /proc/sys is read-only
 MNT_FLAGS = {"nodev": MS_NODEV, "noexec": 8, "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21}
 PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 38, 24, 47, 4
 
@@ -151,7 +153,7 @@ def _jail(cfg: dict, argv: list[str]):
         mount(None, "/", None, MS_REC | MS_PRIVATE)
         keep = {w: os.open(w, os.O_PATH | os.O_DIRECTORY) for w in writable}  # reachable after covers
         covers = []
-        for d in sorted({"/tmp", "/var/tmp", "/dev/shm", *cfg["hide"]}, key=len):
+        for d in sorted({*cfg.get("private", PRIVATE_DIRS), *cfg["hide"]}, key=len):
             if os.path.isdir(d) and not os.path.islink(d) and not any(d.startswith(c + "/") for c in covers):
                 covers.append(d)  # (a folder under a covered one is hidden already)
         for d in covers:
@@ -166,12 +168,16 @@ def _jail(cfg: dict, argv: list[str]):
             mp = fields[4].replace("\\040", " ")
             if mp in rw or any(mp.startswith(w.rstrip("/") + "/") for w in writable):
                 continue
-            if mp == "/dev" or (mp.startswith("/dev/") and mp != "/dev/shm"):
+            if mp == "/dev" or (mp.startswith("/dev/") and mp != "/dev/shm") or mp in cfg.get("keep_rw", KEEP_RW):
                 continue  # device nodes (/dev/nvidia*) must stay openable for writing
             # A remount must repeat the mount's own flags: a user namespace may not clear locked ones.
             keep_flags = sum(f for name, f in MNT_FLAGS.items() if name in fields[5].split(","))
             with contextlib.suppress(OSError):  # best effort per mount point (some refuse remounts)
                 mount(None, mp, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | keep_flags)
+        for d in ("/proc/sys", "/proc/sysrq-trigger"):  # the kernel's knobs, read-only even for root inside
+            with contextlib.suppress(OSError):
+                mount(d, d, None, MS_BIND)
+                mount(None, d, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | 8)
         os.chdir(cwd)  # re-enter the cwd through its writable bind mount
     if cfg["uid"] is not None:  # its folders become the unprivileged uid's (only they are visible and writable)
         for i, w in enumerate(writable):
