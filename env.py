@@ -998,10 +998,9 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
 
         def start_candidate():
             stack.enter_context(candidate_alive(backend))  # held by us, released after the child is gone
-            cand_extra, _ = compile_caches(write=False)
             spec = dict(common, mode="candidate", reference=str(run / "cand" / "model.py"),
                         model_new=str(run / "cand" / "model_new.py"), ext_dir=str(run / "cand" / "ext"), cand_dir=str(run / "cand"))
-            return stack.enter_context(_closing(Child(spec, run / "cand", backend, cfg, env=cand_extra)))
+            return stack.enter_context(_closing(Child(spec, run / "cand", backend, cfg)))  # no shared cache of any kind
 
         cand = None if need_baselines else start_candidate()  # overlaps its start-up with the reference's work
         try:
