@@ -1,5 +1,5 @@
 """bench/rollout_bench.py: rollout generation speed, side by side: HF generate (dynamic cache), HF generate
-(static cache), and agent.py's FastEngine (static KV slots + CUDA-graph decode), same prompts, greedy.
+(static cache), and engine.py's FastEngine (static KV slots + CUDA-graph decode), same prompts, greedy.
 
     # the real run (H200): SmolLM2-135M architecture, random weights (same speed as the real ones), bf16
     python bench/rollout_bench.py --device cuda
@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import agent  # noqa: E402
+import engine  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -104,7 +105,7 @@ def ours_run(prompts, n, mode):
         engines.clear()  # one KV cache at a time
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-        engines[key] = agent.FastEngine(model, T, len(prompts), use_graphs=(mode != "ours-eager") and dev.type == "cuda",
+        engines[key] = engine.FastEngine(model, T, len(prompts), use_graphs=(mode != "ours-eager") and dev.type == "cuda",
                                         compile_layers=mode == "ours-compile")
     return engines[key].generate(prompts, n, 0.0, [])
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import agent
+import engine
 import env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,7 +192,7 @@ def test_tools_go_through_a_tool_aware_chat_template():
 
 
 def test_fast_engine_matches_hf_greedy(tok):
-    from agent import FastEngine
+    from engine import FastEngine
     model = tiny_model(tok)
     stop = [tok.eos_token_id]
 
@@ -239,8 +240,8 @@ def test_fast_engine_matches_hf_on_other_architectures(arch):
     prompts = [torch.randint(1, 300, (k,), generator=g).tolist() for k in (5, 17, 40)]
     hf = [model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                          max_new_tokens=16, do_sample=False, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-    assert agent.FastEngine.unsupported(model, 200) is None
-    assert agent.FastEngine(model, 200, 4).generate(prompts, 16, 0.0, []) == hf
+    assert engine.FastEngine.unsupported(model, 200) is None
+    assert engine.FastEngine(model, 200, 4).generate(prompts, 16, 0.0, []) == hf
     assert all(len(set(o)) > 5 for o in hf)  # not a degenerate model
 
 
@@ -254,6 +255,15 @@ def test_sliding_window_models_fall_back_to_hf_generate(tok):
     assert agent.HFPolicy(model, tok, max_context=64).engine_kind == "fast"  # the window covers the context
     with pytest.raises(env.UsageError, match="sliding-window attention"):
         agent.HFPolicy(model, tok, max_context=256, engine="fast")
+
+
+def test_compile_layers_is_an_argument_of_the_policy(tok):
+    """load_policy/HFPolicy(compile_layers=...) reaches FastEngine: torch.compile'd decode layers or the eager ones."""
+    model = tiny_model(tok)
+    for flag, layer in ((True, engine._compiled_decode_layer()), (False, engine._decode_layer)):
+        pol = agent.HFPolicy(model, tok, max_context=64, compile_layers=flag)
+        assert engine.FastEngine(model, 64, 1, **pol.engine_kw)._layer is layer
+    assert engine.FastEngine(model, 64, 1)._layer is engine._decode_layer  # the default on CPU: eager
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -278,7 +288,7 @@ def test_fast_engine_with_peft_lora_follows_weight_updates(tok, device):
         return all(prefix(o, hf(p)) >= 8 for o, p in zip(outs, prompts))
     before = pol.generate(prompts, 16, temperature=0.0)
     assert same_as_hf(before)
-    assert pol.engine.use_graphs == (device == "cuda") and (pol.engine._layer is not agent._decode_layer) == (device == "cuda")
+    assert pol.engine.use_graphs == (device == "cuda") and (pol.engine._layer is not engine._decode_layer) == (device == "cuda")
     with torch.no_grad():  # an "optimizer step" on the adapters only
         for n, p in lm.named_parameters():
             if "lora_B" in n:
@@ -319,7 +329,7 @@ def test_fast_engine_cuda_graphs_match_hf_greedy(tok, compile_layers):
 
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 200, 300)]
-    eng = agent.FastEngine(model, 1200, 4, check_every=8, compile_layers=compile_layers)
+    eng = engine.FastEngine(model, 1200, 4, check_every=8, compile_layers=compile_layers)
     ours = eng.generate(prompts, 300, 0.0, stop)  # crosses the 256 / 512 buckets: several graphs
     assert eng.use_graphs and len(eng.graphs) >= 2
     ref = [hf(p, 300) for p in prompts]
