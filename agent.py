@@ -43,6 +43,7 @@ from pathlib import Path
 
 import env
 from engine import FastEngine
+from tasks import load_problem
 
 ROOT = Path(__file__).resolve().parent
 SKILL = (ROOT / "SKILL.md").read_text() if (ROOT / "SKILL.md").exists() else ""
@@ -784,10 +785,7 @@ def main(argv=None):
     ap.add_argument("--json", action="store_true", help="last stdout line: a JSON summary")
     a = ap.parse_args(argv)
     try:
-        problem = Path(a.problem)
-        if not problem.is_file():
-            raise env.UsageError(f"no such problem file: {problem}")
-        task = {"task_id": problem.stem, "code": problem.read_text()}
+        task = load_problem(a.problem)
         policy = load_policy(a.policy, model=a.model, base_url=a.base_url, device=a.device, max_context=a.max_context,
                              compile_layers=False if a.no_compile else None)
         t0 = time.time()

@@ -49,6 +49,7 @@ from pathlib import Path
 
 import env
 from reward import beats, summarize
+from tasks import KERNELBENCH_HUB, load_bench_dir, load_hub, load_split, parse_levels
 
 EVAL_PY = Path(__file__).resolve()
 
@@ -61,7 +62,6 @@ PAPER = {
 }
 # How often torch.compile beats eager on KernelBench, measured on an H100 (FACTS.md), for --reference-only.
 H100_COMPILE_WINS = {"1": "35-43%", "2": "81-84%", "3": "64-70%"}
-HUB_ID = "ScalingIntelligence/KernelBench"
 
 
 def parse_args(argv=None):
@@ -71,7 +71,7 @@ def parse_args(argv=None):
     g.add_argument("--bench", default="kernelbench", choices=["kernelbench", "synth"])
     g.add_argument("--bench-dir", help="folder of KernelBench-format problems N_Name.py (level subfolders level1/...)")
     g.add_argument("--levels", help="comma-separated levels, e.g. 1,2,3 (default: all found; a flat --bench-dir is one level)")
-    g.add_argument("--dataset", help="--bench synth: dataset path or hub id for synth.load_tasks")
+    g.add_argument("--dataset", help="--bench synth: a synth.py output folder or hub id")
     g.add_argument("--split", default="test")
     g.add_argument("--limit", type=int, help="only the first N tasks (smoke runs)")
     g = p.add_argument_group("who solves the tasks")
@@ -167,92 +167,14 @@ def table(results: dict) -> str:
 # ----------------------------------------------------------------------------------------------
 # Tasks: KernelBench folders, the KernelBench hub dataset, or our synthetic split
 # ----------------------------------------------------------------------------------------------
-PROBLEM_RE = re.compile(r"^(\d+)_(.+)\.py$")
-
-
-def parse_levels(levels: str | None) -> list[str] | None:
-    if not levels:
-        return None
-    out = [s.strip().removeprefix("level") for s in levels.split(",") if s.strip()]
-    if not all(s.isdigit() for s in out):
-        raise env.UsageError(f"--levels must be comma-separated numbers like 1,2,3, got {levels!r}")
-    return out
-
-
-def load_bench_dir(bench_dir: str, levels: list[str] | None) -> list[dict]:
-    """Every N_Name.py of a folder, as tasks {task_id, level, name, code}, sorted by level and number.
-    Folders level1/, level2/... give the levels; a flat folder is one level (--levels K, default 1)."""
-    root = Path(bench_dir)
-    if not root.is_dir():
-        raise env.UsageError(f"no such bench directory: {bench_dir}")
-    sub = {m.group(1): d for d in root.iterdir() if d.is_dir() and (m := re.fullmatch(r"level_?(\d+)", d.name))}
-    if sub:
-        folders = [(lv, sub[lv]) for lv in sorted(sub, key=int) if levels is None or lv in levels]
-    else:
-        if levels and len(levels) > 1:
-            raise env.UsageError(f"{bench_dir} has no level1/ level2/ ... subfolders, so it is one level: pass a single --levels")
-        folders = [(levels[0] if levels else "1", root)]
-    tasks = []
-    for lv, d in folders:
-        for f in d.iterdir():
-            m = PROBLEM_RE.match(f.name)
-            if m and f.is_file():
-                tasks.append({"task_id": f"level{lv}/{f.stem}", "level": lv, "name": f.stem, "num": int(m.group(1)),
-                              "code": f.read_text()})
-    if not tasks:
-        want = f" for levels {','.join(levels)}" if levels else ""
-        raise env.UsageError(f"no KernelBench-format problems (N_Name.py) in {bench_dir}{want}")
-    return sorted(tasks, key=lambda t: (int(t["level"]), t["num"], t["name"]))
-
-
-def hub_reachable(host="huggingface.co", timeout=3.0) -> bool:
-    import socket
-    try:
-        socket.create_connection((host, 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
-def load_hub(levels: list[str] | None) -> list[dict]:
-    """The public KernelBench dataset (splits level_1...; columns code, level, name, problem_id). Offline, only a
-    copy already in the datasets cache works (checked first, so an offline machine fails in seconds)."""
-    if not hub_reachable():
-        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"  # the local cache, no retries
-    try:
-        import datasets
-        tasks = []
-        for lv in levels or ["1", "2", "3"]:
-            for row in datasets.load_dataset(HUB_ID, split=f"level_{lv}"):
-                name = Path(str(row["name"])).stem
-                tasks.append({"task_id": f"level{lv}/{name}", "level": lv, "name": name, "num": int(row["problem_id"]),
-                              "code": row["code"]})
-    except Exception as e:  # noqa: BLE001 - offline, no such split, hub down: one line, not a traceback
-        why = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        offline = " (this machine cannot reach huggingface.co)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
-        raise env.UsageError(f"cannot load {HUB_ID} from the hub{offline}: {why}. "
-                             "Pass --bench-dir with a local copy (KernelBench/KernelBench has level1/ level2/ level3/)")
-    return sorted(tasks, key=lambda t: (int(t["level"]), t["num"]))
-
-
-def load_synth(dataset: str | None, split: str) -> list[dict]:
-    if not dataset:
-        raise env.UsageError("--bench synth needs --dataset PATH (a synth.py output folder or hub id)")
-    try:
-        import synth
-    except ImportError as e:
-        raise env.UsageError(f"--bench synth needs synth.py, which cannot be imported: {e}")
-    rows = synth.load_tasks(dataset, split)
-    if not rows:
-        raise env.UsageError(f"{dataset} has no tasks in split {split!r}")
-    return [{"task_id": str(r.get("task_id") or f"{split}/{i:05d}"), "level": str(r.get("data_source") or "synth"),
-             "name": str(r.get("task_id") or f"{i:05d}"), "num": i, "code": r["code"]} for i, r in enumerate(rows)]
-
-
 def load_tasks(a) -> list[dict]:
     levels = parse_levels(a.levels)
     if a.bench == "synth":
-        tasks = load_synth(a.dataset, a.split)
+        if not a.dataset:
+            raise env.UsageError("--bench synth needs --dataset PATH (a synth.py output folder or hub id)")
+        tasks = load_split(a.dataset, a.split)
+        if not tasks:
+            raise env.UsageError(f"{a.dataset} has no tasks in split {a.split!r}")
     elif a.bench_dir:
         tasks = load_bench_dir(a.bench_dir, levels)
     else:
@@ -791,7 +713,7 @@ def main(argv=None) -> int:
             raise env.UsageError("--solutions and --reference-only are different runs; pick one")
         tasks = load_tasks(a)
         backend = env.resolve_backend(a.backend)
-        bench_src = a.dataset if a.bench == "synth" else (str(Path(a.bench_dir).resolve()) if a.bench_dir else HUB_ID)
+        bench_src = a.dataset if a.bench == "synth" else (str(Path(a.bench_dir).resolve()) if a.bench_dir else KERNELBENCH_HUB)
         settings = {"bench": a.bench, "bench_source": bench_src}
         policy, solutions = None, None
         if a.reference_only:

@@ -29,7 +29,7 @@ The pipeline, one readable function per stage, in order:
                diversity (op histogram, ops per task vs the paper's mix, input sizes, eager times).
 
 Output: DIR holds a datasets.DatasetDict (train/test) saved with save_to_disk; columns ops, data_source,
-code, eager_ms, compile_ms. `load_tasks(DIR or hub id, split)` reads it (train.py/evaluate.py use it).
+code, eager_ms, compile_ms. tasks.py reads it (load_split: the tasks of a split; read_dataset: the Dataset).
 DIR is written atomically at the end; per-candidate filter results are kept in DIR.partial/ so an
 interrupted run, re-run with the same command, resumes where it stopped.
 
@@ -66,8 +66,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import env
+from tasks import FEATURES, KERNELBENCH_HUB, read_dataset
 
-HUB_ID = "BytedTsinghua-SIA/CUDA-Agent-Ops-6K"  # the published dataset (same columns, no timings)
 PAPER_MIX = {"torch#1": 3.4, "torch#2": 84.0, "torch#3": 7.6, "torch#4": 2.8, "torch#5": 1.2, "transformers": 1.2}
 SEEDS_VERSION = 6  # bump when mining changes, to invalidate the seed cache
 
@@ -147,10 +147,6 @@ RANK_WEIGHTS = {2: 0.35, 3: 0.2, 4: 0.35, 5: 0.1}
 ROOFLINE = {"cuda": (3.0e12, 4.0e13, 8e-6), "cpu": (4.0e9, 2.0e10, 1e-5)}
 GPU_SPEEDUP = 1000.0  # an H200 vs one CPU core on compute-bound elementwise math (fp32 FLOP/s ratio, roughly)
 MEM_CAP = {"cuda": 4 << 30, "cpu": 256 << 20}  # estimated bytes one task may touch (eager, all intermediates)
-
-
-class UsageError(env.UsageError):
-    pass
 
 
 # ==============================================================================================
@@ -596,7 +592,7 @@ def compose_llm(plans: list[dict], cfg: Config, policy) -> list[dict]:
         try:
             answers += policy.generate(prompts[i:i + 64], max_new_tokens=768, temperature=0.0)
         except Exception as e:  # noqa: BLE001 - agent.py is another component: say where it broke, in one line
-            raise UsageError(f"--composer llm: agent.py's policy failed to generate ({type(e).__name__}: {str(e)[:150]})")
+            raise env.UsageError(f"--composer llm: agent.py's policy failed to generate ({type(e).__name__}: {str(e)[:150]})")
     out = []
     for c, ids in zip(plans, answers):
         code = _llm_code(policy.tokenizer.decode(ids, skip_special_tokens=True))
@@ -617,9 +613,9 @@ def load_composer_policy(cfg: Config):
         import agent
         return agent.load_policy("hf", model=cfg.model)
     except env.UsageError as e:
-        raise UsageError(f"--composer llm: {e}")
+        raise env.UsageError(f"--composer llm: {e}")
     except Exception as e:  # noqa: BLE001
-        raise UsageError(f"--composer llm needs agent.py's model backends, which failed: {type(e).__name__}: {str(e)[:200]}")
+        raise env.UsageError(f"--composer llm needs agent.py's model backends, which failed: {type(e).__name__}: {str(e)[:200]}")
 
 
 def compose(start: int, count: int, seeds: list[dict], cfg: Config, backend: str, seen: set, funnel: dict,
@@ -679,14 +675,14 @@ def load_kernelbench(path: str | None) -> list[tuple[str, list[str]]]:
     if path == "hub":
         import datasets
         try:
-            ds = datasets.load_dataset("ScalingIntelligence/KernelBench")
+            ds = datasets.load_dataset(KERNELBENCH_HUB)
         except Exception as e:  # noqa: BLE001
-            raise UsageError(f"cannot load the KernelBench dataset from the hub (offline?): {type(e).__name__}")
+            raise env.UsageError(f"cannot load the KernelBench dataset from the hub (offline?): {type(e).__name__}")
         files = [(f"{split}/{r['name']}", r["code"]) for split in ds for r in ds[split]]
     else:
         p = Path(path)
         if not p.is_dir():
-            raise UsageError(f"--kernelbench-dir {path} is not a directory")
+            raise env.UsageError(f"--kernelbench-dir {path} is not a directory")
         files = [(str(f.relative_to(p)), f.read_text(errors="replace")) for f in sorted(p.rglob("*.py"))]
     out = []
     for name, code in files:
@@ -695,7 +691,7 @@ def load_kernelbench(path: str | None) -> list[tuple[str, list[str]]]:
         except SyntaxError:
             continue
     if not out:
-        raise UsageError(f"--kernelbench-dir {path} holds no parseable .py files")
+        raise env.UsageError(f"--kernelbench-dir {path} holds no parseable .py files")
     return out
 
 
@@ -855,7 +851,7 @@ def filter_by_execution(stream, cfg: Config, backend: str, resume_file: Path | N
     return done
 
 
-class MachineBroken(UsageError):
+class MachineBroken(env.UsageError):
     pass
 
 
@@ -1255,13 +1251,6 @@ def report(funnel: dict, div: dict, n_seeds: int, kept: int, n_train: int, n_tes
 # ==============================================================================================
 # Output: save and load
 # ==============================================================================================
-def _features():
-    import datasets
-    return datasets.Features({"ops": datasets.List(datasets.Value("string")), "data_source": datasets.Value("string"),
-                              "code": datasets.Value("string"), "eager_ms": datasets.Value("float64"),
-                              "compile_ms": datasets.Value("float64")})
-
-
 def save(rows: list[dict], out: Path, work: Path, cfg: Config, funnel_json: dict):
     """Split, save under work/, then swap into `out` (an interrupted run never leaves a half-written DIR)."""
     import datasets
@@ -1272,8 +1261,8 @@ def save(rows: list[dict], out: Path, work: Path, cfg: Config, funnel_json: dict
     n_test = 0 if len(rows) < 2 else max(1, round(len(rows) * cfg.test_share))
     cols = lambda idx: [{k: rows[i][k] for k in ("ops", "data_source", "code", "eager_ms", "compile_ms")} for i in sorted(idx)]
     splits = {"train": order[n_test:], "test": order[:n_test]}
-    # (an empty split is left out: datasets cannot load one back; load_tasks returns it empty)
-    dd = datasets.DatasetDict({k: datasets.Dataset.from_list(cols(idx), features=_features()) for k, idx in splits.items() if idx})
+    # (an empty split is left out: datasets cannot load one back; tasks.read_dataset returns it empty)
+    dd = datasets.DatasetDict({k: datasets.Dataset.from_list(cols(idx), features=FEATURES) for k, idx in splits.items() if idx})
     stage = work / "dataset"
     if stage.exists():
         shutil.rmtree(stage)
@@ -1287,36 +1276,8 @@ def save(rows: list[dict], out: Path, work: Path, cfg: Config, funnel_json: dict
     return len(rows) - n_test, n_test
 
 
-def load_tasks(path_or_hub_id: str, split: str = "train"):
-    """A `datasets.Dataset` of tasks (columns ops, data_source, code, eager_ms, compile_ms) from a synth.py
-    output folder or from the hub (e.g. HUB_ID, needs network; it has one split, so "test" is a fixed 5% of it)."""
-    import datasets
-    p = Path(path_or_hub_id)
-    if p.exists():
-        if not (p / "dataset_dict.json").exists():
-            raise UsageError(f"{p} is not a synth.py output (no dataset_dict.json)")
-        dd = datasets.load_from_disk(str(p))
-        if split not in dd and split in ("train", "test"):  # saved without rows (see save())
-            return datasets.Dataset.from_dict({k: [] for k in _features()}, features=_features())
-        if split not in dd:
-            raise UsageError(f"{p} has no split {split!r} (has {', '.join(dd)})")
-        return dd[split]
-    try:
-        dd = datasets.load_dataset(path_or_hub_id)
-    except Exception as e:  # noqa: BLE001
-        raise UsageError(f"cannot load {path_or_hub_id!r}: not a folder, and the hub failed ({type(e).__name__})")
-    if split not in dd:
-        parts = dd["train"].train_test_split(test_size=0.05, seed=0)
-        dd = {"train": parts["train"], "test": parts["test"]}
-        if split not in dd:
-            raise UsageError(f"{path_or_hub_id} has no split {split!r}")
-    ds = dd[split]
-    if "ops" in ds.column_names and ds.features["ops"].dtype == "string":  # a list stored as text
-        ds = ds.map(lambda r: {"ops": list(ast.literal_eval(r["ops"])) if r["ops"].startswith("[") else [r["ops"]]})
-    for col in ("eager_ms", "compile_ms"):
-        if col not in ds.column_names:
-            ds = ds.add_column(col, [None] * len(ds))
-    return ds
+# train.py reads datasets through this name (tasks.load_split does the same with tasks.read_dataset)
+load_tasks = read_dataset
 
 
 # ==============================================================================================
@@ -1354,31 +1315,31 @@ def parse_args(argv=None) -> Config:
 
 
 def validate(cfg: Config) -> tuple[Path, str]:
-    """Check every input before any work; raise UsageError with one readable line."""
+    """Check every input before any work; raise env.UsageError with one readable line."""
     if cfg.num_tasks < 1:
-        raise UsageError(f"--num-tasks must be >= 1 (got {cfg.num_tasks})")
+        raise env.UsageError(f"--num-tasks must be >= 1 (got {cfg.num_tasks})")
     if not 1 <= cfg.max_ops <= 5:
-        raise UsageError(f"--max-ops must be between 1 and 5 (got {cfg.max_ops})")
+        raise env.UsageError(f"--max-ops must be between 1 and 5 (got {cfg.max_ops})")
     if cfg.workers < 1:
-        raise UsageError(f"--workers must be >= 1 (got {cfg.workers})")
+        raise env.UsageError(f"--workers must be >= 1 (got {cfg.workers})")
     if not 0 <= cfg.test_share < 1:
-        raise UsageError(f"--test-share must be in [0, 1) (got {cfg.test_share})")
+        raise env.UsageError(f"--test-share must be in [0, 1) (got {cfg.test_share})")
     if cfg.window_ms and not 0 < cfg.window_ms[0] < cfg.window_ms[1]:
-        raise UsageError(f"--window-ms needs 0 < LO < HI (got {cfg.window_ms})")
+        raise env.UsageError(f"--window-ms needs 0 < LO < HI (got {cfg.window_ms})")
     if cfg.kernelbench_dir and cfg.kernelbench_dir != "hub" and not Path(cfg.kernelbench_dir).is_dir():
-        raise UsageError(f"--kernelbench-dir {cfg.kernelbench_dir} does not exist or is not a directory")
+        raise env.UsageError(f"--kernelbench-dir {cfg.kernelbench_dir} does not exist or is not a directory")
     out = Path(cfg.out).resolve()
     if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {cfg.out} exists and is not a directory")
+        raise env.UsageError(f"--out {cfg.out} exists and is not a directory")
     if out.exists() and any(out.iterdir()) and not (out / "funnel.json").exists():
-        raise UsageError(f"--out {cfg.out} is a non-empty folder that synth.py did not write; refusing to replace it")
+        raise env.UsageError(f"--out {cfg.out} is a non-empty folder that synth.py did not write; refusing to replace it")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         probe = out.parent / f".synth-write-test-{uuid.uuid4().hex[:6]}"
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise UsageError(f"--out {cfg.out} is not writable ({e.strerror or e})")
+        raise env.UsageError(f"--out {cfg.out} is not writable ({e.strerror or e})")
     backend = env.resolve_backend(cfg.backend)
     if cfg.window_ms is None:
         cfg.window_ms = (1.0, 100.0) if backend == "cuda" else (0.1, 10.0)
@@ -1392,7 +1353,7 @@ def main(argv=None) -> int:
         out, backend = validate(cfg)
         kb = load_kernelbench(cfg.kernelbench_dir)
         policy = load_composer_policy(cfg)
-    except UsageError as e:
+    except env.UsageError as e:
         print(f"synth.py: error: {e}", file=sys.stderr)
         return 2
     work = out.with_name(out.name + ".partial")  # resumable state; removed after a successful run
@@ -1404,7 +1365,7 @@ def main(argv=None) -> int:
 
     try:
         return run(cfg, out, backend, kb, work, t0, policy)
-    except UsageError as e:
+    except env.UsageError as e:
         print(f"synth.py: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -1444,7 +1405,7 @@ def run(cfg: Config, out: Path, backend: str, kb: list, work: Path, t0: float, p
         results = filter_by_execution(stream, cfg, backend, work / "filtered.jsonl", need=cfg.num_tasks)  # 3b. execution
     except MachineBroken as e:
         shutil.rmtree(work, ignore_errors=True)  # these verdicts blame the machine: a re-run must not reuse them
-        raise UsageError(f"{e}; check that the {backend} backend works in env.py's sandbox on this machine")
+        raise env.UsageError(f"{e}; check that the {backend} backend works in env.py's sandbox on this machine")
     secs["execution"] = time.time() - t  # (composing and the cheap filters run inside it, as candidates are taken)
     checked = [results[result_key(c, cfg, backend)] for c in taken]
     for c, r in zip(taken, checked):

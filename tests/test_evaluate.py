@@ -17,6 +17,7 @@ import pytest
 import env
 import evaluate
 import reward
+import tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures_bench"
@@ -330,7 +331,7 @@ class ScriptedHFPolicy:
 @pytest.mark.slow
 def test_run_eval_api_single_mode_with_hf_style_policy(tmp_path):
     """The importable entry point train.py uses, on the hf code path (token ids in, token ids out)."""
-    task = evaluate.load_bench_dir(str(BENCH), ["2"])[0]
+    task = tasks.load_bench_dir(str(BENCH), ["2"])[0]
     res = evaluate.run_eval([task], mode="single", policy=ScriptedHFPolicy(), out_dir=tmp_path / "s", backend="cpu", quiet=True)
     assert (res["overall"]["n"], res["overall"]["pass_rate"], res["overall"]["mean_turns"]) == (1, 1.0, 1)
     row = json.loads((tmp_path / "s" / "tasks.jsonl").read_text())
@@ -379,7 +380,7 @@ def test_bad_inputs_give_one_line(tmp_path):
     one_line_error(cli("--bench", "synth", "--reference-only", "--out", tmp_path / "o"), "--dataset")
     one_line_error(cli("--solutions", FIX / "solutions", "--bench-dir", BENCH, "--backend", "tpu", "--out", tmp_path / "o"), "backend")
     assert not (tmp_path / "o").exists()  # nothing was started
-    if not evaluate.hub_reachable():
+    if not tasks.hub_reachable():
         one_line_error(cli("--bench", "kernelbench", "--levels", "1", "--reference-only", "--out", tmp_path / "o"),
                        "cannot load ScalingIntelligence/KernelBench", "--bench-dir")
 

@@ -14,7 +14,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import env  # noqa: E402
 import synth  # noqa: E402
+import tasks  # noqa: E402
 
 KB = ROOT / "tests" / "fixtures_synth" / "kernelbench"
 # A wide CPU window keeps the yield high (few candidates, few compiles); the filter test uses a narrow one.
@@ -41,7 +43,7 @@ def run_a(tmp_path_factory):
 
 
 def rows_of(path):
-    return [dict(r, split=s) for s in ("train", "test") for r in synth.load_tasks(str(path), s)]
+    return [dict(r, split=s) for s in ("train", "test") for r in tasks.read_dataset(str(path), s)]
 
 
 # ---------------------------------------------------------------------------------------------- mine
@@ -254,8 +256,7 @@ def test_cli_smoke_writes_dataset_funnel_and_report(run_a):
 
 def test_every_row_runs_and_compile_agrees_with_eager(run_a, monkeypatch):
     import torch
-    from env import CACHE_DIR
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(CACHE_DIR / "inductor"))  # the filter's compiled graphs
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(env.CACHE_DIR / "inductor"))  # the filter's compiled graphs
     for x in rows_of(run_a[0]):
         mod = types.ModuleType("task")
         exec(x["code"], mod.__dict__)
@@ -329,17 +330,17 @@ def test_unwritable_or_foreign_out_gives_one_clear_line(tmp_path):
 
 
 def test_load_tasks_rejects_a_folder_that_is_not_ours_and_reads_empty_splits(tmp_path):
-    with pytest.raises(synth.UsageError):
-        synth.load_tasks(str(tmp_path), "train")
+    with pytest.raises(env.UsageError):
+        tasks.read_dataset(str(tmp_path), "train")
     row = dict(ops=["torch.tanh"], data_source="torch#1", code=task("return torch.tanh(x)"), eager_ms=1.0, compile_ms=2.0,
                input_shape=[256, 1024])
     (tmp_path / "work").mkdir()
     assert synth.save([row], tmp_path / "one", tmp_path / "work", synth.Config(), {}) == (1, 0)  # one task: no test row
-    assert len(synth.load_tasks(str(tmp_path / "one"), "train")) == 1
-    test = synth.load_tasks(str(tmp_path / "one"), "test")
+    assert len(tasks.read_dataset(str(tmp_path / "one"), "train")) == 1
+    test = tasks.read_dataset(str(tmp_path / "one"), "test")
     assert len(test) == 0 and set(test.column_names) == {"ops", "data_source", "code", "eager_ms", "compile_ms"}
-    with pytest.raises(synth.UsageError):
-        synth.load_tasks(str(tmp_path / "one"), "validation")
+    with pytest.raises(env.UsageError):
+        tasks.read_dataset(str(tmp_path / "one"), "validation")
 
 
 def test_a_machine_where_nothing_runs_stops_soon_with_one_line(tmp_path, monkeypatch, capsys):
