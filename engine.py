@@ -330,9 +330,10 @@ class FastEngine:
                         firsts[s] = nxt[r]
         return firsts
 
-    def generate(self, prompts, max_new_tokens, temperature=0.0, stop=()):
+    def generate(self, prompts, max_new_tokens, temperature=0.0, stop=(), progress=None):
         """prompts: list of token-id lists (len <= n_slots). Returns the new token ids of each, ending
-        with the stop token when one was produced."""
+        with the stop token when one was produced. progress(n), if given, is called at each host sync with
+        the tokens generated so far per sequence."""
         if not prompts:
             return []
         # cached K/V and fused weights are only valid for the weights that computed them: any in-place update
@@ -374,8 +375,11 @@ class FastEngine:
             n_steps = max(max_new) - 1 if live else 0
             longest = max((len(prompts[i]) for i, _, _ in live), default=0)
             for t in range(n_steps):
-                if t % self.check_every == 0 and bool(self.done.all()):  # the only host sync in the loop
-                    break
+                if t % self.check_every == 0:
+                    if bool(self.done.all()):  # the only host sync in the loop
+                        break
+                    if progress is not None:
+                        progress(t + 1)
                 self._replay(self.bucket(longest + t + 1), sampled)
             out = self.out[:, :max(1, n_steps + 1)].tolist()
         results = []

@@ -35,11 +35,14 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import json
 import math
+import multiprocessing as mp
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -47,20 +50,24 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
+import torch
+from tqdm import tqdm
+
+import agent
 import env
 from reward import beats, summarize
 from tasks import KERNELBENCH_HUB, load_bench_dir, load_hub, load_split, parse_levels
 
 EVAL_PY = Path(__file__).resolve()
 
-# The paper's CUDA Agent row on KernelBench (FACTS.md): rates in %, geomean speedup vs torch.compile.
+# The paper's CUDA Agent row on KernelBench (arXiv 2602.24286): rates, geomean speedup vs torch.compile.
 PAPER = {
     "overall": {"pass_rate": 0.988, "faster_eager_rate": 0.984, "faster_compile_rate": 0.968, "geomean_speedup_compile": 2.11},
     "1": {"pass_rate": 1.00, "faster_eager_rate": 0.99, "faster_compile_rate": 0.97, "geomean_speedup_compile": 1.87},
     "2": {"pass_rate": 1.00, "faster_eager_rate": 1.00, "faster_compile_rate": 1.00, "geomean_speedup_compile": 2.80},
     "3": {"pass_rate": 0.94, "faster_eager_rate": 0.94, "faster_compile_rate": 0.90, "geomean_speedup_compile": 1.52},
 }
-# How often torch.compile beats eager on KernelBench, measured on an H100 (FACTS.md), for --reference-only.
+# How often torch.compile beats eager on KernelBench, as reported on an H100, for --reference-only.
 H100_COMPILE_WINS = {"1": "35-43%", "2": "81-84%", "3": "64-70%"}
 
 
@@ -398,8 +405,6 @@ def time_reference(job: dict) -> dict:
                                                           "dir": run}))
             extra, writable = env.compile_caches()
             extra["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
-            if backend == "cuda":
-                extra["CUDA_AGENT_NO_AS"] = "1"  # as in env.py: RLIMIT_AS breaks CUDA
             # kind=backend: CUDA children get the namespaces in which a CUDA context works (env.isolation)
             r = env.run_sandboxed([sys.executable, "-E", "-B", str(EVAL_PY), "_reference", f"{run}/spec.json"], run, job["timeout"],
                                   writable=writable, env=extra, pass_fds=[fd], kind=backend)
@@ -422,8 +427,6 @@ def _reference_child(spec_path: str):
     spec = json.loads(Path(spec_path).read_text())
     result = {"error": None}
     try:
-        import importlib.util
-        import torch
         device = torch.device("cuda" if spec["backend"] == "cuda" else "cpu")
         torch.set_num_threads(os.cpu_count() or 1)
         s = importlib.util.spec_from_file_location("reference_model", Path(spec["dir"]) / "model.py")
@@ -457,7 +460,6 @@ def visible_gpus() -> list[str]:
     if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
         return [g for g in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
     if shutil.which("nvidia-smi"):
-        import subprocess
         r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
         return [str(i) for i, l in enumerate(r.stdout.splitlines()) if l.startswith("GPU ")]
     return []
@@ -469,7 +471,6 @@ def run_jobs(fn, jobs: list, backend: str, workers: int):
         for job in jobs:
             yield fn(job)
         return
-    import multiprocessing as mp
     ctx = mp.get_context("spawn")  # no forked copies of torch/CUDA state
     q = ctx.Queue()
     gpus = visible_gpus() if backend == "cuda" else []
@@ -491,7 +492,6 @@ def run_policy(policy, chunk: list, mode: str, backend: str, out: Path, gen: dic
     """Episodes for a chunk of tasks -> task rows. gen: max_turns, max_new_tokens, temperature, timeout.
     Trajectories (agent.py's episode dicts) are appended to out/episodes/trajectories.jsonl; each row points to
     its line. Workspaces stay in out/episodes/workspaces/."""
-    import agent
     t0 = time.monotonic()
     ep_dir = out / "episodes"
     ep_dir.mkdir(parents=True, exist_ok=True)
@@ -502,7 +502,9 @@ def run_policy(policy, chunk: list, mode: str, backend: str, out: Path, gen: dic
         episodes = agent.run_episodes(policy, chunk, backend=backend, max_turns=gen["max_turns"], out_dir=str(ep_dir),
                                       eval_timeout=gen["timeout"], **kw)
     else:
-        episodes = single_turn_episodes(policy, chunk, backend, ep_dir, gen)
+        episodes = agent.run_single_turn(policy, chunk, backend, max_new_tokens=gen.get("max_new_tokens") or 2048,
+                                         temperature=gen.get("temperature") or 0.0, out_dir=ep_dir,
+                                         eval_timeout=gen["timeout"])
         agent.save_episodes(traj, episodes, append=True)
     per_task = (time.monotonic() - t0) / max(1, len(chunk))
     rows = []
@@ -518,43 +520,6 @@ def run_policy(policy, chunk: list, mode: str, backend: str, out: Path, gen: dic
     return rows
 
 
-def single_turn_episodes(policy, chunk: list, backend: str, ep_dir: Path, gen: dict) -> list[dict]:
-    """The paper's "no agent loop" baseline: one answer per task (agent.single_turn_prompt), parsed into files
-    (agent.parse_single_turn) and scored in a fresh workspace (agent.score_files)."""
-    import agent
-    from concurrent.futures import ThreadPoolExecutor
-    max_new, temp = gen.get("max_new_tokens") or 2048, gen.get("temperature") or 0.0
-    if policy.kind == "openai":  # a server: text only (tokens when the policy has a local tokenizer)
-        with ThreadPoolExecutor(8) as pool:
-            msgs = list(pool.map(lambda t: policy.chat(agent.single_turn_messages(t, backend), None, max_new, temp), chunk))
-        texts = [m.get("content") or "" for m in msgs]
-        prompts, outs = [[] for _ in chunk], [[] for _ in chunk]
-    else:
-        tok = policy.tokenizer
-        prompts = [agent.single_turn_prompt(t, tok, backend) for t in chunk]
-        outs = policy.generate(prompts, max_new, temperature=temp)
-        texts = [tok.decode(o, skip_special_tokens=True) for o in outs]
-    eps = []
-    for i, (task, text) in enumerate(zip(chunk, texts)):
-        ws = ep_dir / "workspaces" / ("single-" + re.sub(r"[^\w.-]", "_", task["task_id"]))
-        if ws.exists():
-            shutil.rmtree(ws)  # left by an interrupted run
-        eps.append({"task_id": task["task_id"], "tokens": list(prompts[i]) + list(outs[i]),
-                    "loss_mask": [0] * len(prompts[i]) + [1] * len(outs[i]), "text": text,
-                    "files": agent.parse_single_turn(text), "n_turns": 1, "finished": True, "workspace": str(ws)})
-
-    def score(ep_task):
-        ep, task = ep_task
-        try:
-            return agent.score_files(ep["files"], task, backend, workspace=Path(ep["workspace"]), timeout=gen["timeout"]).to_dict()
-        except Exception as e:  # noqa: BLE001 - a task failure
-            return failed_verdict(backend, f"{type(e).__name__}: {str(e)[:500]}")
-    with ThreadPoolExecutor(4) as pool:  # builds overlap; env.py serialises the timed sections per device
-        for ep, v in zip(eps, pool.map(score, zip(eps, chunk))):
-            ep["verdict"], ep["reward"] = v, v["reward"]
-    return eps
-
-
 # ----------------------------------------------------------------------------------------------
 # The run: importable for train.py
 # ----------------------------------------------------------------------------------------------
@@ -565,7 +530,6 @@ def run_eval(tasks: list[dict], *, mode: str, out_dir, backend: str = "auto", po
     """Evaluate tasks and write out_dir/{run.json, tasks.jsonl, results.json}; returns the results dict
     ({"overall": summarize(...), "levels": {...}, ...}). mode: agent | single | solutions | reference.
     Resumable: tasks already in tasks.jsonl are skipped; a folder holding another kind of run is refused."""
-    from tqdm import tqdm
     t_start = time.monotonic()
     backend = env.resolve_backend(backend)
     out = Path(out_dir)
@@ -679,7 +643,7 @@ def compare(path_a: str, path_b: str) -> str:
 def chart(results: dict, path: Path) -> bool:
     """A bar chart of the per-level rates; False when matplotlib is not installed."""
     try:
-        import matplotlib
+        import matplotlib  # (optional, in requirements.txt; pyplot takes a second to import: only for the chart)
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -711,6 +675,9 @@ def main(argv=None) -> int:
             return 0
         if a.solutions and a.reference_only:
             raise env.UsageError("--solutions and --reference-only are different runs; pick one")
+        if (a.solutions or a.reference_only) and (a.model or a.base_url):
+            raise env.UsageError(f"--model/--base-url choose a policy; {'--solutions' if a.solutions else '--reference-only'}"
+                                 " runs none (drop them, or drop --solutions/--reference-only to evaluate the model)")
         tasks = load_tasks(a)
         backend = env.resolve_backend(a.backend)
         bench_src = a.dataset if a.bench == "synth" else (str(Path(a.bench_dir).resolve()) if a.bench_dir else KERNELBENCH_HUB)
@@ -729,10 +696,6 @@ def main(argv=None) -> int:
                       "they count as failures", file=sys.stderr)
         else:
             mode = a.mode
-            try:
-                import agent
-            except ImportError as e:
-                raise env.UsageError(f"--mode {a.mode} needs agent.py, which cannot be imported: {e}")
             settings.update(policy=a.policy, model=a.model, max_turns=a.max_turns if mode == "agent" else 1, temperature=a.temperature)
             policy = agent.load_policy(a.policy, model=a.model, base_url=a.base_url)
         results = run_eval(tasks, mode=mode, out_dir=a.out, backend=backend, policy=policy, solutions=solutions,
@@ -754,7 +717,7 @@ def main(argv=None) -> int:
     print()
     print(REF_DEFINITIONS if mode == "reference" else DEFINITIONS)
     if mode == "reference" and any(k in H100_COMPILE_WINS for k in results["levels"]):
-        print("For comparison, torch.compile beats eager on KernelBench (H100, FACTS.md): "
+        print("For comparison, torch.compile beats eager on KernelBench (reported on an H100): "
               + ", ".join(f"L{k} {v}" for k, v in H100_COMPILE_WINS.items()))
     o = results["overall"]
     png = Path(a.out) / "rates.png"

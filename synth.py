@@ -49,6 +49,9 @@ import dataclasses
 import difflib
 import fcntl
 import hashlib
+import importlib
+import importlib.util
+import inspect
 import json
 import math
 import os
@@ -63,8 +66,18 @@ import time
 import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from importlib.metadata import version
 from pathlib import Path
 
+import datasets
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+from tqdm import tqdm
+
+import agent
 import env
 from tasks import FEATURES, KERNELBENCH_HUB, read_dataset
 
@@ -154,7 +167,6 @@ MEM_CAP = {"cuda": 4 << 30, "cpu": 256 << 20}  # estimated bytes one task may to
 # ==============================================================================================
 def mine_seeds(verbose: bool = True) -> list[dict]:
     """Seed operators, from the per-version cache or by probing in a sandboxed child (~1 min once)."""
-    from importlib.metadata import version
     key = f"seeds-v{SEEDS_VERSION}-torch{version('torch')}-transformers{version('transformers')}.json"
     cache = env.CACHE_DIR / "synth" / key
     if not cache.exists():
@@ -182,7 +194,7 @@ def mine_seeds(verbose: bool = True) -> list[dict]:
     return mined["seeds"]
 
 
-def _probe(make, rank_shapes, torch, max_growth=16):
+def _probe(make, rank_shapes, max_growth=16):
     """Try an op on a random tensor of each rank. Returns (ranks where it works, why it failed first)."""
     ranks, why = [], None
     for rank, shape in rank_shapes.items():
@@ -224,7 +236,7 @@ def _probe(make, rank_shapes, torch, max_growth=16):
     return ranks, why
 
 
-def _cost_probe(make, rank, torch) -> float:
+def _cost_probe(make, rank) -> float:
     """Single-thread CPU nanoseconds per input element (best of 3 runs, ~64k elements). Bytes and FLOPs
     miss the cost of transcendental functions (erf, i0, airy_ai...): compose uses this as a lower bound."""
     shape = CANON_SHAPES[rank]
@@ -261,15 +273,12 @@ def build_op(seed: dict, shape, rng: random.Random):
     return f"{seed['ctor']}({', '.join(args)})"
 
 
-def _namespace(torch):
-    import torch.nn as nn
-    import torch.nn.functional as F
+def _namespace():
     return {"torch": torch, "nn": nn, "F": F}
 
 
 def eval_op(seed: dict, expr: str, ns: dict, device: str):
     """A callable for one op expression (modules are constructed on `device`)."""
-    import torch
     if seed["kind"] == "call":
         return lambda x: eval(expr, ns, {"x": x})  # noqa: S307 - our own generated expression
     for imp in seed.get("imports", []):
@@ -280,21 +289,16 @@ def eval_op(seed: dict, expr: str, ns: dict, device: str):
 
 def _mine_child(out_path: str):
     """Runs in a sandboxed child: probe every candidate operator, write {"seeds": [...], "skipped": [...]}."""
-    import inspect
-    import warnings
     warnings.filterwarnings("ignore")
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
     torch.set_num_threads(1)
     seeds, skipped = [], []
-    ns = _namespace(torch)
+    ns = _namespace()
 
     def add(seed, rank_shapes=CANON_SHAPES):
         make = lambda shape, rng, dev: eval_op(seed, build_op(seed, shape, rng), dict(ns), dev)
-        ranks, why = _probe(make, rank_shapes, torch, max_growth=float("inf"))
+        ranks, why = _probe(make, rank_shapes, max_growth=float("inf"))
         if ranks:
-            seeds.append(dict(seed, ranks=ranks, ns_per_elem=_cost_probe(make, ranks[0], torch)))
+            seeds.append(dict(seed, ranks=ranks, ns_per_elem=_cost_probe(make, ranks[0])))
         else:
             skipped.append((seed["name"], why or "fails on every rank"))
 
@@ -361,11 +365,11 @@ def _mine_child(out_path: str):
             seen_fns[id(fn)] = full
             found, first_why = None, None
             for form in (f"{full}(x)", f"{full}(x, -1)"):  # a single tensor, or a tensor and a dim
-                ranks, why = _probe(lambda shape, rng, dev, e=form: (lambda x: eval(e, ns, {"x": x})), CANON_SHAPES, torch)  # noqa: S307
+                ranks, why = _probe(lambda shape, rng, dev, e=form: (lambda x: eval(e, ns, {"x": x})), CANON_SHAPES)  # noqa: S307
                 if ranks:
                     make = lambda shape, rng, dev, e=form: (lambda x: eval(e, ns, {"x": x}))  # noqa: S307
                     found = {"name": full, "source": src, "kind": "call", "expr": form, "ranks": ranks,
-                             "ns_per_elem": _cost_probe(make, ranks[0], torch)}
+                             "ns_per_elem": _cost_probe(make, ranks[0])}
                     break
                 first_why = first_why or why
             if found:
@@ -374,7 +378,7 @@ def _mine_child(out_path: str):
                 skipped.append((full, first_why or "no single-tensor call form works"))
 
     # transformers: activations (ACT2FN) and normalisation layers of a few model families
-    try:
+    try:  # (transformers is imported here, inside the try: a version that fails to import is a skipped source)
         from transformers.activations import ACT2CLS
         for key, val in sorted(ACT2CLS.items()):
             cls = val[0] if isinstance(val, tuple) else val
@@ -383,7 +387,6 @@ def _mine_child(out_path: str):
                 continue
             add({"name": f"transformers.{key}", "source": "transformers", "kind": "module", "instance": True,
                  "ctor": f'ACT2FN["{key}"]', "args": [], "imports": ["from transformers.activations import ACT2FN"]})
-        import importlib
         seen_src = set()
         for fam in ("llama", "gemma", "t5", "olmo", "cohere", "mamba", "qwen2", "mistral", "phi3", "qwen3"):
             mod = importlib.import_module(f"transformers.models.{fam}.modeling_{fam}")
@@ -409,9 +412,6 @@ class _Cost:
     """Counts bytes moved, FLOPs, op count and bytes allocated while ops run on meta tensors."""
 
     def __init__(self):
-        import torch
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils.flop_counter import FlopCounterMode
         cost = self
 
         class Bytes(TorchDispatchMode):
@@ -435,8 +435,7 @@ def meta_run(seeds_by_name: dict, steps: list[dict], shape: tuple, backend: str 
     """Run the chain on a meta tensor of `shape`. Returns (output shape, est. eager ms, est. bytes touched).
     Per op: max(bytes / bandwidth, FLOPs / peak, elements x the op's mined CPU ns/element [/ GPU_SPEEDUP])
     plus a launch overhead per aten op: a rough roofline, good enough to aim inside a 100x window."""
-    import torch
-    ns = _namespace(torch)
+    ns = _namespace()
     x = torch.empty(shape, device="meta")
     cost = _Cost() if backend else None
     est = 0.0
@@ -582,7 +581,6 @@ def compose_llm(plans: list[dict], cfg: Config, policy) -> list[dict]:
     """--composer llm: the rule composer picks the operators and a shape that fits (a plan); an LLM, through
     agent.py's policy, writes the module (as the paper did). Its code goes through the same filters; an
     answer that is not KernelBench format, or leaves out a requested operator, is dropped here."""
-    import agent
     prompts = []
     for c in plans:
         msg = LLM_PROMPT.format(ops=", ".join(c["ops"]), shape=tuple(c["shape"]), code=c["code"])
@@ -610,7 +608,6 @@ def load_composer_policy(cfg: Config):
     if cfg.composer != "llm":
         return None
     try:
-        import agent
         return agent.load_policy("hf", model=cfg.model)
     except env.UsageError as e:
         raise env.UsageError(f"--composer llm: {e}")
@@ -673,7 +670,6 @@ def load_kernelbench(path: str | None) -> list[tuple[str, list[str]]]:
     if not path:
         return []
     if path == "hub":
-        import datasets
         try:
             ds = datasets.load_dataset(KERNELBENCH_HUB)
         except Exception as e:  # noqa: BLE001
@@ -737,7 +733,6 @@ def filter_by_execution(stream, cfg: Config, backend: str, resume_file: Path | N
     cover a prefix of the stream: which of a seed's candidates are the first `need` kept does not depend on
     scheduling or workers, given the same verdicts. Results are appended to `resume_file` as they arrive and
     read back from it on a re-run. Raises MachineBroken when the first 20 results all failed to run."""
-    from tqdm import tqdm
     done = {}
     if resume_file and resume_file.exists():
         for line in resume_file.read_text().splitlines():
@@ -891,13 +886,11 @@ class Checker:
         # no inductor compile-worker pool per child: the workers already compile in parallel, and 12 children
         # each starting a pool of one process per core (each importing torch) would swamp the CPUs
         extra["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
-        if backend == "cuda":
-            extra["CUDA_AGENT_NO_AS"] = "1"  # RLIMIT_AS breaks CUDA's address-space reservations
         self.timeout = cfg.task_timeout_s or (60 if backend == "cuda" else 150)
         self.lock_limit = min(15.0, self.timeout / 2)  # a legitimate task holds the lock for a second or three
         spec = {"dir": str(Path(self.dir).resolve()), "backend": backend, "window_ms": list(cfg.window_ms),
                 "n_timed": cfg.n_timed, "min_timed_s": cfg.min_timed_s, "threads": threads,
-                "lock_fd": self.lock_fd, "stop_fd": stop_fd, "in_fd": cand_r, "out_fd": res_w}
+                "lock_fd": self.lock_fd, "stop_fd": stop_fd, "in_fd": cand_r, "out_fd": res_w, "created": time.time()}
         Path(self.dir, "spec.json").write_text(json.dumps(spec))
         argv = [sys.executable, "-E", "-B", str(Path(__file__).resolve()), "_filter", str(Path(self.dir, "spec.json").resolve())]
         # (the wall-clock limit only backs up check()'s per-candidate one: importing torch, then MAX_TASKS candidates)
@@ -1007,12 +1000,11 @@ def _locked(fd, spent: dict, tell=lambda state: None):
         spent.setdefault("turns", []).append((t0, t1, t2))  # wall clock: lock_use() compares children
 
 
-def check_task(code: str, spec: dict, torch, lock_fd, spent: dict, tell=lambda state: None, facts=None) -> dict:
+def check_task(code: str, spec: dict, lock_fd, spent: dict, tell=lambda state: None, facts=None) -> dict:
     """The execution filter for one task, inside the child. Returns {"kept": bool, "drop": why, ...}.
     Cheap checks first, torch.compile (seconds) last. Adds where the time went to `spent` (seconds: setup, the
     warm-up runs, lock wait, locked device work and the first run within it, compile), so the funnel can name the
     bottleneck; `facts` receives the estimate from a few rows ("row_est_ms"), which the funnel checks."""
-    import importlib.util
     t0 = time.perf_counter()
     device = torch.device("cuda" if spec["backend"] == "cuda" else "cpu")
     lo, hi = spec["window_ms"]
@@ -1145,7 +1137,6 @@ def check_task(code: str, spec: dict, torch, lock_fd, spent: dict, tell=lambda s
 def _filter_child(spec_path: str):
     """Runs in a sandboxed child (Checker): check each candidate read from the input pipe, answer each with
     one JSON line, until the pipe closes."""
-    import warnings
     warnings.filterwarnings("ignore")
     spec = json.loads(Path(spec_path).read_text())
 
@@ -1153,14 +1144,12 @@ def _filter_child(spec_path: str):
         os.read(spec["stop_fd"], 1)
         os._exit(3)
     threading.Thread(target=watchdog, daemon=True).start()
-    t0 = time.perf_counter()
-    import torch
     torch.set_num_threads(spec["threads"])
     env._SYNC = torch.cuda.synchronize
     if spec["backend"] == "cuda":  # create the CUDA context and the cuBLAS/cuDNN handles now, outside the device
         x = torch.randn(64, 64, device="cuda")  # lock: the first task's first run would pay for them under it
         float((x @ x).sum() + torch.nn.functional.conv2d(x[None, None], x[None, None, :3, :3]).sum())
-    start = time.perf_counter() - t0  # importing torch (and CUDA set-up): charged to the first candidate
+    start = time.time() - spec["created"]  # the child's start (sandbox, imports, CUDA set-up): charged to the first candidate
     with os.fdopen(spec["in_fd"], "rb") as cands, os.fdopen(spec["out_fd"], "wb", buffering=0) as out:
         say = lambda msg: out.write((json.dumps(msg) + "\n").encode())
         while line := cands.readline():
@@ -1168,7 +1157,7 @@ def _filter_child(spec_path: str):
             print(f"synth: checking {c['key']}", file=sys.stderr, flush=True)  # (Checker.check: last words)
             spent = {"start": start, "setup": 0.0, "warm": 0.0, "wait": 0.0, "locked": 0.0, "first": 0.0, "compile": 0.0}
             facts = {}
-            r = check_task(c["code"], spec, torch, spec["lock_fd"], spent, lambda state: say({"state": state}), facts)
+            r = check_task(c["code"], spec, spec["lock_fd"], spent, lambda state: say({"state": state}), facts)
             start = 0.0
             turns = spent.pop("turns", [])  # (asked, got, released) wall-clock times of its lock turns
             say(dict(r, **facts, key=c["key"], t={k: round(v, 3) for k, v in spent.items()}, turns=turns))
@@ -1253,7 +1242,6 @@ def report(funnel: dict, div: dict, n_seeds: int, kept: int, n_train: int, n_tes
 # ==============================================================================================
 def save(rows: list[dict], out: Path, work: Path, cfg: Config, funnel_json: dict):
     """Split, save under work/, then swap into `out` (an interrupted run never leaves a half-written DIR)."""
-    import datasets
     datasets.disable_progress_bars()
     rng = random.Random(cfg.seed)
     order = list(range(len(rows)))

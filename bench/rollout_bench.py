@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile as prof
+from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import agent  # noqa: E402
@@ -58,7 +60,6 @@ if args.gguf:
     policy = agent.load_policy("hf", device=str(dev), dtype=dtype)
     model = policy.model
 else:
-    from transformers import LlamaConfig, LlamaForCausalLM
     # SmolLM2-135M's architecture (its GGUF config), randomly initialised
     cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                       num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
@@ -125,7 +126,6 @@ def episode(run, prompts, n):
 def profile(name, B, fn):
     """torch.profiler over one run (kernels inside CUDA graph replays are traced too): kernel launches per
     decode step and the ten kernels that take the most device time."""
-    from torch.profiler import ProfilerActivity, profile as prof
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with prof(activities=acts) as p:
         fn()

@@ -6,8 +6,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from transformers import AutoConfig, AutoTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import train  # noqa: E402
 
 
 def bench(script, *args, timeout=600):
@@ -38,7 +41,6 @@ def test_train_bench_tiny_update():
 
 def test_train_bench_saves_a_random_model_of_the_embedded_shape(tmp_path):
     """--save-random: what bash bench/run_h200.sh default-random trains (train.py --model DIR)."""
-    from transformers import AutoConfig, AutoTokenizer
     out = bench("train_bench.py", "--save-random", str(tmp_path / "m"))
     assert "saved random-135m" in out
     cfg, tok = AutoConfig.from_pretrained(tmp_path / "m"), AutoTokenizer.from_pretrained(tmp_path / "m")
@@ -50,7 +52,6 @@ def test_preset_time_projects_each_stage(tmp_path):
     """A made-up short run: 2 warm-up steps of 10 s and 20 s, 16 RFT tasks rolled out in 40 s, RFT training 8 s,
     critic 4 s, 2 PPO steps of 30 s, a 16-task evaluation in 12 s; projected to the default preset (10 warm-up
     steps, 32 RFT tasks, 10 PPO steps, 16 eval tasks)."""
-    import train
     cfg = dict(train.dataclasses.asdict(train.Config()), warmup_steps=2, ppo_steps=2, rft_tasks=16)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     t = 1000.0

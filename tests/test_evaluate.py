@@ -12,8 +12,10 @@ import sys
 import threading
 from pathlib import Path
 
+import datasets
 import pytest
 
+import agent
 import env
 import evaluate
 import reward
@@ -290,7 +292,6 @@ def test_policy_modes_with_scripted_server(scripted_server, tmp_path, mode, turn
     if mode == "agent":  # a KernelBench folder
         bench, task_id, level = ["--bench-dir", BENCH, "--levels", "2"], "level2/1_ScaleThenReLU", "2"
     else:  # our synthetic split (a synth.py output folder), holding the same problem
-        import datasets
         code = (BENCH / "level2" / "1_ScaleThenReLU.py").read_text()
         row = {"code": [code], "ops": [["torch.mul", "torch.relu"]], "data_source": ["torch#2"]}
         datasets.DatasetDict({"train": datasets.Dataset.from_dict(row), "test": datasets.Dataset.from_dict(row)}).save_to_disk(tmp_path / "ds")
@@ -335,7 +336,6 @@ def test_run_eval_api_single_mode_with_hf_style_policy(tmp_path):
     res = evaluate.run_eval([task], mode="single", policy=ScriptedHFPolicy(), out_dir=tmp_path / "s", backend="cpu", quiet=True)
     assert (res["overall"]["n"], res["overall"]["pass_rate"], res["overall"]["mean_turns"]) == (1, 1.0, 1)
     row = json.loads((tmp_path / "s" / "tasks.jsonl").read_text())
-    import agent
     prompt = CharTokenizer().apply_chat_template(agent.single_turn_messages(task, "cpu"))
     assert row["n_tokens"] == len(prompt) + len(SINGLE_ANSWER)  # prompt + generated ids, kept as generated
     assert json.loads((tmp_path / "s" / "results.json").read_text())["overall"] == res["overall"]
@@ -378,6 +378,10 @@ def test_bad_inputs_give_one_line(tmp_path):
     one_line_error(cli("--bench-dir", BENCH, "--levels", "7", "--reference-only", "--out", tmp_path / "o"), "no KernelBench-format problems")
     one_line_error(cli("--bench-dir", BENCH / "level1", "--levels", "1,2", "--reference-only", "--out", tmp_path / "o"), "single --levels")
     one_line_error(cli("--bench", "synth", "--reference-only", "--out", tmp_path / "o"), "--dataset")
+    one_line_error(cli("--solutions", FIX / "solutions", "--bench-dir", BENCH, "--model", "M", "--out", tmp_path / "o"), "--model")
+    one_line_error(cli("--bench-dir", BENCH, "--reference-only", "--model", "/nonexistent/model", "--out", tmp_path / "o"), "--model")
+    one_line_error(cli("--bench-dir", BENCH, "--levels", "2", "--model", "/nonexistent/model", "--backend", "cpu", "--out", tmp_path / "o"),
+                   "no such model folder or hub id: /nonexistent/model")
     one_line_error(cli("--solutions", FIX / "solutions", "--bench-dir", BENCH, "--backend", "tpu", "--out", tmp_path / "o"), "backend")
     assert not (tmp_path / "o").exists()  # nothing was started
     if not tasks.hub_reachable():

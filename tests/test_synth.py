@@ -11,6 +11,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -61,7 +62,6 @@ def test_mining_finds_hundreds_of_seeds_from_every_source(seeds):
 
 # ---------------------------------------------------------------------------------------------- compose
 def test_compose_is_deterministic_follows_the_mix_and_emits_kernelbench_format(seeds):
-    import torch
     by = {s["name"]: s for s in seeds}
     cfg = synth.Config(window_ms=(0.1, 10.0), seed=3)
     a = [synth.compose_one(i, seeds, by, cfg, "cpu") for i in range(30)]
@@ -255,7 +255,6 @@ def test_cli_smoke_writes_dataset_funnel_and_report(run_a):
 
 
 def test_every_row_runs_and_compile_agrees_with_eager(run_a, monkeypatch):
-    import torch
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(env.CACHE_DIR / "inductor"))  # the filter's compiled graphs
     for x in rows_of(run_a[0]):
         mod = types.ModuleType("task")
