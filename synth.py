@@ -26,6 +26,7 @@ The pipeline, one readable function per stage, in order:
                Compose and filter form one stream: a candidate is composed when a worker is free and
                the tasks kept so far (plus the expected yield of those being checked) fall short.
   4. report    funnel (in/out and top drop reasons of every stage) on screen and in DIR/funnel.json,
+               every checked candidate's verdict and timings in DIR/candidates.jsonl (bench/synth_diag.py),
                diversity (op histogram, ops per task vs the paper's mix, input sizes, eager times).
 
 Output: DIR holds a datasets.DatasetDict (train/test) saved with save_to_disk; columns ops, data_source,
@@ -852,7 +853,7 @@ class MachineBroken(env.UsageError):
 
 def machine_broken(results: list[dict]) -> bool:
     """Every one of these results failed before any filter could judge it: the machine is at fault, not the
-    tasks (on the H200, children once could not start CUDA at all)."""
+    tasks (e.g. a machine where the sandboxed children cannot start CUDA)."""
     return bool(results) and all(not r["kept"] and _reason_class(r["drop"]) in ("eager failed", "child process")
                                  for r in results)
 
@@ -920,7 +921,7 @@ class Checker:
         self.n += 1
         limit = self.timeout + (120 if self.n == 1 else 0)  # a child's first also waits for torch and CUDA to start
         state, since, used, killed = "run", time.monotonic(), 0.0, None  # used: seconds of work before `since`
-        held_from = None  # wall clock, for the turn of a child killed under the lock (lock_use)
+        held_from = None  # wall clock, for the turn of a child killed under the lock (bench/synth_diag.py)
         while True:
             while b"\n" in self.buf:
                 line, self.buf = self.buf.split(b"\n", 1)
@@ -997,14 +998,14 @@ def _locked(fd, spent: dict, tell=lambda state: None):
         t2 = time.time()
         spent["wait"] += t1 - t0
         spent["locked"] += t2 - t1
-        spent.setdefault("turns", []).append((t0, t1, t2))  # wall clock: lock_use() compares children
+        spent.setdefault("turns", []).append((t0, t1, t2))  # wall clock: bench/synth_diag.py compares children
 
 
 def check_task(code: str, spec: dict, lock_fd, spent: dict, tell=lambda state: None, facts=None) -> dict:
     """The execution filter for one task, inside the child. Returns {"kept": bool, "drop": why, ...}.
     Cheap checks first, torch.compile (seconds) last. Adds where the time went to `spent` (seconds: setup, the
     warm-up runs, lock wait, locked device work and the first run within it, compile), so the funnel can name the
-    bottleneck; `facts` receives the estimate from a few rows ("row_est_ms"), which the funnel checks."""
+    bottleneck; `facts` receives the estimate from a few rows ("row_est_ms": bench/synth_diag.py checks it)."""
     t0 = time.perf_counter()
     device = torch.device("cuda" if spec["backend"] == "cuda" else "cpu")
     lo, hi = spec["window_ms"]
@@ -1042,8 +1043,8 @@ def check_task(code: str, spec: dict, lock_fd, spent: dict, tell=lambda state: N
     # A first run on one row and on k rows compiles the task's jiterator kernels (torch.special functions: seconds
     # each), loads its CUDA modules and picks its algorithms, so that the locked section runs kernels, not
     # compilers. Timed runs on 1 and k rows then extrapolate to the whole batch: a task far too slow for the
-    # window is dropped before it takes the lock from every other worker (on the H200, a task ending in
-    # `linalg.svdvals` held it for 27 s). Launch-bound rows extrapolate flat, so only a real per-row
+    # window is dropped before it takes the lock from every other worker (a batched `linalg.svdvals` can hold it
+    # for tens of seconds on a GPU). Launch-bound rows extrapolate flat, so only a real per-row
     # cost adds up; k >= BATCH/64 bounds how much a timing error is magnified, k <= BATCH/4 keeps these runs a
     # fraction of the task's device work (they are not under the lock), and the fastest of three runs keeps
     # other processes' device work out of the timing. Best effort: a forward that needs the whole batch skips
@@ -1063,8 +1064,8 @@ def check_task(code: str, spec: dict, lock_fd, spent: dict, tell=lambda state: N
             rows(1)
             warmed = True
             # k <= a quarter of the batch already over twice the window (2x: room for a first call's set-up) is
-            # too slow for certain, so the timed runs are skipped: on the H200, 14 of 1,295 candidates (linalg
-            # ops such as one SVD of a 262,144 x 1,024 input) ran into the 60 s task timeout
+            # too slow for certain, so the timed runs are skipped (linalg ops such as one SVD of a 262,144 x 1,024
+            # input would otherwise run into the task timeout)
             if batch >= 4 and (t_first := rows(k)) * 1e3 <= 2 * hi:  # (batch < 4: k rows would be most of it)
                 t1, tk = min(rows(1) for _ in range(3)), min(rows(k) for _ in range(3))
                 est = (t1 + (tk - t1) * (batch - 1) / (k - 1)) * 1e3
@@ -1200,7 +1201,7 @@ def diversity(rows: list[dict]) -> dict:
 
 
 def report(funnel: dict, div: dict, n_seeds: int, kept: int, n_train: int, n_test: int, seconds: float,
-           workers: int = 1, secs: dict | None = None, diag: dict | None = None) -> str:
+           secs: dict | None = None) -> str:
     lines = [f"{'stage':<12}{'in':>8}{'out':>8}  top drop reasons", f"{'mine':<12}{'':>8}{n_seeds:>8}  (seed operators)"]
     for name in ("compose", "similarity", "execution"):
         st = funnel[name]
@@ -1212,22 +1213,6 @@ def report(funnel: dict, div: dict, n_seeds: int, kept: int, n_train: int, n_tes
     if secs:
         lines.append("seconds: " + " | ".join(f"{k} {v:.1f}" for k, v in secs.items()) +
                      " (compose and similarity run inside execution, as the filter takes candidates)")
-    if diag and diag["child_seconds"]:  # the bottleneck: CPU work runs `workers` at a time, device work one at a time
-        n, cs = max(1, funnel["execution"]["in"]), diag["child_seconds"]
-        lines.append(f"execution, seconds per candidate ({workers} workers): " + " | ".join(
-            f"{k} {cs.get(k, 0) / n:.2f}" for k in ("start", "setup", "warm", "wait", "locked", "first", "compile")) +
-            " (start: importing torch and CUDA set-up; warm: runs on a few rows outside the lock; wait: for the device"
-            " lock; locked: eager/compile runs, checks, timing; first: the first full run, within locked)")
-        lock, est = diag["lock"], diag["row_estimate"]
-        lines.append(f"device lock: held {lock['held_s']:.0f} s of {lock['span_s']:.0f} s; waited for while free "
-                     f"{lock['waited_while_free_s']:.1f} s")
-        if est["n"]:
-            lines.append(f"estimate from a few rows / measured eager time ({est['n']} tasks): median "
-                         f"{est['median_ratio']}, p95 {est['p95_ratio']}, max {est['max_ratio']} (a task estimated over"
-                         f" 10x the window is dropped)")
-        lines.append("longest turns under the lock: " + "; ".join(
-            f"{x['locked_s']:.1f} s (first run {x['first_run_s']:.1f} s) {' -> '.join(x['ops'])}: {x['verdict'][:60]}"
-            for x in diag["longest_locked"][:3]))
     mix = " | ".join(f"{k} {v['ours_pct']}% (paper {v['paper_pct']}%)" for k, v in div["mix"].items())
     lines += [f"mix: {mix}", "ops by source: " + ", ".join(f"{k} {v}" for k, v in sorted(div["ops_per_source"].items())),
               f"distinct ops {div['distinct_ops']}; top: " + ", ".join(f"{o} {c}" for o, c in div["top_ops"][:8]),
@@ -1240,8 +1225,9 @@ def report(funnel: dict, div: dict, n_seeds: int, kept: int, n_train: int, n_tes
 # ==============================================================================================
 # Output: save and load
 # ==============================================================================================
-def save(rows: list[dict], out: Path, work: Path, cfg: Config, funnel_json: dict):
-    """Split, save under work/, then swap into `out` (an interrupted run never leaves a half-written DIR)."""
+def save(rows: list[dict], out: Path, work: Path, cfg: Config, funnel_json: dict, records: list | None = None):
+    """Split, save under work/, then swap into `out` (an interrupted run never leaves a half-written DIR).
+    DIR/funnel.json gets funnel_json; DIR/candidates.jsonl one line per checked candidate (`records`)."""
     datasets.disable_progress_bars()
     rng = random.Random(cfg.seed)
     order = list(range(len(rows)))
@@ -1256,6 +1242,7 @@ def save(rows: list[dict], out: Path, work: Path, cfg: Config, funnel_json: dict
         shutil.rmtree(stage)
     dd.save_to_disk(str(stage))
     (stage / "funnel.json").write_text(json.dumps(funnel_json, indent=1))
+    (stage / "candidates.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records or []))
     old = out.with_name(out.name + f".old-{uuid.uuid4().hex[:6]}")
     if out.exists():
         os.replace(out, old)
@@ -1411,57 +1398,18 @@ def run(cfg: Config, out: Path, backend: str, kb: list, work: Path, t0: float, p
     rows = [kept_rows[i] for i in sorted(kept_rows)][:cfg.num_tasks]  # first N by stream index: same seed, same set
     if len(rows) < cfg.num_tasks:
         print(f"synth.py: warning: only {len(rows)} of {cfg.num_tasks} tasks after {len(taken)} candidates", file=sys.stderr)
-    div, diag = diversity(rows), filter_diagnostics(taken, checked)
+    div = diversity(rows)
+    # every checked candidate's verdict and where its time went (bench/synth_diag.py reads them)
+    records = [dict(r, index=c["index"], ops=c["ops"], data_source=c["data_source"]) for c, r in zip(taken, checked)]
     funnel_json = {"config": {k: v for k, v in dataclasses.asdict(cfg).items()}, "backend": backend,
                    "seeds": len(seeds), "stages": {k: dict(v, drops=dict(v["drops"])) for k, v in funnel.items()},
                    "kept": len(rows), "seconds": round(time.time() - t0, 1),
-                   "stage_seconds": {k: round(v, 1) for k, v in secs.items()}, **diag, "diversity": div}
-    n_train, n_test = save(rows, out, work, cfg, funnel_json)                 # 4. report
+                   "stage_seconds": {k: round(v, 1) for k, v in secs.items()}, "diversity": div}
+    n_train, n_test = save(rows, out, work, cfg, funnel_json, records)        # 4. report
     shutil.rmtree(work, ignore_errors=True)
-    print(report(funnel, div, len(seeds), len(rows), n_train, n_test, time.time() - t0, cfg.workers, secs, diag))
-    print(f"saved {out} (train {n_train}, test {n_test}) and {out / 'funnel.json'}")
+    print(report(funnel, div, len(seeds), len(rows), n_train, n_test, time.time() - t0, secs))
+    print(f"saved {out} (train {n_train}, test {n_test}), {out / 'funnel.json'} and {out / 'candidates.jsonl'}")
     return 0
-
-
-def lock_use(turns: list) -> dict:
-    """From every turn at the device lock, (asked, got, released) wall-clock times: how long the lock was held
-    (the union of turns), and how long someone waited while nobody held it (should be ~0)."""
-    events = sorted([(a, 0) for a, b, c in turns] + [(b, 1) for a, b, c in turns] + [(b, 2) for a, b, c in turns] +
-                    [(c, 3) for a, b, c in turns])
-    held = free_wait = 0.0
-    holding = waiting = 0
-    last = events[0][0] if events else 0.0
-    for t, kind in events:
-        held += (t - last) if holding else 0.0
-        free_wait += (t - last) if waiting and not holding else 0.0
-        last = t
-        waiting += {0: 1, 1: -1}.get(kind, 0)
-        holding += {2: 1, 3: -1}.get(kind, 0)
-    span = (events[-1][0] - events[0][0]) if events else 0.0
-    return {"span_s": round(span, 1), "held_s": round(held, 1), "waited_while_free_s": round(free_wait, 1)}
-
-
-def row_estimate_quality(checked: list[dict]) -> dict:
-    """How the estimate from a few rows compares with the measured eager time, on the kept tasks: the filter
-    drops a task whose estimate exceeds 10x the window, so ratios near 10 would mean false drops."""
-    ratios = sorted(r["row_est_ms"] / r["eager_ms"] for r in checked if r["kept"] and r.get("row_est_ms"))
-    q = lambda p: round(ratios[min(len(ratios) - 1, int(p * len(ratios)))], 2) if ratios else None
-    return {"n": len(ratios), "median_ratio": q(0.5), "p95_ratio": q(0.95), "max_ratio": q(1.0)}
-
-
-def filter_diagnostics(taken: list, checked: list[dict]) -> dict:
-    """Where the filter's time went (funnel.json and the report): seconds summed over candidates by phase,
-    the device lock's use, the quality of the estimate from a few rows, and the longest turns under the lock
-    (one long turn stalls every worker)."""
-    secs = collections.Counter()
-    for r in checked:
-        secs.update(r.get("t", {}))
-    longest = sorted(zip(checked, taken), key=lambda rc: -rc[0].get("t", {}).get("locked", 0.0))[:8]
-    return {"child_seconds": {k: round(v, 1) for k, v in secs.items()},
-            "lock": lock_use([t for r in checked for t in r.get("turns", [])]),
-            "row_estimate": row_estimate_quality(checked),
-            "longest_locked": [{"ops": c["ops"], "locked_s": r["t"]["locked"], "first_run_s": r["t"].get("first", 0.0),
-                                "verdict": "kept" if r["kept"] else r["drop"][:120]} for r, c in longest if r.get("t")]}
 
 
 def _reason_class(why: str) -> str:
