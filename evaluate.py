@@ -129,7 +129,7 @@ pass      correct / ALL tasks: 5 checks on fresh random inputs (atol = rtol = 1e
           violation (PyTorch compute ops in ModelNew.forward, banned imports...). Crashes, timeouts, conversion
           failures and missing solutions count as failures.
 >eager    share of ALL tasks that are correct AND more than 5% faster than eager PyTorch: (t_eager - t) / t_eager > 0.05,
->compile  ... and than torch.compile (default mode). The 5% is the reward's margin (env.MARGIN); the paper's rates.
+>compile  ... and than torch.compile (default mode). The 5% is the reward's margin (reward.MARGIN); the paper's rates.
 fast_1    KernelBench's fast_1: share of ALL tasks that are correct and faster than eager at all (speedup > 1).
 geo       geometric mean of t_baseline / t_kernel over CORRECT tasks only (eager, torch.compile baselines).
 turns     mean agent turns per task; tokens: mean trajectory length in tokens (prompt + generated), agent modes only.
