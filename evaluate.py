@@ -35,11 +35,14 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import json
 import math
+import multiprocessing as mp
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -47,20 +50,25 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
+import torch
+from tqdm import tqdm
+
+import agent
 import env
+from reward import beats, summarize
+from tasks import KERNELBENCH_HUB, load_bench_dir, load_hub, load_split, parse_levels
 
 EVAL_PY = Path(__file__).resolve()
 
-# The paper's CUDA Agent row on KernelBench (FACTS.md): rates in %, geomean speedup vs torch.compile.
+# The paper's CUDA Agent row on KernelBench (arXiv 2602.24286): rates, geomean speedup vs torch.compile.
 PAPER = {
     "overall": {"pass_rate": 0.988, "faster_eager_rate": 0.984, "faster_compile_rate": 0.968, "geomean_speedup_compile": 2.11},
     "1": {"pass_rate": 1.00, "faster_eager_rate": 0.99, "faster_compile_rate": 0.97, "geomean_speedup_compile": 1.87},
     "2": {"pass_rate": 1.00, "faster_eager_rate": 1.00, "faster_compile_rate": 1.00, "geomean_speedup_compile": 2.80},
     "3": {"pass_rate": 0.94, "faster_eager_rate": 0.94, "faster_compile_rate": 0.90, "geomean_speedup_compile": 1.52},
 }
-# How often torch.compile beats eager on KernelBench, measured on an H100 (FACTS.md), for --reference-only.
+# How often torch.compile beats eager on KernelBench, as reported on an H100, for --reference-only.
 H100_COMPILE_WINS = {"1": "35-43%", "2": "81-84%", "3": "64-70%"}
-HUB_ID = "ScalingIntelligence/KernelBench"
 
 
 def parse_args(argv=None):
@@ -70,7 +78,7 @@ def parse_args(argv=None):
     g.add_argument("--bench", default="kernelbench", choices=["kernelbench", "synth"])
     g.add_argument("--bench-dir", help="folder of KernelBench-format problems N_Name.py (level subfolders level1/...)")
     g.add_argument("--levels", help="comma-separated levels, e.g. 1,2,3 (default: all found; a flat --bench-dir is one level)")
-    g.add_argument("--dataset", help="--bench synth: dataset path or hub id for synth.load_tasks")
+    g.add_argument("--dataset", help="--bench synth: a synth.py output folder or hub id")
     g.add_argument("--split", default="test")
     g.add_argument("--limit", type=int, help="only the first N tasks (smoke runs)")
     g = p.add_argument_group("who solves the tasks")
@@ -94,50 +102,6 @@ def parse_args(argv=None):
     g.add_argument("--json", action="store_true", help="the last stdout line is the overall result as JSON")
     g.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="print two results.json side by side")
     return p.parse_args(argv)
-
-
-# ----------------------------------------------------------------------------------------------
-# Metrics: train.py imports `summarize` so that training and evaluation report the same numbers.
-# ----------------------------------------------------------------------------------------------
-def beats(t_ms, t0_ms) -> bool:
-    """True if runtime t beats baseline t0 by more than the reward's margin, decided by env.reward_for
-    itself: with both baselines set to t0, reward >= 2 means (t0 - t) / t0 > env.MARGIN."""
-    return t_ms is not None and t0_ms is not None and t0_ms > 0 and env.reward_for(True, t_ms, t0_ms, t0_ms) >= 2
-
-
-def summarize(rows) -> dict:
-    """Metrics over a list of task rows. A row is a tasks.jsonl record ({"verdict": {...}, "n_turns", "n_tokens",
-    "seconds"}) or a bare env.Verdict (or its dict). Rates are over ALL rows (a failure counts 0); geomeans over
-    correct rows."""
-    rows = [r.to_dict() if hasattr(r, "to_dict") else r for r in rows]
-    n = len(rows)
-    verdicts = [(r.get("verdict", r) if isinstance(r, dict) else None) or {} for r in rows]
-    ok = [v for v in verdicts if v.get("correct")]
-
-    def rate(k):
-        return k / n if n else None
-
-    def geomean(key):
-        xs = [v[key] for v in ok if v.get(key) is not None and v[key] > 0]
-        return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
-
-    def mean(key):
-        xs = [r[key] for r in rows if isinstance(r, dict) and r.get(key) is not None]
-        return sum(xs) / len(xs) if xs else None
-
-    return {
-        "n": n,
-        "n_correct": len(ok),
-        "pass_rate": rate(len(ok)),
-        "faster_eager_rate": rate(sum(beats(v.get("runtime_ms"), v.get("eager_ms")) for v in ok)),
-        "faster_compile_rate": rate(sum(beats(v.get("runtime_ms"), v.get("compile_ms")) for v in ok)),
-        "fast_1": rate(sum((v.get("speedup_eager") or 0) > 1.0 for v in ok)),
-        "geomean_speedup_eager": geomean("speedup_eager"),
-        "geomean_speedup_compile": geomean("speedup_compile"),
-        "mean_turns": mean("n_turns"),
-        "mean_tokens": mean("n_tokens"),
-        "task_s": sum(r.get("seconds") or 0.0 for r in rows if isinstance(r, dict)),
-    }
 
 
 def summarize_reference(rows) -> dict:
@@ -165,7 +129,7 @@ pass      correct / ALL tasks: 5 checks on fresh random inputs (atol = rtol = 1e
           violation (PyTorch compute ops in ModelNew.forward, banned imports...). Crashes, timeouts, conversion
           failures and missing solutions count as failures.
 >eager    share of ALL tasks that are correct AND more than 5% faster than eager PyTorch: (t_eager - t) / t_eager > 0.05,
->compile  ... and than torch.compile (default mode). The 5% is the reward's margin (env.MARGIN); the paper's rates.
+>compile  ... and than torch.compile (default mode). The 5% is the reward's margin (reward.MARGIN); the paper's rates.
 fast_1    KernelBench's fast_1: share of ALL tasks that are correct and faster than eager at all (speedup > 1).
 geo       geometric mean of t_baseline / t_kernel over CORRECT tasks only (eager, torch.compile baselines).
 turns     mean agent turns per task; tokens: mean trajectory length in tokens (prompt + generated), agent modes only.
@@ -210,92 +174,14 @@ def table(results: dict) -> str:
 # ----------------------------------------------------------------------------------------------
 # Tasks: KernelBench folders, the KernelBench hub dataset, or our synthetic split
 # ----------------------------------------------------------------------------------------------
-PROBLEM_RE = re.compile(r"^(\d+)_(.+)\.py$")
-
-
-def parse_levels(levels: str | None) -> list[str] | None:
-    if not levels:
-        return None
-    out = [s.strip().removeprefix("level") for s in levels.split(",") if s.strip()]
-    if not all(s.isdigit() for s in out):
-        raise env.UsageError(f"--levels must be comma-separated numbers like 1,2,3, got {levels!r}")
-    return out
-
-
-def load_bench_dir(bench_dir: str, levels: list[str] | None) -> list[dict]:
-    """Every N_Name.py of a folder, as tasks {task_id, level, name, code}, sorted by level and number.
-    Folders level1/, level2/... give the levels; a flat folder is one level (--levels K, default 1)."""
-    root = Path(bench_dir)
-    if not root.is_dir():
-        raise env.UsageError(f"no such bench directory: {bench_dir}")
-    sub = {m.group(1): d for d in root.iterdir() if d.is_dir() and (m := re.fullmatch(r"level_?(\d+)", d.name))}
-    if sub:
-        folders = [(lv, sub[lv]) for lv in sorted(sub, key=int) if levels is None or lv in levels]
-    else:
-        if levels and len(levels) > 1:
-            raise env.UsageError(f"{bench_dir} has no level1/ level2/ ... subfolders, so it is one level: pass a single --levels")
-        folders = [(levels[0] if levels else "1", root)]
-    tasks = []
-    for lv, d in folders:
-        for f in d.iterdir():
-            m = PROBLEM_RE.match(f.name)
-            if m and f.is_file():
-                tasks.append({"task_id": f"level{lv}/{f.stem}", "level": lv, "name": f.stem, "num": int(m.group(1)),
-                              "code": f.read_text()})
-    if not tasks:
-        want = f" for levels {','.join(levels)}" if levels else ""
-        raise env.UsageError(f"no KernelBench-format problems (N_Name.py) in {bench_dir}{want}")
-    return sorted(tasks, key=lambda t: (int(t["level"]), t["num"], t["name"]))
-
-
-def hub_reachable(host="huggingface.co", timeout=3.0) -> bool:
-    import socket
-    try:
-        socket.create_connection((host, 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
-def load_hub(levels: list[str] | None) -> list[dict]:
-    """The public KernelBench dataset (splits level_1...; columns code, level, name, problem_id). Offline, only a
-    copy already in the datasets cache works (checked first, so an offline machine fails in seconds)."""
-    if not hub_reachable():
-        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"  # the local cache, no retries
-    try:
-        import datasets
-        tasks = []
-        for lv in levels or ["1", "2", "3"]:
-            for row in datasets.load_dataset(HUB_ID, split=f"level_{lv}"):
-                name = Path(str(row["name"])).stem
-                tasks.append({"task_id": f"level{lv}/{name}", "level": lv, "name": name, "num": int(row["problem_id"]),
-                              "code": row["code"]})
-    except Exception as e:  # noqa: BLE001 - offline, no such split, hub down: one line, not a traceback
-        why = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        offline = " (this machine cannot reach huggingface.co)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
-        raise env.UsageError(f"cannot load {HUB_ID} from the hub{offline}: {why}. "
-                             "Pass --bench-dir with a local copy (KernelBench/KernelBench has level1/ level2/ level3/)")
-    return sorted(tasks, key=lambda t: (int(t["level"]), t["num"]))
-
-
-def load_synth(dataset: str | None, split: str) -> list[dict]:
-    if not dataset:
-        raise env.UsageError("--bench synth needs --dataset PATH (a synth.py output folder or hub id)")
-    try:
-        import synth
-    except ImportError as e:
-        raise env.UsageError(f"--bench synth needs synth.py, which cannot be imported: {e}")
-    rows = synth.load_tasks(dataset, split)
-    if not rows:
-        raise env.UsageError(f"{dataset} has no tasks in split {split!r}")
-    return [{"task_id": str(r.get("task_id") or f"{split}/{i:05d}"), "level": str(r.get("data_source") or "synth"),
-             "name": str(r.get("task_id") or f"{i:05d}"), "num": i, "code": r["code"]} for i, r in enumerate(rows)]
-
-
 def load_tasks(a) -> list[dict]:
     levels = parse_levels(a.levels)
     if a.bench == "synth":
-        tasks = load_synth(a.dataset, a.split)
+        if not a.dataset:
+            raise env.UsageError("--bench synth needs --dataset PATH (a synth.py output folder or hub id)")
+        tasks = load_split(a.dataset, a.split)
+        if not tasks:
+            raise env.UsageError(f"{a.dataset} has no tasks in split {a.split!r}")
     elif a.bench_dir:
         tasks = load_bench_dir(a.bench_dir, levels)
     else:
@@ -519,8 +405,6 @@ def time_reference(job: dict) -> dict:
                                                           "dir": run}))
             extra, writable = env.compile_caches()
             extra["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
-            if backend == "cuda":
-                extra["CUDA_AGENT_NO_AS"] = "1"  # as in env.py: RLIMIT_AS breaks CUDA
             # kind=backend: CUDA children get the namespaces in which a CUDA context works (env.isolation)
             r = env.run_sandboxed([sys.executable, "-E", "-B", str(EVAL_PY), "_reference", f"{run}/spec.json"], run, job["timeout"],
                                   writable=writable, env=extra, pass_fds=[fd], kind=backend)
@@ -543,8 +427,6 @@ def _reference_child(spec_path: str):
     spec = json.loads(Path(spec_path).read_text())
     result = {"error": None}
     try:
-        import importlib.util
-        import torch
         device = torch.device("cuda" if spec["backend"] == "cuda" else "cpu")
         torch.set_num_threads(os.cpu_count() or 1)
         s = importlib.util.spec_from_file_location("reference_model", Path(spec["dir"]) / "model.py")
@@ -578,7 +460,6 @@ def visible_gpus() -> list[str]:
     if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
         return [g for g in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
     if shutil.which("nvidia-smi"):
-        import subprocess
         r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
         return [str(i) for i, l in enumerate(r.stdout.splitlines()) if l.startswith("GPU ")]
     return []
@@ -590,7 +471,6 @@ def run_jobs(fn, jobs: list, backend: str, workers: int):
         for job in jobs:
             yield fn(job)
         return
-    import multiprocessing as mp
     ctx = mp.get_context("spawn")  # no forked copies of torch/CUDA state
     q = ctx.Queue()
     gpus = visible_gpus() if backend == "cuda" else []
@@ -612,7 +492,6 @@ def run_policy(policy, chunk: list, mode: str, backend: str, out: Path, gen: dic
     """Episodes for a chunk of tasks -> task rows. gen: max_turns, max_new_tokens, temperature, timeout.
     Trajectories (agent.py's episode dicts) are appended to out/episodes/trajectories.jsonl; each row points to
     its line. Workspaces stay in out/episodes/workspaces/."""
-    import agent
     t0 = time.monotonic()
     ep_dir = out / "episodes"
     ep_dir.mkdir(parents=True, exist_ok=True)
@@ -623,7 +502,9 @@ def run_policy(policy, chunk: list, mode: str, backend: str, out: Path, gen: dic
         episodes = agent.run_episodes(policy, chunk, backend=backend, max_turns=gen["max_turns"], out_dir=str(ep_dir),
                                       eval_timeout=gen["timeout"], **kw)
     else:
-        episodes = single_turn_episodes(policy, chunk, backend, ep_dir, gen)
+        episodes = agent.run_single_turn(policy, chunk, backend, max_new_tokens=gen.get("max_new_tokens") or 2048,
+                                         temperature=gen.get("temperature") or 0.0, out_dir=ep_dir,
+                                         eval_timeout=gen["timeout"])
         agent.save_episodes(traj, episodes, append=True)
     per_task = (time.monotonic() - t0) / max(1, len(chunk))
     rows = []
@@ -639,43 +520,6 @@ def run_policy(policy, chunk: list, mode: str, backend: str, out: Path, gen: dic
     return rows
 
 
-def single_turn_episodes(policy, chunk: list, backend: str, ep_dir: Path, gen: dict) -> list[dict]:
-    """The paper's "no agent loop" baseline: one answer per task (agent.single_turn_prompt), parsed into files
-    (agent.parse_single_turn) and scored in a fresh workspace (agent.score_files)."""
-    import agent
-    from concurrent.futures import ThreadPoolExecutor
-    max_new, temp = gen.get("max_new_tokens") or 2048, gen.get("temperature") or 0.0
-    if policy.kind == "openai":  # a server: text only (tokens when the policy has a local tokenizer)
-        with ThreadPoolExecutor(8) as pool:
-            msgs = list(pool.map(lambda t: policy.chat(agent.single_turn_messages(t, backend), None, max_new, temp), chunk))
-        texts = [m.get("content") or "" for m in msgs]
-        prompts, outs = [[] for _ in chunk], [[] for _ in chunk]
-    else:
-        tok = policy.tokenizer
-        prompts = [agent.single_turn_prompt(t, tok, backend) for t in chunk]
-        outs = policy.generate(prompts, max_new, temperature=temp)
-        texts = [tok.decode(o, skip_special_tokens=True) for o in outs]
-    eps = []
-    for i, (task, text) in enumerate(zip(chunk, texts)):
-        ws = ep_dir / "workspaces" / ("single-" + re.sub(r"[^\w.-]", "_", task["task_id"]))
-        if ws.exists():
-            shutil.rmtree(ws)  # left by an interrupted run
-        eps.append({"task_id": task["task_id"], "tokens": list(prompts[i]) + list(outs[i]),
-                    "loss_mask": [0] * len(prompts[i]) + [1] * len(outs[i]), "text": text,
-                    "files": agent.parse_single_turn(text), "n_turns": 1, "finished": True, "workspace": str(ws)})
-
-    def score(ep_task):
-        ep, task = ep_task
-        try:
-            return agent.score_files(ep["files"], task, backend, workspace=Path(ep["workspace"]), timeout=gen["timeout"]).to_dict()
-        except Exception as e:  # noqa: BLE001 - a task failure
-            return failed_verdict(backend, f"{type(e).__name__}: {str(e)[:500]}")
-    with ThreadPoolExecutor(4) as pool:  # builds overlap; env.py serialises the timed sections per device
-        for ep, v in zip(eps, pool.map(score, zip(eps, chunk))):
-            ep["verdict"], ep["reward"] = v, v["reward"]
-    return eps
-
-
 # ----------------------------------------------------------------------------------------------
 # The run: importable for train.py
 # ----------------------------------------------------------------------------------------------
@@ -686,7 +530,6 @@ def run_eval(tasks: list[dict], *, mode: str, out_dir, backend: str = "auto", po
     """Evaluate tasks and write out_dir/{run.json, tasks.jsonl, results.json}; returns the results dict
     ({"overall": summarize(...), "levels": {...}, ...}). mode: agent | single | solutions | reference.
     Resumable: tasks already in tasks.jsonl are skipped; a folder holding another kind of run is refused."""
-    from tqdm import tqdm
     t_start = time.monotonic()
     backend = env.resolve_backend(backend)
     out = Path(out_dir)
@@ -800,7 +643,7 @@ def compare(path_a: str, path_b: str) -> str:
 def chart(results: dict, path: Path) -> bool:
     """A bar chart of the per-level rates; False when matplotlib is not installed."""
     try:
-        import matplotlib
+        import matplotlib  # (optional, in requirements.txt; pyplot takes a second to import: only for the chart)
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -832,9 +675,12 @@ def main(argv=None) -> int:
             return 0
         if a.solutions and a.reference_only:
             raise env.UsageError("--solutions and --reference-only are different runs; pick one")
+        if (a.solutions or a.reference_only) and (a.model or a.base_url):
+            raise env.UsageError(f"--model/--base-url choose a policy; {'--solutions' if a.solutions else '--reference-only'}"
+                                 " runs none (drop them, or drop --solutions/--reference-only to evaluate the model)")
         tasks = load_tasks(a)
         backend = env.resolve_backend(a.backend)
-        bench_src = a.dataset if a.bench == "synth" else (str(Path(a.bench_dir).resolve()) if a.bench_dir else HUB_ID)
+        bench_src = a.dataset if a.bench == "synth" else (str(Path(a.bench_dir).resolve()) if a.bench_dir else KERNELBENCH_HUB)
         settings = {"bench": a.bench, "bench_source": bench_src}
         policy, solutions = None, None
         if a.reference_only:
@@ -850,10 +696,6 @@ def main(argv=None) -> int:
                       "they count as failures", file=sys.stderr)
         else:
             mode = a.mode
-            try:
-                import agent
-            except ImportError as e:
-                raise env.UsageError(f"--mode {a.mode} needs agent.py, which cannot be imported: {e}")
             settings.update(policy=a.policy, model=a.model, max_turns=a.max_turns if mode == "agent" else 1, temperature=a.temperature)
             policy = agent.load_policy(a.policy, model=a.model, base_url=a.base_url)
         results = run_eval(tasks, mode=mode, out_dir=a.out, backend=backend, policy=policy, solutions=solutions,
@@ -875,7 +717,7 @@ def main(argv=None) -> int:
     print()
     print(REF_DEFINITIONS if mode == "reference" else DEFINITIONS)
     if mode == "reference" and any(k in H100_COMPILE_WINS for k in results["levels"]):
-        print("For comparison, torch.compile beats eager on KernelBench (H100, FACTS.md): "
+        print("For comparison, torch.compile beats eager on KernelBench (reported on an H100): "
               + ", ".join(f"L{k} {v}" for k, v in H100_COMPILE_WINS.items()))
     o = results["overall"]
     png = Path(a.out) / "rates.png"

@@ -4,15 +4,13 @@
     python synth.py --out data/ops6k --num-tasks 6000 --backend cuda --workers 12  # the real run (one H200)
 
 The pipeline, one readable function per stage, in order:
-  1. mine      introspect torch.nn modules, torch / torch.special / torch.linalg / torch.nn.functional
-               functions and transformers' activations and normalisation layers; probe each on small
-               tensors of rank 2..5 (and on meta tensors) to learn which input ranks it accepts, and
-               keep it as a seed operator if it computes something deterministic from its input.
-               ARG_RULES, a short table, gives constructor arguments that introspection cannot guess
-               (in_channels = the input's dim 1, ...). Runs once in a sandboxed child, cached per
-               torch/transformers version.
+  1. mine      ops.mine_seeds: introspect torch.nn modules, torch / torch.special / torch.linalg /
+               torch.nn.functional functions and transformers' activations and normalisation layers; probe
+               each on small tensors of rank 2..5 (and on meta tensors) to learn which input ranks it
+               accepts, and keep it as a seed operator if it computes something deterministic from its
+               input. Runs once in a sandboxed child, cached per torch/transformers version (ops.py).
   2. compose   sample the number of ops K from the paper's mix, chain K seeds *sequentially*, propagating
-               shapes by running on meta tensors, then double BATCH until a roofline estimate of eager
+               shapes by running on meta tensors (ops.meta_run), then double BATCH until a roofline estimate of eager
                time (bytes moved and FLOPs counted on meta tensors, plus each seed's mined CPU cost per
                element) reaches the target inside the time window. Emits a self-contained KernelBench-
                format module. Deterministic per --seed. `--composer llm` lets agent.py's policy rewrite
@@ -26,10 +24,11 @@ The pipeline, one readable function per stage, in order:
                Compose and filter form one stream: a candidate is composed when a worker is free and
                the tasks kept so far (plus the expected yield of those being checked) fall short.
   4. report    funnel (in/out and top drop reasons of every stage) on screen and in DIR/funnel.json,
+               every checked candidate's verdict and timings in DIR/candidates.jsonl (bench/synth_diag.py),
                diversity (op histogram, ops per task vs the paper's mix, input sizes, eager times).
 
 Output: DIR holds a datasets.DatasetDict (train/test) saved with save_to_disk; columns ops, data_source,
-code, eager_ms, compile_ms. `load_tasks(DIR or hub id, split)` reads it (train.py/evaluate.py use it).
+code, eager_ms, compile_ms. tasks.py reads it (load_split: the tasks of a split; read_dataset: the Dataset).
 DIR is written atomically at the end; per-candidate filter results are kept in DIR.partial/ so an
 interrupted run, re-run with the same command, resumes where it stopped.
 
@@ -49,6 +48,8 @@ import dataclasses
 import difflib
 import fcntl
 import hashlib
+import importlib
+import importlib.util
 import json
 import math
 import os
@@ -65,11 +66,16 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-import env
+import datasets
+import torch
+from tqdm import tqdm
 
-HUB_ID = "BytedTsinghua-SIA/CUDA-Agent-Ops-6K"  # the published dataset (same columns, no timings)
+import agent
+import env
+from ops import build_op, meta_run, mine_seeds
+from tasks import FEATURES, KERNELBENCH_HUB, read_dataset
+
 PAPER_MIX = {"torch#1": 3.4, "torch#2": 84.0, "torch#3": 7.6, "torch#4": 2.8, "torch#5": 1.2, "transformers": 1.2}
-SEEDS_VERSION = 6  # bump when mining changes, to invalidate the seed cache
 
 
 @dataclasses.dataclass
@@ -96,382 +102,18 @@ class Config:
     mem_cap_gb: float = 0.0  # bytes one task may touch (estimated); 0 = 4 GiB on CUDA, 0.25 GiB on CPU
 
 
-# Constructor arguments introspection cannot guess, by parameter name: f(shape, rng) -> value.
-# `shape` is the op's input shape. Only required parameters (and the None-default ones in NONE_DEFAULTS) use it.
-ARG_RULES = {
-    "in_features": lambda s, r: s[-1],
-    "input_size": lambda s, r: s[-1],
-    "hidden_size": lambda s, r: s[-1],
-    "d_model": lambda s, r: s[-1],
-    "out_features": lambda s, r: r.choice([64, 128, 256, 512, 1024]),
-    "in_channels": lambda s, r: s[1],
-    "num_features": lambda s, r: s[1],
-    "num_channels": lambda s, r: s[1],
-    "out_channels": lambda s, r: r.choice([8, 16, 32, 64]),
-    "num_groups": lambda s, r: r.choice([g for g in (1, 2, 4, 8) if s[1] % g == 0]),
-    "nhead": lambda s, r: r.choice([h for h in (1, 2, 4, 8) if s[-1] % h == 0]),
-    "normalized_shape": lambda s, r: (s[-1],),
-    "kernel_size": lambda s, r: r.choice([2, 3]),
-    "output_size": lambda s, r: r.choice([2, 4]),
-    "upscale_factor": lambda s, r: 2,
-    "downscale_factor": lambda s, r: 2,
-    "groups": lambda s, r: 2,
-    "padding": lambda s, r: r.choice([1, 2]),
-    "value": lambda s, r: 0.5,
-    "threshold": lambda s, r: 0.25,
-    "size": lambda s, r: 5,
-    "norm_type": lambda s, r: 2.0,
-    # optional parameters whose default (None) is useless or deprecated:
-    "dim": lambda s, r: -1,
-    "scale_factor": lambda s, r: 2.0,
-}
-NONE_DEFAULTS = {"dim", "scale_factor"}
-# Mining skips these outright (reason given): state-changing, I/O, creation or random functions.
-DENY_PREFIXES = ("set_", "get_", "is_", "use_", "save", "load", "manual_seed", "seed", "initial_seed", "compile", "export",
-                 "from_", "as_", "empty", "zeros", "ones", "full", "rand", "normal", "bernoulli", "poisson", "multinomial",
-                 "dropout", "alpha_dropout", "feature_", "fused_", "quantize", "dequantize", "q_", "sym_", "vmap", "cond",
-                 "while_loop", "frombuffer", "asarray", "tensor", "scalar_tensor", "can_cast", "promote_types", "result_type",
-                 "cuda", "mps", "xpu", "mkldnn", "miopen", "cudnn", "native_", "align", "autocast", "typename", "fork", "wait",
-                 "chunk", "split", "unbind", "tensor_split", "hsplit", "vsplit", "dsplit", "meshgrid", "broadcast_", "lobpcg",
-                 "pca_", "svd_lowrank", "stft", "istft", "pdist", "cdist", "gumbel", "rrelu", "unique", "nonzero", "where",
-                 "masked", "index", "gather", "scatter", "take", "put", "sparse", "to_", "resolve_", "conj", "imag", "real",
-                 "view_as", "histogram", "bincount", "argwhere", "print", "no_grad", "enable_grad", "inference_mode")
-CANON_SHAPES = {2: (4, 8), 3: (2, 4, 8), 4: (2, 4, 8, 8), 5: (2, 4, 4, 8, 8)}  # for probing seeds
 DIM_NAMES = {2: ["BATCH", "DIM"], 3: ["BATCH", "SEQ_LEN", "DIM"], 4: ["BATCH", "CHANNELS", "HEIGHT", "WIDTH"],
              5: ["BATCH", "CHANNELS", "DEPTH", "HEIGHT", "WIDTH"]}
 # Base input shapes (BATCH = 1 here; compose grows BATCH): rank -> choices for the other dims.
 BASE_DIMS = {2: [[256, 512, 1024, 2048, 4096]], 3: [[32, 64, 128, 256], [64, 128, 256, 512]],
              4: [[3, 8, 16, 32, 64], [16, 32, 64, 128]], 5: [[3, 8, 16], [8, 16], [16, 32]]}
 RANK_WEIGHTS = {2: 0.35, 3: 0.2, 4: 0.35, 5: 0.1}
-# Roofline constants for the eager-time estimate used to size tasks: bytes/s, FLOP/s, per-op overhead (s).
-ROOFLINE = {"cuda": (3.0e12, 4.0e13, 8e-6), "cpu": (4.0e9, 2.0e10, 1e-5)}
-GPU_SPEEDUP = 1000.0  # an H200 vs one CPU core on compute-bound elementwise math (fp32 FLOP/s ratio, roughly)
 MEM_CAP = {"cuda": 4 << 30, "cpu": 256 << 20}  # estimated bytes one task may touch (eager, all intermediates)
-
-
-class UsageError(env.UsageError):
-    pass
-
-
-# ==============================================================================================
-# 1. Mine seed operators
-# ==============================================================================================
-def mine_seeds(verbose: bool = True) -> list[dict]:
-    """Seed operators, from the per-version cache or by probing in a sandboxed child (~1 min once)."""
-    from importlib.metadata import version
-    key = f"seeds-v{SEEDS_VERSION}-torch{version('torch')}-transformers{version('transformers')}.json"
-    cache = env.CACHE_DIR / "synth" / key
-    if not cache.exists():
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        if verbose:
-            print("mine: probing torch and transformers operators in a sandboxed child (once per version)...", flush=True)
-        with tempfile.TemporaryDirectory(prefix="mine-", dir=env.CACHE_DIR) as d:
-            r = env.run_sandboxed([sys.executable, "-E", "-B", str(Path(__file__).resolve()), "_mine", str(Path(d) / "mined.json")], d,
-                                  timeout=900, mem_gb=8.0, env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
-            if not (Path(d) / "mined.json").exists():
-                raise RuntimeError(f"mining failed: {r.crash or r.returncode}\n{r.stderr[-3000:]}")
-            tmp = cache.with_suffix(f".{uuid.uuid4().hex}.tmp")
-            shutil.copy(Path(d) / "mined.json", tmp)
-            os.replace(tmp, cache)
-    mined = json.loads(cache.read_text())
-    if verbose:
-        by_src = collections.Counter(s["source"] for s in mined["seeds"])
-        print(f"mine: {len(mined['seeds'])} seed operators | " + " | ".join(f"{k} {v}" for k, v in sorted(by_src.items())))
-        reasons = collections.defaultdict(list)
-        for name, why in mined["skipped"]:
-            reasons[why.split(":")[0][:70]].append(name)
-        print(f"mine: skipped {len(mined['skipped'])} candidates:")
-        for why, names in sorted(reasons.items(), key=lambda kv: -len(kv[1]))[:12]:
-            print(f"  {len(names):4d}  {why}  (e.g. {', '.join(names[:4])})")
-    return mined["seeds"]
-
-
-def _probe(make, rank_shapes, torch, max_growth=16):
-    """Try an op on a random tensor of each rank. Returns (ranks where it works, why it failed first)."""
-    ranks, why = [], None
-    for rank, shape in rank_shapes.items():
-        try:
-            torch.manual_seed(0)
-            x1, x2 = torch.randn(shape), torch.randn(shape)
-            xa = x1.clone()
-            with warnings.catch_warnings(record=True) as caught, torch.no_grad():
-                warnings.simplefilter("always")
-                op = make(shape, random.Random(0), "cpu")
-                y1, y1b, y2 = op(xa), op(x1.clone()), op(x2.clone())
-            if caught:  # deprecated, implicit dim, or a shape it misreads (InstanceNorm1d on 2-d input...)
-                raise ValueError(f"warns: {str(caught[0].message).splitlines()[0][:50]}")
-            if isinstance(y1, (tuple, list)):
-                raise ValueError("returns a tuple")
-            if not isinstance(y1, torch.Tensor) or not y1.is_floating_point():
-                raise ValueError("output is not a float tensor")
-            if y1.untyped_storage().data_ptr() == xa.untyped_storage().data_ptr():
-                raise ValueError("a view of its input (no computation)")
-            if not torch.isfinite(y1).all():
-                raise ValueError("non-finite output on randn inputs")
-            if not torch.equal(y1, y1b):
-                raise ValueError("random (two runs differ)")
-            if y1.shape == x1.shape and torch.allclose(y1, x1, atol=1e-2, rtol=1e-2):
-                raise ValueError("the identity within 1e-2 (in eval mode)")
-            if y1.shape == y2.shape and torch.allclose(y1, y2):
-                raise ValueError("output does not depend on the input values")
-            if y1.numel() > max_growth * x1.numel():  # (module sizes come from ARG_RULES: not checked here)
-                raise ValueError("output much larger than input")
-            with torch.no_grad():  # compose propagates shapes on meta tensors: the op must support them
-                ym = make(shape, random.Random(0), "meta")(torch.empty(shape, device="meta"))
-            if tuple(ym.shape) != tuple(y1.shape):
-                raise ValueError("meta tensors give a different shape")
-            ranks.append(rank)
-        except ValueError as e:
-            why = why or (str(e) if len(str(e)) < 70 else f"ValueError: {str(e).splitlines()[0][:60]}")
-        except Exception as e:  # noqa: BLE001 - any failure means "not this rank"
-            why = why or f"{type(e).__name__} on a rank-{rank} input: {str(e).strip().splitlines()[0][:60] if str(e).strip() else ''}"
-    return ranks, why
-
-
-def _cost_probe(make, rank, torch) -> float:
-    """Single-thread CPU nanoseconds per input element (best of 3 runs, ~64k elements). Bytes and FLOPs
-    miss the cost of transcendental functions (erf, i0, airy_ai...): compose uses this as a lower bound."""
-    shape = CANON_SHAPES[rank]
-    shape = (max(1, 65536 // math.prod(shape[1:])),) + shape[1:]
-    try:
-        with torch.no_grad():  # first on meta: never allocate a huge output for real
-            out = make(shape, random.Random(0), "meta")(torch.empty(shape, device="meta"))
-        if out.numel() > 4 * math.prod(shape):
-            return 0.0
-        op, x = make(shape, random.Random(0), "cpu"), torch.randn(shape)
-        best = float("inf")
-        with torch.no_grad():
-            for _ in range(3):
-                t0 = time.perf_counter()
-                op(x)
-                best = min(best, time.perf_counter() - t0)
-        return round(best * 1e9 / x.numel(), 3)
-    except Exception:  # noqa: BLE001 - a size the op dislikes: no extra cost information
-        return 0.0
-
-
-def build_op(seed: dict, shape, rng: random.Random):
-    """Expression for one op at input `shape`: ("nn.Conv2d(in_channels=3, ...)" | "torch.tanh(x)")."""
-    if seed["kind"] == "call":
-        return seed["expr"]
-    if seed.get("instance"):  # e.g. ACT2FN["gelu_new"]: already an instance
-        return seed["ctor"]
-    args = []
-    for name in seed["args"]:
-        if name == "__first_dim_last":  # transformers norms: first positional = hidden size
-            args.append(repr(shape[-1]))
-        else:
-            args.append(f"{name}={ARG_RULES[name](shape, rng)!r}")
-    return f"{seed['ctor']}({', '.join(args)})"
-
-
-def _namespace(torch):
-    import torch.nn as nn
-    import torch.nn.functional as F
-    return {"torch": torch, "nn": nn, "F": F}
-
-
-def eval_op(seed: dict, expr: str, ns: dict, device: str):
-    """A callable for one op expression (modules are constructed on `device`)."""
-    import torch
-    if seed["kind"] == "call":
-        return lambda x: eval(expr, ns, {"x": x})  # noqa: S307 - our own generated expression
-    for imp in seed.get("imports", []):
-        exec(imp, ns)  # noqa: S102
-    with torch.device(device):
-        return eval(expr, ns).eval()  # noqa: S307
-
-
-def _mine_child(out_path: str):
-    """Runs in a sandboxed child: probe every candidate operator, write {"seeds": [...], "skipped": [...]}."""
-    import inspect
-    import warnings
-    warnings.filterwarnings("ignore")
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
-    torch.set_num_threads(1)
-    seeds, skipped = [], []
-    ns = _namespace(torch)
-
-    def add(seed, rank_shapes=CANON_SHAPES):
-        make = lambda shape, rng, dev: eval_op(seed, build_op(seed, shape, rng), dict(ns), dev)
-        ranks, why = _probe(make, rank_shapes, torch, max_growth=float("inf"))
-        if ranks:
-            seeds.append(dict(seed, ranks=ranks, ns_per_elem=_cost_probe(make, ranks[0], torch)))
-        else:
-            skipped.append((seed["name"], why or "fails on every rank"))
-
-    # torch.nn modules: every nn.Module subclass exported by torch.nn
-    skip_mod = {"Module": "base class", "Sequential": "container", "ModuleList": "container", "ModuleDict": "container",
-                "ParameterList": "container", "ParameterDict": "container", "Container": "container", "Identity": "identity"}
-    for name in sorted(dir(nn)):
-        cls = getattr(nn, name)
-        if not (inspect.isclass(cls) and issubclass(cls, nn.Module)):
-            continue
-        if name in skip_mod:
-            skipped.append((f"nn.{name}", skip_mod[name]))
-            continue
-        if name.startswith("Lazy"):
-            skipped.append((f"nn.{name}", "lazy module (same op as its eager twin)"))
-            continue
-        if "Dropout" in name:
-            skipped.append((f"nn.{name}", "random (and the identity in eval mode)"))
-            continue
-        if name.endswith("Loss"):
-            skipped.append((f"nn.{name}", "loss: forward needs a target tensor"))
-            continue
-        try:
-            fwd = [p for p in inspect.signature(cls.forward).parameters.values()
-                   if p.name != "self" and p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-            init = inspect.signature(cls.__init__).parameters.values()
-        except (TypeError, ValueError):
-            skipped.append((f"nn.{name}", "no signature"))
-            continue
-        if len(fwd) != 1:
-            skipped.append((f"nn.{name}", f"forward needs {len(fwd)} tensors"))
-            continue
-        args, bad = [], None
-        for p in init:
-            if p.name == "self" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-                continue
-            if p.default is p.empty or (p.default is None and p.name in NONE_DEFAULTS):
-                if p.name not in ARG_RULES:
-                    bad = f"cannot infer constructor argument {p.name!r}"
-                    break
-                args.append(p.name)
-        if bad:
-            skipped.append((f"nn.{name}", bad))
-            continue
-        add({"name": f"nn.{name}", "source": "torch.nn", "kind": "module", "ctor": f"nn.{name}", "args": args})
-
-    # functions: torch.*, torch.special.*, torch.linalg.*, torch.nn.functional.*
-    seen_fns = {}
-    for prefix, module, src in (("torch", torch, "torch"), ("torch.special", torch.special, "torch.special"),
-                                ("torch.linalg", torch.linalg, "torch.linalg"), ("F", F, "torch.nn.functional")):
-        for name in sorted(dir(module)):
-            fn = getattr(module, name, None)
-            full = f"{prefix}.{name}"
-            if name.startswith("_") or name.endswith("_") or not callable(fn) or inspect.isclass(fn) or inspect.ismodule(fn):
-                continue
-            if not name.islower():
-                continue
-            if name.startswith(DENY_PREFIXES) or "loss" in name:
-                skipped.append((full, "denied: state, I/O, creation, random or data-dependent shape"))
-                continue
-            if id(fn) in seen_fns:
-                skipped.append((full, f"same function as {seen_fns[id(fn)]}"))
-                continue
-            seen_fns[id(fn)] = full
-            found, first_why = None, None
-            for form in (f"{full}(x)", f"{full}(x, -1)"):  # a single tensor, or a tensor and a dim
-                ranks, why = _probe(lambda shape, rng, dev, e=form: (lambda x: eval(e, ns, {"x": x})), CANON_SHAPES, torch)  # noqa: S307
-                if ranks:
-                    make = lambda shape, rng, dev, e=form: (lambda x: eval(e, ns, {"x": x}))  # noqa: S307
-                    found = {"name": full, "source": src, "kind": "call", "expr": form, "ranks": ranks,
-                             "ns_per_elem": _cost_probe(make, ranks[0], torch)}
-                    break
-                first_why = first_why or why
-            if found:
-                seeds.append(found)
-            else:
-                skipped.append((full, first_why or "no single-tensor call form works"))
-
-    # transformers: activations (ACT2FN) and normalisation layers of a few model families
-    try:
-        from transformers.activations import ACT2CLS
-        for key, val in sorted(ACT2CLS.items()):
-            cls = val[0] if isinstance(val, tuple) else val
-            if not cls.__module__.startswith("transformers"):
-                skipped.append((f"transformers.{key}", f"same module as torch's {cls.__name__}"))
-                continue
-            add({"name": f"transformers.{key}", "source": "transformers", "kind": "module", "instance": True,
-                 "ctor": f'ACT2FN["{key}"]', "args": [], "imports": ["from transformers.activations import ACT2FN"]})
-        import importlib
-        seen_src = set()
-        for fam in ("llama", "gemma", "t5", "olmo", "cohere", "mamba", "qwen2", "mistral", "phi3", "qwen3"):
-            mod = importlib.import_module(f"transformers.models.{fam}.modeling_{fam}")
-            for name, cls in sorted(vars(mod).items()):
-                if not (inspect.isclass(cls) and cls.__module__ == mod.__name__ and name.endswith(("RMSNorm", "LayerNorm"))):
-                    continue
-                src_hash = hashlib.sha256(inspect.getsource(cls).replace(name, "X").encode()).hexdigest()
-                if src_hash in seen_src:
-                    skipped.append((f"transformers.{name}", "same code as another transformers norm"))
-                    continue
-                seen_src.add(src_hash)
-                add({"name": f"transformers.{name}", "source": "transformers", "kind": "module", "ctor": name,
-                     "args": ["__first_dim_last"], "imports": [f"from {mod.__name__} import {name}"]})
-    except Exception as e:  # noqa: BLE001
-        skipped.append(("transformers", f"import failed: {type(e).__name__}: {e}"))
-    Path(out_path).write_text(json.dumps({"seeds": seeds, "skipped": skipped}))
 
 
 # ==============================================================================================
 # 2. Compose candidates
 # ==============================================================================================
-class _Cost:
-    """Counts bytes moved, FLOPs, op count and bytes allocated while ops run on meta tensors."""
-
-    def __init__(self):
-        import torch
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils.flop_counter import FlopCounterMode
-        cost = self
-
-        class Bytes(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                if func.overloadpacket.__name__ not in env.ALLOWED_OPS:
-                    ins = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-                    outs = [o for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
-                    nb = lambda ts: sum(t.numel() * t.element_size() for t in ts)
-                    cost.bytes += nb(ins) + nb(outs)
-                    cost.alloc += nb(outs)
-                    cost.ops += 1
-                return out
-
-        self.bytes = self.alloc = self.ops = 0
-        self.flop_mode = FlopCounterMode(display=False)
-        self.modes = (self.flop_mode, Bytes())
-
-
-def meta_run(seeds_by_name: dict, steps: list[dict], shape: tuple, backend: str | None = None):
-    """Run the chain on a meta tensor of `shape`. Returns (output shape, est. eager ms, est. bytes touched).
-    Per op: max(bytes / bandwidth, FLOPs / peak, elements x the op's mined CPU ns/element [/ GPU_SPEEDUP])
-    plus a launch overhead per aten op: a rough roofline, good enough to aim inside a 100x window."""
-    import torch
-    ns = _namespace(torch)
-    x = torch.empty(shape, device="meta")
-    cost = _Cost() if backend else None
-    est = 0.0
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if cost:
-            for m in cost.modes:
-                m.__enter__()
-        try:
-            for st in steps:
-                seed = seeds_by_name[st["name"]]
-                if cost:
-                    b0, f0, o0, n_in = cost.bytes, cost.flop_mode.get_total_flops(), cost.ops, x.numel()
-                x = eval_op(seed, st["expr"], ns, "meta")(x)
-                if cost:
-                    bw, peak, overhead = ROOFLINE[backend]
-                    per_elem = seed.get("ns_per_elem", 0.0) * 1e-9 / (GPU_SPEEDUP if backend == "cuda" else 1)
-                    est += max((cost.bytes - b0) / bw, (cost.flop_mode.get_total_flops() - f0) / peak, n_in * per_elem)
-                    est += (cost.ops - o0) * overhead
-        finally:
-            if cost:
-                for m in reversed(cost.modes):
-                    m.__exit__(None, None, None)
-    if not isinstance(x, torch.Tensor):
-        raise ValueError("chain output is not a tensor")
-    if not cost:
-        return tuple(x.shape), None, None
-    nbytes = math.prod(shape) * 4 + cost.alloc
-    return tuple(x.shape), est * 1e3, nbytes
-
-
 def render(steps: list[dict], seeds_by_name: dict, shape: tuple) -> str:
     """The KernelBench-format module for a chain of steps and an input shape."""
     names = DIM_NAMES[len(shape)]
@@ -586,7 +228,6 @@ def compose_llm(plans: list[dict], cfg: Config, policy) -> list[dict]:
     """--composer llm: the rule composer picks the operators and a shape that fits (a plan); an LLM, through
     agent.py's policy, writes the module (as the paper did). Its code goes through the same filters; an
     answer that is not KernelBench format, or leaves out a requested operator, is dropped here."""
-    import agent
     prompts = []
     for c in plans:
         msg = LLM_PROMPT.format(ops=", ".join(c["ops"]), shape=tuple(c["shape"]), code=c["code"])
@@ -596,7 +237,7 @@ def compose_llm(plans: list[dict], cfg: Config, policy) -> list[dict]:
         try:
             answers += policy.generate(prompts[i:i + 64], max_new_tokens=768, temperature=0.0)
         except Exception as e:  # noqa: BLE001 - agent.py is another component: say where it broke, in one line
-            raise UsageError(f"--composer llm: agent.py's policy failed to generate ({type(e).__name__}: {str(e)[:150]})")
+            raise env.UsageError(f"--composer llm: agent.py's policy failed to generate ({type(e).__name__}: {str(e)[:150]})")
     out = []
     for c, ids in zip(plans, answers):
         code = _llm_code(policy.tokenizer.decode(ids, skip_special_tokens=True))
@@ -614,12 +255,11 @@ def load_composer_policy(cfg: Config):
     if cfg.composer != "llm":
         return None
     try:
-        import agent
         return agent.load_policy("hf", model=cfg.model)
     except env.UsageError as e:
-        raise UsageError(f"--composer llm: {e}")
+        raise env.UsageError(f"--composer llm: {e}")
     except Exception as e:  # noqa: BLE001
-        raise UsageError(f"--composer llm needs agent.py's model backends, which failed: {type(e).__name__}: {str(e)[:200]}")
+        raise env.UsageError(f"--composer llm needs agent.py's model backends, which failed: {type(e).__name__}: {str(e)[:200]}")
 
 
 def compose(start: int, count: int, seeds: list[dict], cfg: Config, backend: str, seen: set, funnel: dict,
@@ -677,16 +317,15 @@ def load_kernelbench(path: str | None) -> list[tuple[str, list[str]]]:
     if not path:
         return []
     if path == "hub":
-        import datasets
         try:
-            ds = datasets.load_dataset("ScalingIntelligence/KernelBench")
+            ds = datasets.load_dataset(KERNELBENCH_HUB)
         except Exception as e:  # noqa: BLE001
-            raise UsageError(f"cannot load the KernelBench dataset from the hub (offline?): {type(e).__name__}")
+            raise env.UsageError(f"cannot load the KernelBench dataset from the hub (offline?): {type(e).__name__}")
         files = [(f"{split}/{r['name']}", r["code"]) for split in ds for r in ds[split]]
     else:
         p = Path(path)
         if not p.is_dir():
-            raise UsageError(f"--kernelbench-dir {path} is not a directory")
+            raise env.UsageError(f"--kernelbench-dir {path} is not a directory")
         files = [(str(f.relative_to(p)), f.read_text(errors="replace")) for f in sorted(p.rglob("*.py"))]
     out = []
     for name, code in files:
@@ -695,7 +334,7 @@ def load_kernelbench(path: str | None) -> list[tuple[str, list[str]]]:
         except SyntaxError:
             continue
     if not out:
-        raise UsageError(f"--kernelbench-dir {path} holds no parseable .py files")
+        raise env.UsageError(f"--kernelbench-dir {path} holds no parseable .py files")
     return out
 
 
@@ -741,7 +380,6 @@ def filter_by_execution(stream, cfg: Config, backend: str, resume_file: Path | N
     cover a prefix of the stream: which of a seed's candidates are the first `need` kept does not depend on
     scheduling or workers, given the same verdicts. Results are appended to `resume_file` as they arrive and
     read back from it on a re-run. Raises MachineBroken when the first 20 results all failed to run."""
-    from tqdm import tqdm
     done = {}
     if resume_file and resume_file.exists():
         for line in resume_file.read_text().splitlines():
@@ -855,13 +493,13 @@ def filter_by_execution(stream, cfg: Config, backend: str, resume_file: Path | N
     return done
 
 
-class MachineBroken(UsageError):
+class MachineBroken(env.UsageError):
     pass
 
 
 def machine_broken(results: list[dict]) -> bool:
     """Every one of these results failed before any filter could judge it: the machine is at fault, not the
-    tasks (on the H200, children once could not start CUDA at all)."""
+    tasks (e.g. a machine where the sandboxed children cannot start CUDA)."""
     return bool(results) and all(not r["kept"] and _reason_class(r["drop"]) in ("eager failed", "child process")
                                  for r in results)
 
@@ -895,13 +533,11 @@ class Checker:
         # no inductor compile-worker pool per child: the workers already compile in parallel, and 12 children
         # each starting a pool of one process per core (each importing torch) would swamp the CPUs
         extra["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
-        if backend == "cuda":
-            extra["CUDA_AGENT_NO_AS"] = "1"  # RLIMIT_AS breaks CUDA's address-space reservations
         self.timeout = cfg.task_timeout_s or (60 if backend == "cuda" else 150)
         self.lock_limit = min(15.0, self.timeout / 2)  # a legitimate task holds the lock for a second or three
         spec = {"dir": str(Path(self.dir).resolve()), "backend": backend, "window_ms": list(cfg.window_ms),
                 "n_timed": cfg.n_timed, "min_timed_s": cfg.min_timed_s, "threads": threads,
-                "lock_fd": self.lock_fd, "stop_fd": stop_fd, "in_fd": cand_r, "out_fd": res_w}
+                "lock_fd": self.lock_fd, "stop_fd": stop_fd, "in_fd": cand_r, "out_fd": res_w, "created": time.time()}
         Path(self.dir, "spec.json").write_text(json.dumps(spec))
         argv = [sys.executable, "-E", "-B", str(Path(__file__).resolve()), "_filter", str(Path(self.dir, "spec.json").resolve())]
         # (the wall-clock limit only backs up check()'s per-candidate one: importing torch, then MAX_TASKS candidates)
@@ -931,7 +567,7 @@ class Checker:
         self.n += 1
         limit = self.timeout + (120 if self.n == 1 else 0)  # a child's first also waits for torch and CUDA to start
         state, since, used, killed = "run", time.monotonic(), 0.0, None  # used: seconds of work before `since`
-        held_from = None  # wall clock, for the turn of a child killed under the lock (lock_use)
+        held_from = None  # wall clock, for the turn of a child killed under the lock (bench/synth_diag.py)
         while True:
             while b"\n" in self.buf:
                 line, self.buf = self.buf.split(b"\n", 1)
@@ -1008,15 +644,14 @@ def _locked(fd, spent: dict, tell=lambda state: None):
         t2 = time.time()
         spent["wait"] += t1 - t0
         spent["locked"] += t2 - t1
-        spent.setdefault("turns", []).append((t0, t1, t2))  # wall clock: lock_use() compares children
+        spent.setdefault("turns", []).append((t0, t1, t2))  # wall clock: bench/synth_diag.py compares children
 
 
-def check_task(code: str, spec: dict, torch, lock_fd, spent: dict, tell=lambda state: None, facts=None) -> dict:
+def check_task(code: str, spec: dict, lock_fd, spent: dict, tell=lambda state: None, facts=None) -> dict:
     """The execution filter for one task, inside the child. Returns {"kept": bool, "drop": why, ...}.
     Cheap checks first, torch.compile (seconds) last. Adds where the time went to `spent` (seconds: setup, the
     warm-up runs, lock wait, locked device work and the first run within it, compile), so the funnel can name the
-    bottleneck; `facts` receives the estimate from a few rows ("row_est_ms"), which the funnel checks."""
-    import importlib.util
+    bottleneck; `facts` receives the estimate from a few rows ("row_est_ms": bench/synth_diag.py checks it)."""
     t0 = time.perf_counter()
     device = torch.device("cuda" if spec["backend"] == "cuda" else "cpu")
     lo, hi = spec["window_ms"]
@@ -1054,8 +689,8 @@ def check_task(code: str, spec: dict, torch, lock_fd, spent: dict, tell=lambda s
     # A first run on one row and on k rows compiles the task's jiterator kernels (torch.special functions: seconds
     # each), loads its CUDA modules and picks its algorithms, so that the locked section runs kernels, not
     # compilers. Timed runs on 1 and k rows then extrapolate to the whole batch: a task far too slow for the
-    # window is dropped before it takes the lock from every other worker (on the H200, a task ending in
-    # `linalg.svdvals` held it for 27 s). Launch-bound rows extrapolate flat, so only a real per-row
+    # window is dropped before it takes the lock from every other worker (a batched `linalg.svdvals` can hold it
+    # for tens of seconds on a GPU). Launch-bound rows extrapolate flat, so only a real per-row
     # cost adds up; k >= BATCH/64 bounds how much a timing error is magnified, k <= BATCH/4 keeps these runs a
     # fraction of the task's device work (they are not under the lock), and the fastest of three runs keeps
     # other processes' device work out of the timing. Best effort: a forward that needs the whole batch skips
@@ -1075,8 +710,8 @@ def check_task(code: str, spec: dict, torch, lock_fd, spent: dict, tell=lambda s
             rows(1)
             warmed = True
             # k <= a quarter of the batch already over twice the window (2x: room for a first call's set-up) is
-            # too slow for certain, so the timed runs are skipped: on the H200, 14 of 1,295 candidates (linalg
-            # ops such as one SVD of a 262,144 x 1,024 input) ran into the 60 s task timeout
+            # too slow for certain, so the timed runs are skipped (linalg ops such as one SVD of a 262,144 x 1,024
+            # input would otherwise run into the task timeout)
             if batch >= 4 and (t_first := rows(k)) * 1e3 <= 2 * hi:  # (batch < 4: k rows would be most of it)
                 t1, tk = min(rows(1) for _ in range(3)), min(rows(k) for _ in range(3))
                 est = (t1 + (tk - t1) * (batch - 1) / (k - 1)) * 1e3
@@ -1149,7 +784,6 @@ def check_task(code: str, spec: dict, torch, lock_fd, spent: dict, tell=lambda s
 def _filter_child(spec_path: str):
     """Runs in a sandboxed child (Checker): check each candidate read from the input pipe, answer each with
     one JSON line, until the pipe closes."""
-    import warnings
     warnings.filterwarnings("ignore")
     spec = json.loads(Path(spec_path).read_text())
 
@@ -1157,14 +791,12 @@ def _filter_child(spec_path: str):
         os.read(spec["stop_fd"], 1)
         os._exit(3)
     threading.Thread(target=watchdog, daemon=True).start()
-    t0 = time.perf_counter()
-    import torch
     torch.set_num_threads(spec["threads"])
     env._SYNC = torch.cuda.synchronize
     if spec["backend"] == "cuda":  # create the CUDA context and the cuBLAS/cuDNN handles now, outside the device
         x = torch.randn(64, 64, device="cuda")  # lock: the first task's first run would pay for them under it
         float((x @ x).sum() + torch.nn.functional.conv2d(x[None, None], x[None, None, :3, :3]).sum())
-    start = time.perf_counter() - t0  # importing torch (and CUDA set-up): charged to the first candidate
+    start = time.time() - spec["created"]  # the child's start (sandbox, imports, CUDA set-up): charged to the first candidate
     with os.fdopen(spec["in_fd"], "rb") as cands, os.fdopen(spec["out_fd"], "wb", buffering=0) as out:
         say = lambda msg: out.write((json.dumps(msg) + "\n").encode())
         while line := cands.readline():
@@ -1172,7 +804,7 @@ def _filter_child(spec_path: str):
             print(f"synth: checking {c['key']}", file=sys.stderr, flush=True)  # (Checker.check: last words)
             spent = {"start": start, "setup": 0.0, "warm": 0.0, "wait": 0.0, "locked": 0.0, "first": 0.0, "compile": 0.0}
             facts = {}
-            r = check_task(c["code"], spec, torch, spec["lock_fd"], spent, lambda state: say({"state": state}), facts)
+            r = check_task(c["code"], spec, spec["lock_fd"], spent, lambda state: say({"state": state}), facts)
             start = 0.0
             turns = spent.pop("turns", [])  # (asked, got, released) wall-clock times of its lock turns
             say(dict(r, **facts, key=c["key"], t={k: round(v, 3) for k, v in spent.items()}, turns=turns))
@@ -1215,7 +847,7 @@ def diversity(rows: list[dict]) -> dict:
 
 
 def report(funnel: dict, div: dict, n_seeds: int, kept: int, n_train: int, n_test: int, seconds: float,
-           workers: int = 1, secs: dict | None = None, diag: dict | None = None) -> str:
+           secs: dict | None = None) -> str:
     lines = [f"{'stage':<12}{'in':>8}{'out':>8}  top drop reasons", f"{'mine':<12}{'':>8}{n_seeds:>8}  (seed operators)"]
     for name in ("compose", "similarity", "execution"):
         st = funnel[name]
@@ -1227,22 +859,6 @@ def report(funnel: dict, div: dict, n_seeds: int, kept: int, n_train: int, n_tes
     if secs:
         lines.append("seconds: " + " | ".join(f"{k} {v:.1f}" for k, v in secs.items()) +
                      " (compose and similarity run inside execution, as the filter takes candidates)")
-    if diag and diag["child_seconds"]:  # the bottleneck: CPU work runs `workers` at a time, device work one at a time
-        n, cs = max(1, funnel["execution"]["in"]), diag["child_seconds"]
-        lines.append(f"execution, seconds per candidate ({workers} workers): " + " | ".join(
-            f"{k} {cs.get(k, 0) / n:.2f}" for k in ("start", "setup", "warm", "wait", "locked", "first", "compile")) +
-            " (start: importing torch and CUDA set-up; warm: runs on a few rows outside the lock; wait: for the device"
-            " lock; locked: eager/compile runs, checks, timing; first: the first full run, within locked)")
-        lock, est = diag["lock"], diag["row_estimate"]
-        lines.append(f"device lock: held {lock['held_s']:.0f} s of {lock['span_s']:.0f} s; waited for while free "
-                     f"{lock['waited_while_free_s']:.1f} s")
-        if est["n"]:
-            lines.append(f"estimate from a few rows / measured eager time ({est['n']} tasks): median "
-                         f"{est['median_ratio']}, p95 {est['p95_ratio']}, max {est['max_ratio']} (a task estimated over"
-                         f" 10x the window is dropped)")
-        lines.append("longest turns under the lock: " + "; ".join(
-            f"{x['locked_s']:.1f} s (first run {x['first_run_s']:.1f} s) {' -> '.join(x['ops'])}: {x['verdict'][:60]}"
-            for x in diag["longest_locked"][:3]))
     mix = " | ".join(f"{k} {v['ours_pct']}% (paper {v['paper_pct']}%)" for k, v in div["mix"].items())
     lines += [f"mix: {mix}", "ops by source: " + ", ".join(f"{k} {v}" for k, v in sorted(div["ops_per_source"].items())),
               f"distinct ops {div['distinct_ops']}; top: " + ", ".join(f"{o} {c}" for o, c in div["top_ops"][:8]),
@@ -1255,16 +871,9 @@ def report(funnel: dict, div: dict, n_seeds: int, kept: int, n_train: int, n_tes
 # ==============================================================================================
 # Output: save and load
 # ==============================================================================================
-def _features():
-    import datasets
-    return datasets.Features({"ops": datasets.List(datasets.Value("string")), "data_source": datasets.Value("string"),
-                              "code": datasets.Value("string"), "eager_ms": datasets.Value("float64"),
-                              "compile_ms": datasets.Value("float64")})
-
-
-def save(rows: list[dict], out: Path, work: Path, cfg: Config, funnel_json: dict):
-    """Split, save under work/, then swap into `out` (an interrupted run never leaves a half-written DIR)."""
-    import datasets
+def save(rows: list[dict], out: Path, work: Path, cfg: Config, funnel_json: dict, records: list | None = None):
+    """Split, save under work/, then swap into `out` (an interrupted run never leaves a half-written DIR).
+    DIR/funnel.json gets funnel_json; DIR/candidates.jsonl one line per checked candidate (`records`)."""
     datasets.disable_progress_bars()
     rng = random.Random(cfg.seed)
     order = list(range(len(rows)))
@@ -1272,13 +881,14 @@ def save(rows: list[dict], out: Path, work: Path, cfg: Config, funnel_json: dict
     n_test = 0 if len(rows) < 2 else max(1, round(len(rows) * cfg.test_share))
     cols = lambda idx: [{k: rows[i][k] for k in ("ops", "data_source", "code", "eager_ms", "compile_ms")} for i in sorted(idx)]
     splits = {"train": order[n_test:], "test": order[:n_test]}
-    # (an empty split is left out: datasets cannot load one back; load_tasks returns it empty)
-    dd = datasets.DatasetDict({k: datasets.Dataset.from_list(cols(idx), features=_features()) for k, idx in splits.items() if idx})
+    # (an empty split is left out: datasets cannot load one back; tasks.read_dataset returns it empty)
+    dd = datasets.DatasetDict({k: datasets.Dataset.from_list(cols(idx), features=FEATURES) for k, idx in splits.items() if idx})
     stage = work / "dataset"
     if stage.exists():
         shutil.rmtree(stage)
     dd.save_to_disk(str(stage))
     (stage / "funnel.json").write_text(json.dumps(funnel_json, indent=1))
+    (stage / "candidates.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records or []))
     old = out.with_name(out.name + f".old-{uuid.uuid4().hex[:6]}")
     if out.exists():
         os.replace(out, old)
@@ -1287,36 +897,8 @@ def save(rows: list[dict], out: Path, work: Path, cfg: Config, funnel_json: dict
     return len(rows) - n_test, n_test
 
 
-def load_tasks(path_or_hub_id: str, split: str = "train"):
-    """A `datasets.Dataset` of tasks (columns ops, data_source, code, eager_ms, compile_ms) from a synth.py
-    output folder or from the hub (e.g. HUB_ID, needs network; it has one split, so "test" is a fixed 5% of it)."""
-    import datasets
-    p = Path(path_or_hub_id)
-    if p.exists():
-        if not (p / "dataset_dict.json").exists():
-            raise UsageError(f"{p} is not a synth.py output (no dataset_dict.json)")
-        dd = datasets.load_from_disk(str(p))
-        if split not in dd and split in ("train", "test"):  # saved without rows (see save())
-            return datasets.Dataset.from_dict({k: [] for k in _features()}, features=_features())
-        if split not in dd:
-            raise UsageError(f"{p} has no split {split!r} (has {', '.join(dd)})")
-        return dd[split]
-    try:
-        dd = datasets.load_dataset(path_or_hub_id)
-    except Exception as e:  # noqa: BLE001
-        raise UsageError(f"cannot load {path_or_hub_id!r}: not a folder, and the hub failed ({type(e).__name__})")
-    if split not in dd:
-        parts = dd["train"].train_test_split(test_size=0.05, seed=0)
-        dd = {"train": parts["train"], "test": parts["test"]}
-        if split not in dd:
-            raise UsageError(f"{path_or_hub_id} has no split {split!r}")
-    ds = dd[split]
-    if "ops" in ds.column_names and ds.features["ops"].dtype == "string":  # a list stored as text
-        ds = ds.map(lambda r: {"ops": list(ast.literal_eval(r["ops"])) if r["ops"].startswith("[") else [r["ops"]]})
-    for col in ("eager_ms", "compile_ms"):
-        if col not in ds.column_names:
-            ds = ds.add_column(col, [None] * len(ds))
-    return ds
+# train.py reads datasets through this name (tasks.load_split does the same with tasks.read_dataset)
+load_tasks = read_dataset
 
 
 # ==============================================================================================
@@ -1354,31 +936,31 @@ def parse_args(argv=None) -> Config:
 
 
 def validate(cfg: Config) -> tuple[Path, str]:
-    """Check every input before any work; raise UsageError with one readable line."""
+    """Check every input before any work; raise env.UsageError with one readable line."""
     if cfg.num_tasks < 1:
-        raise UsageError(f"--num-tasks must be >= 1 (got {cfg.num_tasks})")
+        raise env.UsageError(f"--num-tasks must be >= 1 (got {cfg.num_tasks})")
     if not 1 <= cfg.max_ops <= 5:
-        raise UsageError(f"--max-ops must be between 1 and 5 (got {cfg.max_ops})")
+        raise env.UsageError(f"--max-ops must be between 1 and 5 (got {cfg.max_ops})")
     if cfg.workers < 1:
-        raise UsageError(f"--workers must be >= 1 (got {cfg.workers})")
+        raise env.UsageError(f"--workers must be >= 1 (got {cfg.workers})")
     if not 0 <= cfg.test_share < 1:
-        raise UsageError(f"--test-share must be in [0, 1) (got {cfg.test_share})")
+        raise env.UsageError(f"--test-share must be in [0, 1) (got {cfg.test_share})")
     if cfg.window_ms and not 0 < cfg.window_ms[0] < cfg.window_ms[1]:
-        raise UsageError(f"--window-ms needs 0 < LO < HI (got {cfg.window_ms})")
+        raise env.UsageError(f"--window-ms needs 0 < LO < HI (got {cfg.window_ms})")
     if cfg.kernelbench_dir and cfg.kernelbench_dir != "hub" and not Path(cfg.kernelbench_dir).is_dir():
-        raise UsageError(f"--kernelbench-dir {cfg.kernelbench_dir} does not exist or is not a directory")
+        raise env.UsageError(f"--kernelbench-dir {cfg.kernelbench_dir} does not exist or is not a directory")
     out = Path(cfg.out).resolve()
     if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {cfg.out} exists and is not a directory")
+        raise env.UsageError(f"--out {cfg.out} exists and is not a directory")
     if out.exists() and any(out.iterdir()) and not (out / "funnel.json").exists():
-        raise UsageError(f"--out {cfg.out} is a non-empty folder that synth.py did not write; refusing to replace it")
+        raise env.UsageError(f"--out {cfg.out} is a non-empty folder that synth.py did not write; refusing to replace it")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         probe = out.parent / f".synth-write-test-{uuid.uuid4().hex[:6]}"
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise UsageError(f"--out {cfg.out} is not writable ({e.strerror or e})")
+        raise env.UsageError(f"--out {cfg.out} is not writable ({e.strerror or e})")
     backend = env.resolve_backend(cfg.backend)
     if cfg.window_ms is None:
         cfg.window_ms = (1.0, 100.0) if backend == "cuda" else (0.1, 10.0)
@@ -1392,7 +974,7 @@ def main(argv=None) -> int:
         out, backend = validate(cfg)
         kb = load_kernelbench(cfg.kernelbench_dir)
         policy = load_composer_policy(cfg)
-    except UsageError as e:
+    except env.UsageError as e:
         print(f"synth.py: error: {e}", file=sys.stderr)
         return 2
     work = out.with_name(out.name + ".partial")  # resumable state; removed after a successful run
@@ -1404,7 +986,7 @@ def main(argv=None) -> int:
 
     try:
         return run(cfg, out, backend, kb, work, t0, policy)
-    except UsageError as e:
+    except env.UsageError as e:
         print(f"synth.py: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -1444,7 +1026,7 @@ def run(cfg: Config, out: Path, backend: str, kb: list, work: Path, t0: float, p
         results = filter_by_execution(stream, cfg, backend, work / "filtered.jsonl", need=cfg.num_tasks)  # 3b. execution
     except MachineBroken as e:
         shutil.rmtree(work, ignore_errors=True)  # these verdicts blame the machine: a re-run must not reuse them
-        raise UsageError(f"{e}; check that the {backend} backend works in env.py's sandbox on this machine")
+        raise env.UsageError(f"{e}; check that the {backend} backend works in env.py's sandbox on this machine")
     secs["execution"] = time.time() - t  # (composing and the cheap filters run inside it, as candidates are taken)
     checked = [results[result_key(c, cfg, backend)] for c in taken]
     for c, r in zip(taken, checked):
@@ -1462,57 +1044,18 @@ def run(cfg: Config, out: Path, backend: str, kb: list, work: Path, t0: float, p
     rows = [kept_rows[i] for i in sorted(kept_rows)][:cfg.num_tasks]  # first N by stream index: same seed, same set
     if len(rows) < cfg.num_tasks:
         print(f"synth.py: warning: only {len(rows)} of {cfg.num_tasks} tasks after {len(taken)} candidates", file=sys.stderr)
-    div, diag = diversity(rows), filter_diagnostics(taken, checked)
+    div = diversity(rows)
+    # every checked candidate's verdict and where its time went (bench/synth_diag.py reads them)
+    records = [dict(r, index=c["index"], ops=c["ops"], data_source=c["data_source"]) for c, r in zip(taken, checked)]
     funnel_json = {"config": {k: v for k, v in dataclasses.asdict(cfg).items()}, "backend": backend,
                    "seeds": len(seeds), "stages": {k: dict(v, drops=dict(v["drops"])) for k, v in funnel.items()},
                    "kept": len(rows), "seconds": round(time.time() - t0, 1),
-                   "stage_seconds": {k: round(v, 1) for k, v in secs.items()}, **diag, "diversity": div}
-    n_train, n_test = save(rows, out, work, cfg, funnel_json)                 # 4. report
+                   "stage_seconds": {k: round(v, 1) for k, v in secs.items()}, "diversity": div}
+    n_train, n_test = save(rows, out, work, cfg, funnel_json, records)        # 4. report
     shutil.rmtree(work, ignore_errors=True)
-    print(report(funnel, div, len(seeds), len(rows), n_train, n_test, time.time() - t0, cfg.workers, secs, diag))
-    print(f"saved {out} (train {n_train}, test {n_test}) and {out / 'funnel.json'}")
+    print(report(funnel, div, len(seeds), len(rows), n_train, n_test, time.time() - t0, secs))
+    print(f"saved {out} (train {n_train}, test {n_test}), {out / 'funnel.json'} and {out / 'candidates.jsonl'}")
     return 0
-
-
-def lock_use(turns: list) -> dict:
-    """From every turn at the device lock, (asked, got, released) wall-clock times: how long the lock was held
-    (the union of turns), and how long someone waited while nobody held it (should be ~0)."""
-    events = sorted([(a, 0) for a, b, c in turns] + [(b, 1) for a, b, c in turns] + [(b, 2) for a, b, c in turns] +
-                    [(c, 3) for a, b, c in turns])
-    held = free_wait = 0.0
-    holding = waiting = 0
-    last = events[0][0] if events else 0.0
-    for t, kind in events:
-        held += (t - last) if holding else 0.0
-        free_wait += (t - last) if waiting and not holding else 0.0
-        last = t
-        waiting += {0: 1, 1: -1}.get(kind, 0)
-        holding += {2: 1, 3: -1}.get(kind, 0)
-    span = (events[-1][0] - events[0][0]) if events else 0.0
-    return {"span_s": round(span, 1), "held_s": round(held, 1), "waited_while_free_s": round(free_wait, 1)}
-
-
-def row_estimate_quality(checked: list[dict]) -> dict:
-    """How the estimate from a few rows compares with the measured eager time, on the kept tasks: the filter
-    drops a task whose estimate exceeds 10x the window, so ratios near 10 would mean false drops."""
-    ratios = sorted(r["row_est_ms"] / r["eager_ms"] for r in checked if r["kept"] and r.get("row_est_ms"))
-    q = lambda p: round(ratios[min(len(ratios) - 1, int(p * len(ratios)))], 2) if ratios else None
-    return {"n": len(ratios), "median_ratio": q(0.5), "p95_ratio": q(0.95), "max_ratio": q(1.0)}
-
-
-def filter_diagnostics(taken: list, checked: list[dict]) -> dict:
-    """Where the filter's time went (funnel.json and the report): seconds summed over candidates by phase,
-    the device lock's use, the quality of the estimate from a few rows, and the longest turns under the lock
-    (one long turn stalls every worker)."""
-    secs = collections.Counter()
-    for r in checked:
-        secs.update(r.get("t", {}))
-    longest = sorted(zip(checked, taken), key=lambda rc: -rc[0].get("t", {}).get("locked", 0.0))[:8]
-    return {"child_seconds": {k: round(v, 1) for k, v in secs.items()},
-            "lock": lock_use([t for r in checked for t in r.get("turns", [])]),
-            "row_estimate": row_estimate_quality(checked),
-            "longest_locked": [{"ops": c["ops"], "locked_s": r["t"]["locked"], "first_run_s": r["t"].get("first", 0.0),
-                                "verdict": "kept" if r["kept"] else r["drop"][:120]} for r, c in longest if r.get("t")]}
 
 
 def _reason_class(why: str) -> str:
@@ -1527,9 +1070,7 @@ def _reason_class(why: str) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "_mine":
-        _mine_child(sys.argv[2])
-    elif len(sys.argv) == 3 and sys.argv[1] == "_filter":
+    if len(sys.argv) == 3 and sys.argv[1] == "_filter":
         _filter_child(sys.argv[2])
     else:
         sys.exit(main())

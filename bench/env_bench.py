@@ -1,7 +1,7 @@
 """Benchmark env.py against the naive approach (load_inline with torch/extension.h, rebuilt from
 scratch each time, as KernelBench does), side by side in one run. Prints a table.
 
-    python bench/env_bench.py --backend cuda      # on the H200 (the numbers in the README)
+    python bench/env_bench.py --backend cuda      # on the H200 (the numbers in docs/results.md)
     python bench/env_bench.py --backend cpu       # anywhere (slow: ~60 s per torch-header build on 2 cores)
 
 Measures: cold compile of a small kernel (CUDA-Agent layout: pure kernel + torch binding), rebuild after

@@ -1,5 +1,5 @@
 """bench/rollout_bench.py: rollout generation speed, side by side: HF generate (dynamic cache), HF generate
-(static cache), and agent.py's FastEngine (static KV slots + CUDA-graph decode), same prompts, greedy.
+(static cache), and engine.py's FastEngine (static KV slots + CUDA-graph decode), same prompts, greedy.
 
     # the real run (H200): SmolLM2-135M architecture, random weights (same speed as the real ones), bf16
     python bench/rollout_bench.py --device cuda
@@ -25,9 +25,12 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile as prof
+from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import agent  # noqa: E402
+import engine  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -57,7 +60,6 @@ if args.gguf:
     policy = agent.load_policy("hf", device=str(dev), dtype=dtype)
     model = policy.model
 else:
-    from transformers import LlamaConfig, LlamaForCausalLM
     # SmolLM2-135M's architecture (its GGUF config), randomly initialised
     cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                       num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
@@ -104,7 +106,7 @@ def ours_run(prompts, n, mode):
         engines.clear()  # one KV cache at a time
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-        engines[key] = agent.FastEngine(model, T, len(prompts), use_graphs=(mode != "ours-eager") and dev.type == "cuda",
+        engines[key] = engine.FastEngine(model, T, len(prompts), use_graphs=(mode != "ours-eager") and dev.type == "cuda",
                                         compile_layers=mode == "ours-compile")
     return engines[key].generate(prompts, n, 0.0, [])
 
@@ -124,7 +126,6 @@ def episode(run, prompts, n):
 def profile(name, B, fn):
     """torch.profiler over one run (kernels inside CUDA graph replays are traced too): kernel launches per
     decode step and the ten kernels that take the most device time."""
-    from torch.profiler import ProfilerActivity, profile as prof
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with prof(activities=acts) as p:
         fn()

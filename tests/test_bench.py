@@ -6,8 +6,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from transformers import AutoConfig, AutoTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+import synth_diag  # noqa: E402
+import train  # noqa: E402
 
 
 def bench(script, *args, timeout=600):
@@ -38,7 +43,6 @@ def test_train_bench_tiny_update():
 
 def test_train_bench_saves_a_random_model_of_the_embedded_shape(tmp_path):
     """--save-random: what bash bench/run_h200.sh default-random trains (train.py --model DIR)."""
-    from transformers import AutoConfig, AutoTokenizer
     out = bench("train_bench.py", "--save-random", str(tmp_path / "m"))
     assert "saved random-135m" in out
     cfg, tok = AutoConfig.from_pretrained(tmp_path / "m"), AutoTokenizer.from_pretrained(tmp_path / "m")
@@ -50,7 +54,6 @@ def test_preset_time_projects_each_stage(tmp_path):
     """A made-up short run: 2 warm-up steps of 10 s and 20 s, 16 RFT tasks rolled out in 40 s, RFT training 8 s,
     critic 4 s, 2 PPO steps of 30 s, a 16-task evaluation in 12 s; projected to the default preset (10 warm-up
     steps, 32 RFT tasks, 10 PPO steps, 16 eval tasks)."""
-    import train
     cfg = dict(train.dataclasses.asdict(train.Config()), warmup_steps=2, ppo_steps=2, rft_tasks=16)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     t = 1000.0
@@ -77,4 +80,43 @@ def test_synth_bench_tiny(tmp_path):
                 "--json", str(tmp_path / "s.json"))
     row = json.loads((tmp_path / "s.json").read_text())[0]
     assert row["kept"] == 2 and row["executed"] >= 2 and row["tasks_per_hour"] > 0, row
+    assert row["lock_held_s"] >= 0 and row["lock_free_wait_s"] >= 0
     assert "| backend | workers |" in out and "execution drops" in out
+    # the filter's diagnostics, summed from synth.py's candidates.jsonl (bench/synth_diag.py)
+    assert "execution, seconds per candidate (2 workers, " in out and "longest turns under the lock: " in out
+    assert "device lock: held " in out
+
+
+def test_synth_diag_sums_candidate_records(tmp_path):
+    """bench/synth_diag.py on made-up records: two candidates, one kept with an estimate twice its eager time."""
+    t = lambda locked, **k: dict({p: 0.0 for p in synth_diag.PHASES}, locked=locked, **k)
+    recs = [{"index": 0, "ops": ["torch.tanh"], "kept": True, "eager_ms": 1.0, "row_est_ms": 2.0,
+             "t": t(2.0, start=3.0, compile=4.0), "turns": [[0.0, 0.0, 2.0]]},
+            {"index": 1, "ops": ["nn.Conv2d", "torch.relu"], "kept": False, "drop": "too slow: eager 30 ms > 10 ms",
+             "t": t(5.0), "turns": [[1.0, 2.0, 7.0]]}]
+    (tmp_path / "candidates.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (tmp_path / "funnel.json").write_text(json.dumps({"config": {"workers": 2}}))
+    d = synth_diag.diagnose(synth_diag.load(tmp_path)[0])
+    assert d["child_seconds"] == {**{p: 0.0 for p in synth_diag.PHASES}, "start": 3.0, "locked": 7.0, "compile": 4.0}
+    assert d["lock"] == {"span_s": 7.0, "held_s": 7.0, "waited_while_free_s": 0.0}
+    assert d["row_estimate"] == {"n": 1, "median_ratio": 2.0, "p95_ratio": 2.0, "max_ratio": 2.0}
+    assert [x["locked_s"] for x in d["longest_locked"]] == [5.0, 2.0] and d["longest_locked"][0]["verdict"].startswith("too slow")
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "synth_diag.py"), str(tmp_path)], capture_output=True,
+                         text=True).stdout
+    assert "seconds per candidate (2 workers, 2 candidates): start 1.50 | setup 0.00 | warm 0.00 | wait 0.00 | locked 3.50" in out
+
+
+def test_lock_use_finds_waits_while_nobody_held_the_lock():
+    """The device-lock diagnostic: turns are (asked, got, released) wall-clock times (synth.py's candidates.jsonl)."""
+    clean = [(0.0, 0.0, 1.0), (0.5, 1.0, 3.0), (2.0, 3.0, 3.5)]  # each waiter gets the lock as it is released
+    assert synth_diag.lock_use(clean) == {"span_s": 3.5, "held_s": 3.5, "waited_while_free_s": 0.0}
+    stalled = [(0.0, 0.0, 1.0), (0.5, 2.5, 3.0)]  # released at 1.0, but the waiter only got it at 2.5
+    assert synth_diag.lock_use(stalled) == {"span_s": 3.0, "held_s": 1.5, "waited_while_free_s": 1.5}
+    assert synth_diag.lock_use([]) == {"span_s": 0.0, "held_s": 0.0, "waited_while_free_s": 0.0}
+
+
+def test_row_estimate_quality_compares_kept_tasks_only():
+    checked = [{"kept": True, "row_est_ms": 2.0, "eager_ms": 1.0}, {"kept": True, "row_est_ms": 3.0, "eager_ms": 3.0},
+               {"kept": False, "row_est_ms": 900.0, "eager_ms": 900.0, "drop": "too slow: eager about 900 ms"},
+               {"kept": True, "eager_ms": 5.0}]  # (no estimate: a forward that needs the whole batch)
+    assert synth_diag.row_estimate_quality(checked) == {"n": 2, "median_ratio": 2.0, "p95_ratio": 2.0, "max_ratio": 2.0}

@@ -12,10 +12,14 @@ import sys
 import threading
 from pathlib import Path
 
+import datasets
 import pytest
 
+import agent
 import env
 import evaluate
+import reward
+import tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures_bench"
@@ -44,13 +48,13 @@ def one_line_error(r, *needles):
 
 
 # ----------------------------------------------------------------------------------------------
-# Metrics
+# Metrics (reward.py)
 # ----------------------------------------------------------------------------------------------
 def verdict(correct, runtime=None, eager=None, compile_=None):
     return {"correct": correct, "runtime_ms": runtime, "eager_ms": eager, "compile_ms": compile_,
             "speedup_eager": eager / runtime if runtime and eager else None,
             "speedup_compile": compile_ / runtime if runtime and compile_ else None,
-            "reward": env.reward_for(correct, runtime, eager, compile_)}
+            "reward": reward.reward_for(correct, runtime, eager, compile_)}
 
 
 CRAFTED = [  # (level, verdict, n_turns, n_tokens, seconds)
@@ -69,7 +73,8 @@ def crafted_rows():
 
 
 def test_summarize_matches_hand_computation():
-    m = evaluate.summarize(crafted_rows())
+    assert reward.MARGIN == env.MARGIN  # env.py scores with the reward these metrics are defined by
+    m = reward.summarize(crafted_rows())
     assert m["n"] == 6 and m["n_correct"] == 4
     assert m["pass_rate"] == 4 / 6
     assert m["faster_eager_rate"] == 1 / 6            # A only (B is 4%, C 0%, D exactly 5%)
@@ -82,24 +87,24 @@ def test_summarize_matches_hand_computation():
     # the same decisions as the reward: >eager iff reward >= 2, >eager and >compile iff reward 3
     for lv, v, *_ in CRAFTED:
         if v.get("correct"):
-            assert evaluate.beats(v["runtime_ms"], v["eager_ms"]) == (v["reward"] >= 2)
-            assert (evaluate.beats(v["runtime_ms"], v["eager_ms"]) and evaluate.beats(v["runtime_ms"], v["compile_ms"])) == (v["reward"] == 3)
+            assert reward.beats(v["runtime_ms"], v["eager_ms"]) == (v["reward"] >= 2)
+            assert (reward.beats(v["runtime_ms"], v["eager_ms"]) and reward.beats(v["runtime_ms"], v["compile_ms"])) == (v["reward"] == 3)
 
 
 def test_summarize_per_level_and_empty():
-    res = evaluate.by_level(crafted_rows(), evaluate.summarize)
+    res = evaluate.by_level(crafted_rows(), reward.summarize)
     assert list(res["levels"]) == ["1", "2", "3"]
     l1, l2, l3 = (res["levels"][k] for k in "123")
     assert (l1["n"], l1["pass_rate"], l1["faster_eager_rate"], l1["faster_compile_rate"], l1["fast_1"]) == (2, 1.0, 0.5, 0.5, 1.0)
     assert (l2["n"], l2["pass_rate"], l2["faster_eager_rate"], l2["faster_compile_rate"]) == (3, 2 / 3, 0.0, 1 / 3)
     assert l2["geomean_speedup_compile"] == pytest.approx(math.sqrt(2.0 * 100 / 95))
     assert (l3["n"], l3["pass_rate"], l3["geomean_speedup_eager"], l3["mean_turns"]) == (1, 0.0, None, None)
-    assert res["overall"] == evaluate.summarize(crafted_rows())
-    e = evaluate.summarize([])
+    assert res["overall"] == reward.summarize(crafted_rows())
+    e = reward.summarize([])
     assert e["n"] == 0 and e["pass_rate"] is None and e["geomean_speedup_compile"] is None
     # bare verdict dicts work too (train.py may pass env verdicts directly)
-    assert evaluate.summarize([v for _, v, *_ in CRAFTED])["faster_compile_rate"] == 2 / 6
-    assert evaluate.summarize([env.Verdict(**{**v, "speedup_eager": None}) for _, v, *_ in CRAFTED[:2]])["faster_eager_rate"] == 0.5
+    assert reward.summarize([v for _, v, *_ in CRAFTED])["faster_compile_rate"] == 2 / 6
+    assert reward.summarize([env.Verdict(**{**v, "speedup_eager": None}) for _, v, *_ in CRAFTED[:2]])["faster_eager_rate"] == 0.5
     table = evaluate.table(dict(res, mode="solutions"))
     assert "| level 2 | 3 | 66.7% | 0.0% | 33.3% |" in table
 
@@ -287,7 +292,6 @@ def test_policy_modes_with_scripted_server(scripted_server, tmp_path, mode, turn
     if mode == "agent":  # a KernelBench folder
         bench, task_id, level = ["--bench-dir", BENCH, "--levels", "2"], "level2/1_ScaleThenReLU", "2"
     else:  # our synthetic split (a synth.py output folder), holding the same problem
-        import datasets
         code = (BENCH / "level2" / "1_ScaleThenReLU.py").read_text()
         row = {"code": [code], "ops": [["torch.mul", "torch.relu"]], "data_source": ["torch#2"]}
         datasets.DatasetDict({"train": datasets.Dataset.from_dict(row), "test": datasets.Dataset.from_dict(row)}).save_to_disk(tmp_path / "ds")
@@ -328,11 +332,10 @@ class ScriptedHFPolicy:
 @pytest.mark.slow
 def test_run_eval_api_single_mode_with_hf_style_policy(tmp_path):
     """The importable entry point train.py uses, on the hf code path (token ids in, token ids out)."""
-    task = evaluate.load_bench_dir(str(BENCH), ["2"])[0]
+    task = tasks.load_bench_dir(str(BENCH), ["2"])[0]
     res = evaluate.run_eval([task], mode="single", policy=ScriptedHFPolicy(), out_dir=tmp_path / "s", backend="cpu", quiet=True)
     assert (res["overall"]["n"], res["overall"]["pass_rate"], res["overall"]["mean_turns"]) == (1, 1.0, 1)
     row = json.loads((tmp_path / "s" / "tasks.jsonl").read_text())
-    import agent
     prompt = CharTokenizer().apply_chat_template(agent.single_turn_messages(task, "cpu"))
     assert row["n_tokens"] == len(prompt) + len(SINGLE_ANSWER)  # prompt + generated ids, kept as generated
     assert json.loads((tmp_path / "s" / "results.json").read_text())["overall"] == res["overall"]
@@ -345,7 +348,7 @@ def test_compare(tmp_path):
     rows = crafted_rows()
     for name, subset in (("runA", rows), ("runB", rows[:3])):
         (tmp_path / name).mkdir()
-        (tmp_path / name / "results.json").write_text(json.dumps(dict(evaluate.by_level(subset, evaluate.summarize), mode="solutions")))
+        (tmp_path / name / "results.json").write_text(json.dumps(dict(evaluate.by_level(subset, reward.summarize), mode="solutions")))
     r = cli("--compare", tmp_path / "runA" / "results.json", tmp_path / "runB" / "results.json")
     assert r.returncode == 0, r.stderr
     assert "| runA | runB | CUDA Agent (paper) |" in r.stdout
@@ -357,7 +360,7 @@ def test_compare(tmp_path):
 
 def test_chart(tmp_path):
     pytest.importorskip("matplotlib")
-    assert evaluate.chart(evaluate.by_level(crafted_rows(), evaluate.summarize), tmp_path / "rates.png")
+    assert evaluate.chart(evaluate.by_level(crafted_rows(), reward.summarize), tmp_path / "rates.png")
     assert (tmp_path / "rates.png").stat().st_size > 1000
 
 
@@ -375,9 +378,13 @@ def test_bad_inputs_give_one_line(tmp_path):
     one_line_error(cli("--bench-dir", BENCH, "--levels", "7", "--reference-only", "--out", tmp_path / "o"), "no KernelBench-format problems")
     one_line_error(cli("--bench-dir", BENCH / "level1", "--levels", "1,2", "--reference-only", "--out", tmp_path / "o"), "single --levels")
     one_line_error(cli("--bench", "synth", "--reference-only", "--out", tmp_path / "o"), "--dataset")
+    one_line_error(cli("--solutions", FIX / "solutions", "--bench-dir", BENCH, "--model", "M", "--out", tmp_path / "o"), "--model")
+    one_line_error(cli("--bench-dir", BENCH, "--reference-only", "--model", "/nonexistent/model", "--out", tmp_path / "o"), "--model")
+    one_line_error(cli("--bench-dir", BENCH, "--levels", "2", "--model", "/nonexistent/model", "--backend", "cpu", "--out", tmp_path / "o"),
+                   "no such model folder or hub id: /nonexistent/model")
     one_line_error(cli("--solutions", FIX / "solutions", "--bench-dir", BENCH, "--backend", "tpu", "--out", tmp_path / "o"), "backend")
     assert not (tmp_path / "o").exists()  # nothing was started
-    if not evaluate.hub_reachable():
+    if not tasks.hub_reachable():
         one_line_error(cli("--bench", "kernelbench", "--levels", "1", "--reference-only", "--out", tmp_path / "o"),
                        "cannot load ScalingIntelligence/KernelBench", "--bench-dir")
 
