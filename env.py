@@ -103,11 +103,11 @@ from torch.utils import cpp_extension as ce
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import scan
+from reward import MARGIN, reward_for  # noqa: F401  (env.reward_for: the verdict's reward)
 from sandbox import (CACHE_DIR, SandboxResult, candidate_alive, file_lock, gpu_lock_path, isolation, no_candidates,
                      run_sandboxed)
 
 ENV_PY = Path(__file__).resolve()
-MARGIN = 0.05  # the paper's 5% speed margin
 
 SOURCE_EXT = {".cu", ".cpp"}
 HEADER_EXT = {".h", ".cuh", ".hpp"}
@@ -180,18 +180,6 @@ def resolve_backend(backend: str) -> str:
         return "cpu"  # cheap test first: importing torch.cuda costs a second
     import torch
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def reward_for(correct: bool, runtime_ms, eager_ms, compile_ms) -> int:
-    """The paper's milestone reward. b(t, t0) = 1 if (t0 - t) / t0 > 5%."""
-    if not correct:
-        return -1
-    if runtime_ms is None or eager_ms is None or compile_ms is None:
-        return 1
-    beats = lambda t0: (t0 - runtime_ms) / t0 > MARGIN
-    if beats(eager_ms) and beats(compile_ms):
-        return 3
-    return 2 if beats(eager_ms) else 1
 
 
 def compile_caches(write: bool = True) -> tuple[dict, list[Path]]:

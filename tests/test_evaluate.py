@@ -198,7 +198,7 @@ def test_solutions_end_to_end(run_a):
     cheat, fast, slow = rows["level1/1_ScaledReLU"], rows["level1/2_ScaledReLUEye"], rows["level2/1_ScaleThenReLU"]
     assert slow["verdict"]["reward"] == 1 and slow["verdict"]["speedup_eager"] < 0.5
     assert fast["verdict"]["reward"] == 3 and fast["verdict"]["speedup_compile"] > 2
-    assert cheat["verdict"]["reward"] == -1 and "aten.mul" in cheat["verdict"]["violations"][0]
+    assert cheat["verdict"]["reward"] == -1 and "torch.relu is not allowed" in cheat["verdict"]["violations"][0]
     assert fast["files"]["kernels/relu.cpp"] == RELU_CPP and "cuda_extension" in fast["files"]["model_new.py"]
     # geomeans over the two correct tasks, from their own verdicts
     ok = [slow["verdict"], fast["verdict"]]
@@ -418,13 +418,15 @@ def test_cuda_solutions_honest_pass_cheats_fail(tmp_path):
     o = last_json(cli("--solutions", FIX / "solutions_cuda", "--bench-dir", BENCH, "--backend", "cuda", "--out", tmp_path / "c", "--json"))
     rows = {json.loads(l)["task_id"]: json.loads(l)["verdict"] for l in (tmp_path / "c" / "tasks.jsonl").read_text().splitlines()}
     assert rows["level1/2_ScaledReLUEye"]["correct"] and rows["level2/1_ScaleThenReLU"]["correct"], rows
-    assert not rows["level1/1_ScaledReLU"]["correct"] and "cached by pointer" in rows["level1/1_ScaledReLU"]["error"]
+    # a pointer cache fails at the second check: every run reuses the same input buffers
+    assert not rows["level1/1_ScaledReLU"]["correct"] and "values differ" in rows["level1/1_ScaledReLU"]["error"]
     assert o["pass_rate"] == 2 / 3
     r = cli("--solutions", FIX / "solutions_cuda_bad", "--bench-dir", BENCH, "--backend", "cuda", "--out", tmp_path / "d", "--json")
     assert last_json(r)["pass_rate"] == 0.0
     rows = {json.loads(l)["task_id"]: json.loads(l)["verdict"] for l in (tmp_path / "d" / "tasks.jsonl").read_text().splitlines()}
-    assert "cached by pointer" in rows["level1/1_ScaledReLU"]["error"]
-    assert "aten." in rows["level1/2_ScaledReLUEye"]["violations"][0]
+    assert "values differ" in rows["level1/1_ScaledReLU"]["error"]
+    fallback = rows["level1/2_ScaledReLUEye"]["violations"][0]  # refused by the allow-list or by the monitor
+    assert "aten." in fallback or "is not allowed" in fallback
     assert "values differ" in rows["level2/1_ScaleThenReLU"]["error"]
 
 
