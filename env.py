@@ -348,6 +348,9 @@ _EXPANSION: dict = {}
 def module_expansion(tc: dict, suffix: str, timeout: float) -> list:
     """The tokens PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) expands to with this toolchain (probed once)."""
     key = (tc["id"], suffix)
+    saved = CACHE_DIR / "scan" / f"module-{tc['id']}{suffix}.json"  # one probe per toolchain, not per process
+    if key not in _EXPANSION and saved.exists():
+        _EXPANSION[key] = json.loads(saved.read_text())
     if key not in _EXPANSION:
         with tempfile.TemporaryDirectory(prefix="probe-", dir=CACHE_DIR) as d:
             src = Path(d) / f"probe{suffix}"
@@ -357,6 +360,10 @@ def module_expansion(tc: dict, suffix: str, timeout: float) -> list:
                 raise RuntimeError(f"the preprocessor failed on a probe file:\n{error_excerpt(r.stderr)}")
             tokens, _ = scan.split_preprocessed(text, lambda p: p == str(src))
             _EXPANSION[key] = scan.module_expansion(tokens)
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        tmp = saved.with_suffix(f".{uuid.uuid4().hex}.tmp")
+        tmp.write_text(json.dumps(_EXPANSION[key]))
+        os.replace(tmp, saved)
     return _EXPANSION[key]
 
 
