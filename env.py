@@ -512,7 +512,10 @@ def recv(fd: int, limit: int = 1 << 34, alive=None):
     n = int.from_bytes(_read_exact(fd, 8, alive), "little")
     if not 0 < n < 1 << 20:
         raise ValueError(f"malformed message header ({n} bytes)")
-    head = json.loads(_read_exact(fd, n, alive))
+    try:
+        head = json.loads(_read_exact(fd, n, alive))
+    except RecursionError as e:
+        raise ValueError("malformed message header (nested too deeply)") from e
     sizes = head.get("sizes", []) if isinstance(head, dict) else None
     if not isinstance(sizes, list) or not all(isinstance(s, int) and 0 <= s for s in sizes) or sum(sizes) > limit:
         raise ValueError("malformed message sizes")
@@ -532,9 +535,9 @@ def pack(out, blobs: list):
     raise TypeError(f"outputs must be tensors (or tuples of them), not {type(out).__name__}")
 
 
-def unpack(obj, blobs: list):
+def unpack(obj, blobs: list, depth: int = 0):
     """The inverse of pack, validating every field: a malformed reply raises ValueError."""
-    if not isinstance(obj, dict):
+    if not isinstance(obj, dict) or depth > 8:
         raise ValueError("malformed output")
     if "t" in obj:
         dtype = getattr(torch, str(obj.get("dtype")), None)
@@ -547,7 +550,7 @@ def unpack(obj, blobs: list):
             raise ValueError("tensor bytes do not match the declared shape")
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape) if n else torch.empty(shape, dtype=dtype)
     if "seq" in obj and isinstance(obj["seq"], list):
-        seq = [unpack(o, blobs) for o in obj["seq"]]
+        seq = [unpack(o, blobs, depth + 1) for o in obj["seq"]]
         return tuple(seq) if obj.get("tuple") else seq
     if "v" in obj and (obj["v"] is None or isinstance(obj["v"], (bool, int, float))):
         return obj["v"]
@@ -783,12 +786,14 @@ class Child:
         self.pgid = pid
         self._started_evt.set()
 
+    reply_limit = 1 << 34  # bytes one reply may declare; the parent lowers it to what it expects
+
     def ask(self, obj):
         send(self.cmd_w, obj)
         return self.answer()
 
     def answer(self):
-        obj, blobs = recv(self.rep_r, alive=self.thread.is_alive)
+        obj, blobs = recv(self.rep_r, limit=self.reply_limit, alive=self.thread.is_alive)
         if isinstance(obj, dict) and "error" in obj and isinstance(obj["error"], str) and len(obj) == 1:
             raise ChildError(obj["error"])
         return obj, blobs
@@ -1023,11 +1028,13 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
             os.replace(tmp, base_file)
         ref.close()
         cand = cand or start_candidate()
+        # a reply may not declare more than twice the largest reference output (a candidate cannot exhaust our memory)
+        cand.reply_limit = 2 * max(sum(t.numel() * t.element_size() for t in _tensors(o)) for o in ref_outs) + (1 << 20)
         try:
             _drive_candidate(v, cand, check_seeds, ref_checks, timed_seeds, ref_timed, cfg, backend)
-        except (EOFError, ValueError) as e:
+        except (EOFError, ValueError, TypeError, KeyError, AttributeError) as e:
             dead = cand.why_dead() if not cand.thread.is_alive() or isinstance(e, EOFError) else None
-            v.error = f"ModelNew {dead}" if dead else f"the candidate process sent a malformed reply ({e})"
+            v.error = f"ModelNew {dead}" if dead else f"the candidate process sent a malformed reply ({type(e).__name__}: {e})"
             v.log = ""
         if v.error or v.violations or not timed:
             return
@@ -1095,6 +1102,12 @@ def _drive_candidate(v, cand, check_seeds, ref_checks, timed_seeds, ref_timed, c
             f"aten.{n}" for n in map(str, obj["ops"][:8])))
         return
     v.runtime_ms = median(times)
+
+
+def _tensors(out):
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [t for o in out for t in _tensors(o)] if isinstance(out, (tuple, list)) else []
 
 
 class Rejected(Exception):

@@ -613,3 +613,25 @@ def test_compare_scales():
     assert env.compare(ref * 1.001, ref, 1e-2, 1e-2, "x") is None
     noise = torch.randn(1000) * 1e-8  # outputs that are float noise around zero: any noise of that size is fine
     assert env.compare(torch.randn(1000) * 1e-8, noise, 1e-2, 1e-2, "x") is None
+
+
+def test_replies_cannot_exhaust_the_parent():
+    """A reply that declares more bytes than the parent expects, or nests without end, is malformed (no read, no crash)."""
+    for blob_case in (True, False):
+        r, w = os.pipe()
+        try:
+            if blob_case:
+                env.send(w, {"out": 1}, [b"x" * 64])
+            else:  # 40 kB of brackets: fits in the pipe, nests far deeper than any decoder allows
+                head = ("[" * 20_000 + "]" * 20_000).encode()
+                os.write(w, len(head).to_bytes(8, "little") + head)
+            with pytest.raises(ValueError):
+                env.recv(r, limit=16)
+        finally:
+            os.close(r)
+            os.close(w)
+    nested = {"seq": [{"v": 1}]}
+    for _ in range(20):
+        nested = {"seq": [nested]}
+    with pytest.raises(ValueError):
+        env.unpack(nested, [])
