@@ -1195,9 +1195,12 @@ def score_files(files: dict, task: dict, backend="auto", stage="profile", worksp
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Run one agent episode on a KernelBench-format problem.")
     ap.add_argument("--problem", required=True, help="a KernelBench-format .py file")
-    ap.add_argument("--policy", default="hf", choices=["hf", "openai"])
+    ap.add_argument("--policy", default="hf", choices=["hf", "openai", "teacher"],
+                    help="teacher: teacher.py's demonstrator for the elementwise family (tokens of --model's tokenizer)")
     ap.add_argument("--model", default=None, help="hf: folder, hub id, .gguf, or a LoRA adapter folder of train.py (e.g. runs/x/ppo) (default: embedded SmolLM2-135M); openai: model name")
     ap.add_argument("--base-url", default=None, help="openai: e.g. http://localhost:8000/v1 (API key from OPENAI_API_KEY)")
+    ap.add_argument("--teacher-url", default=None, help="teacher: an OpenAI-compatible server writes the turns instead")
+    ap.add_argument("--teacher-model", default=None, help="teacher: the server's model name (with --teacher-url)")
     ap.add_argument("--backend", default="auto", choices=["auto", "cuda", "cpu"])
     ap.add_argument("--max-turns", type=int, default=20)
     ap.add_argument("--max-context", type=int, default=8192)
@@ -1212,7 +1215,11 @@ def main(argv=None):
         if not problem.is_file():
             raise env.UsageError(f"no such problem file: {problem}")
         task = {"task_id": problem.stem, "code": problem.read_text()}
-        policy = load_policy(a.policy, model=a.model, base_url=a.base_url, device=a.device, max_context=a.max_context)
+        if a.policy == "teacher":
+            import teacher
+            policy = teacher.load_teacher(a.backend, model=a.model, url=a.teacher_url, teacher_model=a.teacher_model)
+        else:
+            policy = load_policy(a.policy, model=a.model, base_url=a.base_url, device=a.device, max_context=a.max_context)
         t0 = time.time()
         ep = run_episodes(policy, [task], backend=a.backend, max_turns=a.max_turns, max_context=a.max_context,
                           out_dir=a.out, transcript=True, max_new_tokens=a.max_new_tokens, temperature=a.temperature)[0]
