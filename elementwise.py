@@ -299,8 +299,8 @@ def params(steps: list[dict]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------
-# 4. Emitters. One fixed binding per backend (its build is cached once for all tasks: the object cache is keyed by
-# content), one kernel source per (task, variant), one model_new.py per task.
+# 4. Emitters. One fixed binding per backend and one fixed header of CUDA reductions (their builds are cached once for
+# all tasks: env.py's object cache is keyed by content), one kernel source per (task, variant), one model_new.py per task.
 #   launch(x, y, params, scratch, rows, cols, stream): y = chain(x) over rows of `cols` values; scratch holds
 #   per-row statistics (the two-kernel variant) and is allocated by model_new.py.
 # ----------------------------------------------------------------------------------------------
@@ -405,7 +405,7 @@ def kernel_source(steps: list[dict], backend: str, variant: str = "", block: int
     if variant not in VARIANTS_FOR[(backend, red is not None)]:
         raise ValueError(f"variant {variant} does not apply here")
     ps = params(steps)
-    plist = "".join(f", const float* __restrict__ {p}" for p in ps)
+    plist = "".join(f", const float* {p}" for p in ps)
     args = "".join(f", {p}" for p in ps)
     unpack = "".join(f"  const float* {p} = params[{i}];\n" for i, p in enumerate(ps))
     cuda = backend == "cuda"
@@ -413,7 +413,8 @@ def kernel_source(steps: list[dict], backend: str, variant: str = "", block: int
     chain = " -> ".join(st["op"] for st in steps)
     head = (f"// kernels/op.{'cu' if cuda else 'cpp'}: {chain}, fused into one pass. Variant {variant}"
             f"{f'/{block}' if cuda else ''}: {VARIANTS[variant]}.\n"
-            + ("#include <cstdint>\n#include <math.h>\n#include <cuda_runtime.h>\n\n" if cuda else
+            + ("#include <cstdint>\n#include <math.h>\n#include <cuda_runtime.h>\n" +
+               ('#include "reduce.cuh"\n\n' if red else "\n") if cuda else
                "#include <cstdint>\n#include <math.h>\n#include <vector>\n\n"))
     launch_sig = ('extern "C" void launch(const float* x, float* y, const float* const* params, float* scratch, '
                   'int64_t rows, int64_t cols, void* stream) {\n')
@@ -456,7 +457,11 @@ def kernel_source(steps: list[dict], backend: str, variant: str = "", block: int
 
 GRID = ("  int64_t blocks = ({n} + {block} - 1) / {block};\n"
         "  int grid = (int)(blocks < 132 * 8 ? blocks : 132 * 8);  // a few waves of blocks over the SMs\n")
-CUDA_REDUCE = """
+# kernels/reduce.cuh: reductions across the threads of a warp (shuffles) or of a block (shuffles, then one value per
+# warp through shared memory). Fixed text for every task: its builds are shared through the object cache.
+REDUCE_HEADER = """// kernels/reduce.cuh: sums and maxima across a warp or a block; every thread gets the result
+#pragma once
+
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
@@ -465,7 +470,7 @@ __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
-// every thread of the block gets the result; blockDim.x is a multiple of 32
+// blockDim.x: a multiple of 32
 __device__ float block_sum(float v) {
   __shared__ float part[32];
   v = warp_sum(v);
@@ -516,7 +521,7 @@ def _cuda_rows(variant, block, stats, out, keeps, plist, args, unpack, launch_si
         else:
             body += f"  if ({first} == 0) {{\n" + result + "  }\n"
         grid = f"(rows + {block // 32 - 1}) / {block // 32}" if warp else "rows"
-        return (CUDA_REDUCE + f"\n__global__ void fused_rows(const float* __restrict__ x, float* __restrict__ y{plist}, "
+        return (f"\n__global__ void fused_rows(const float* __restrict__ x, float* __restrict__ y{plist}, "
                 f"int64_t rows, int64_t cols) {{\n{body}}}\n\n" + launch_sig + unpack +
                 f"  fused_rows<<<{grid}, {block}, 0, (cudaStream_t)stream>>>(x, y{args}, rows, cols);\n}}\n")
     # two kernels: statistics per row into scratch, then every element (or row) on its own
@@ -538,7 +543,7 @@ def _cuda_rows(variant, block, stats, out, keeps, plist, args, unpack, launch_si
                   "  for (int64_t row = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; row < n; row += (int64_t)gridDim.x * blockDim.x) {\n"
                   + load + result + "  }\n}\n")
         n = "rows"
-    return (CUDA_REDUCE + f"\n__global__ void row_stats(const float* __restrict__ x, float* __restrict__ stats{plist}, "
+    return (f"\n__global__ void row_stats(const float* __restrict__ x, float* __restrict__ stats{plist}, "
             f"int64_t rows, int64_t cols) {{\n{body}}}\n\n{second}\n" + launch_sig + unpack +
             f"  row_stats<<<rows, {block}, 0, (cudaStream_t)stream>>>(x, scratch{args}, rows, cols);\n" +
             GRID.format(block=block, n=n) +

@@ -18,7 +18,8 @@ code, writes the fixed binding, a fused kernel and model_new.py, compiles, verif
 other planned variants (naive / grid-stride / float4 / block sizes; block- or warp-per-row / two kernels for
 reductions; OpenMP flat / by rows / with a row buffer on CPU) and keeps the fastest. The plan (which variants,
 in which order) is drawn per episode, so demonstrations differ in speed and RL has something left to find.
-It keeps no hidden state about an episode: each turn replays its script on the observations in the prompt.
+Its memory of an episode is the conversation itself (recorded per token prefix): each turn replays the script
+on the observations so far, and the plan is read back from its own first turn.
 
 Only episodes that env.py scores at reward >= 1 (finished, no malformed call) are demonstrations.
 """
@@ -143,6 +144,9 @@ def script(code: str, backend: str, plan: list):
                f"Layout: a fixed binding (kernels/binding.cpp: checks, raw pointers, one call of launch) and the math "
                f"in {op_path}. Variants to try, in order: {plan_text(plan, backend)}.",
                "write_file", path="kernels/binding.cpp", content=E.binding(backend))
+    if backend == "cuda" and red:
+        yield call("Reductions across threads go in a small header: warp shuffles, then shared memory across warps.",
+                   "write_file", path="kernels/reduce.cuh", content=E.REDUCE_HEADER)
     best, current = None, None  # best: (ms, name, source, numbers)
     for i, (v, block) in enumerate(plan):
         name = f"{v}/{block}" if backend == "cuda" else v
