@@ -55,14 +55,17 @@ class ToolTeacher:
         self.tokenizer, self.backend = tokenizer, env.resolve_backend(backend)
         self.stop = agent.stop_token_ids(tokenizer)
         self.sessions = {}  # hash of (prompt + reply tokens) -> (task code, history, reply text)
-        self.lengths = set()
+        self.cut = set()  # lengths of prompt + reply where a reply was cut at its token budget (no stop token)
         wrapped = tokenizer.decode(agent.observation_tokens(tokenizer, MARK, True, ""))
         self.wrap = [w.strip() for w in wrapped.split(MARK)]  # the template's text around an observation
         self.started = collections.Counter()  # episodes started per task (plans differ between them)
 
     def _state(self, prompt: list) -> tuple[str, list]:
-        for n in sorted(self.lengths, reverse=True):
-            if n < len(prompt) and (hit := self.sessions.get(hash(tuple(prompt[:n])))) is not None:
+        """A reply ends with a stop token (or was cut): the longest such prefix that is a recorded reply is this
+        episode's last turn, and the tokens after it are the observation."""
+        ends = [i + 1 for i, t in enumerate(prompt) if t in self.stop] + [n for n in self.cut if n < len(prompt)]
+        for n in sorted(ends, reverse=True):
+            if (hit := self.sessions.get(hash(tuple(prompt[:n])))) is not None:
                 code, history, text = hit
                 rest = self.tokenizer.decode(prompt[n:])
                 i, j = rest.find(self.wrap[0]), rest.rfind(self.wrap[1])
@@ -84,7 +87,8 @@ class ToolTeacher:
             ids = (agent.encode(self.tokenizer, text) + self.stop[:1])[:budget]  # over budget: cut, like a model
             key = hash(tuple(p) + tuple(ids))
             self.sessions[key] = (code, history, self.tokenizer.decode(ids[:-1] if ids[-1:] == self.stop[:1] else ids))
-            self.lengths.add(len(p) + len(ids))
+            if ids[-1:] != self.stop[:1]:
+                self.cut.add(len(p) + len(ids))
             outs.append(ids)
         return outs
 

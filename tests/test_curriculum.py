@@ -201,13 +201,13 @@ def test_cli_agent_teacher_url_on_loopback_server(tasks, tok, tmp_path):
 @pytest.mark.slow
 def test_cli_synth_elementwise(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "synth.py"), "--family", "elementwise", "--out", str(tmp_path / "ds"),
-                        "--num-tasks", "3", "--backend", "cpu", "--workers", "2", "--test-share", "0"],
+                        "--num-tasks", "3", "--backend", "cpu", "--workers", "2"],
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     import synth
-    ds = synth.load_tasks(str(tmp_path / "ds"), "train")
-    assert len(ds) == 3 and "family elementwise" in r.stdout
-    for row in ds:
+    rows = [r for split in ("train", "test") for r in synth.load_tasks(str(tmp_path / "ds"), split)]
+    assert len(rows) == 3 and "family elementwise" in r.stdout
+    for row in rows:
         steps = E.parse(row["code"])  # the teacher can read every task
         assert [s["op"] for s in steps] == row["ops"] and row["data_source"].startswith("elementwise#")
         assert CPU_WINDOW[0] <= row["eager_ms"] <= CPU_WINDOW[1]
