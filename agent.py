@@ -4,6 +4,8 @@ trajectory (tokens, loss mask, turns, verdicts, reward) for train.py.
 
     # tiny run: the embedded SmolLM2-135M-Instruct (offline), one episode, CPU backend
     python agent.py --problem examples/relu.py --backend cpu --max-turns 4
+    # a demonstration: teacher.py's scripted teacher on a task of the elementwise family (elementwise.py)
+    python agent.py --problem task.py --policy teacher --backend cpu
     # real run: a strong model behind any OpenAI-compatible server, on the GPU
     OPENAI_API_KEY=... python agent.py --problem examples/relu.py --policy openai \\
         --base-url http://localhost:8000/v1 --model Qwen/Qwen3-8B --backend cuda --max-turns 50 --out runs/agent
@@ -1203,13 +1205,15 @@ def main(argv=None):
     ap.add_argument("--teacher-model", default=None, help="teacher: the server's model name (with --teacher-url)")
     ap.add_argument("--backend", default="auto", choices=["auto", "cuda", "cpu"])
     ap.add_argument("--max-turns", type=int, default=20)
-    ap.add_argument("--max-context", type=int, default=8192)
-    ap.add_argument("--max-new-tokens", type=int, default=1024)
+    ap.add_argument("--max-context", type=int, default=None, help="default 8192 (teacher: 16384)")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="default 1024 (teacher: 4096, its kernels are long)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default=None, help="keep the workspace and trajectories.jsonl here")
     ap.add_argument("--json", action="store_true", help="last stdout line: a JSON summary")
     a = ap.parse_args(argv)
+    a.max_context = a.max_context or (16384 if a.policy == "teacher" else 8192)
+    a.max_new_tokens = a.max_new_tokens or (4096 if a.policy == "teacher" else 1024)
     try:
         problem = Path(a.problem)
         if not problem.is_file():

@@ -137,7 +137,7 @@ def choose_plan(code: str, backend: str, rng: random.Random) -> list:
 def script(code: str, backend: str, plan: list):
     """The teacher's episode as a generator: yields the text of each turn, receives each observation."""
     steps = E.parse(code)
-    pre, red, post = E.split(steps)
+    _, red, _ = E.split(steps)
     ext = "cu" if backend == "cuda" else "cpp"
     op_path = f"kernels/op.{ext}"
     chain = " -> ".join(st["op"] for st in steps)
@@ -191,6 +191,10 @@ class ScriptedTeacher(ToolTeacher):
         self.seed = seed
 
     def reply(self, code, history, temperature=0.0):
+        try:
+            E.parse(code)
+        except (ValueError, SyntaxError) as e:  # not a task of the family: say so and stop (no demonstration)
+            return call(f"This task is outside the elementwise family ({e}); I cannot solve it.", "finish")
         if not history:
             k = self.started[code]
             self.started[code] += 1

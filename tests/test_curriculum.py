@@ -92,6 +92,27 @@ def test_parse_rejects_tasks_outside_the_family():
         E.parse(code.replace("        return x", "        x = torch.cumsum(x, 1)\n        return x"))
 
 
+def test_teacher_reads_the_conversation_from_tokens(tok):
+    """Fast, no builds: the teacher finds its last turn and the observation after it in the token prompt."""
+    code = find(lambda s: kind(s) == "rowwise")["code"]
+    pol = teacher.ScriptedTeacher(tok, "cpu")
+    prompt = agent.episode_prompt({"task_id": "t", "code": code}, tok, "cpu")
+    out = pol.generate([prompt], 4096)[0]
+    name, args, err = agent.parse_tool_call(tok.decode(out[:-1]))
+    assert err is None and name == "write_file" and args["path"] == "kernels/binding.cpp" and out[-1] == pol.stop[0]
+    obs = "wrote kernels/binding.cpp (1378 characters, 30 lines)"
+    prompt2 = prompt + out + agent.observation_tokens(tok, obs, True, "<|im_end|>")
+    got_code, history = pol._state(prompt2)
+    assert got_code.strip() == code.strip() and history == [(tok.decode(out[:-1]), obs)]
+    name, args, _ = agent.parse_tool_call(tok.decode(pol.generate([prompt2], 4096)[0]))
+    assert (name, args["path"]) == ("write_file", "kernels/op.cpp") and "#pragma omp" in args["content"]
+    cut = pol.generate([prompt2], 50)[0]  # over budget: cut like a model's output, no stop token
+    assert len(cut) == 50 and cut[-1] != pol.stop[0]
+    other = agent.episode_prompt({"task_id": "x", "code": code.replace("return x", "x = torch.cumsum(x, 1)\n        return x")},
+                                 tok, "cpu")
+    assert "outside the elementwise family" in tok.decode(pol.generate([other], 4096)[0])
+
+
 @pytest.mark.slow
 def test_every_cpu_variant_is_correct(tasks):
     """Every CPU kernel variant of each task kind passes env.py's 5 checks (the binding is built once: cached)."""
@@ -156,8 +177,8 @@ def test_cli_agent_teacher(tasks, tok, tmp_path):
     tok.save_pretrained(tmp_path / "tok")
     (tmp_path / "task.py").write_text(tasks[0]["code"])
     r = subprocess.run([sys.executable, str(ROOT / "agent.py"), "--policy", "teacher", "--model", str(tmp_path / "tok"),
-                        "--problem", str(tmp_path / "task.py"), "--backend", "cpu", "--max-new-tokens", "4096",
-                        "--max-context", "16384", "--out", str(tmp_path / "run"), "--json"],
+                        "--problem", str(tmp_path / "task.py"), "--backend", "cpu",
+                        "--out", str(tmp_path / "run"), "--json"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout.strip().splitlines()[-1])
@@ -183,8 +204,8 @@ def test_cli_agent_teacher_url_on_loopback_server(tasks, tok, tmp_path):
     try:
         r = subprocess.run([sys.executable, str(ROOT / "agent.py"), "--policy", "teacher", "--model", str(tmp_path / "tok"),
                             "--teacher-url", f"http://127.0.0.1:{srv.server_port}/v1", "--teacher-model", "fake",
-                            "--problem", str(tmp_path / "task.py"), "--backend", "cpu", "--max-new-tokens", "4096",
-                            "--max-context", "16384", "--out", str(tmp_path / "run"), "--json"],
+                            "--problem", str(tmp_path / "task.py"), "--backend", "cpu",
+                            "--out", str(tmp_path / "run"), "--json"],
                            capture_output=True, text=True, timeout=600, env=dict(os.environ, OPENAI_API_KEY="sk-test"))
     finally:
         srv.shutdown()
