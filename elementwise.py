@@ -17,9 +17,12 @@ What this module holds, top to bottom:
   4. emitters: the fixed binding, the kernel source (CUDA .cu or C++/OpenMP .cpp) in several variants, and
      model_new.py. teacher.py writes these through the agent's tools.
 
-Degenerate tasks are dropped at composition: a task whose output a constant (zeros included) matches on more
-than 3/4 of the elements at atol = rtol = 1e-2 (softmax over thousands of columns: every value is ~1e-4) would
-reward a wrong kernel. Composition tries smaller rows (DIM) before it gives up on a chain.
+Degenerate tasks are dropped at composition, because they would reward a wrong kernel at atol = rtol = 1e-2:
+a task whose output a constant (zeros included) matches on more than 3/4 of the elements (softmax over
+thousands of columns: every value is ~1e-4), and a task with an op that can be left out or replaced by a constant
+per row (either changes under 5% of the outputs beyond tolerance: abs after relu; a softmax over 2,048 columns
+followed by a parameter). Composition
+tries smaller rows (DIM) before it gives up on a chain.
 """
 from __future__ import annotations
 
@@ -90,7 +93,7 @@ REDUCTIONS = {
 NORM_INIT = {"g": "torch.randn(dim) * 0.5 + 1.0", "o": "torch.randn(dim) * 0.5"}  # not 1 and 0: affine must matter
 N_OPS_WEIGHTS = {1: 0.15, 2: 0.3, 3: 0.25, 4: 0.15, 5: 0.15}
 P_REDUCTION = 0.5  # share of chains with a reduction
-DIMS = [64, 128, 256, 512, 1024, 2048, 4096]  # the last dimension (a multiple of 4: float4 loads)
+DIMS = [64, 128, 256, 512, 1024, 2048, 4096]  # the last dimension (a multiple of 4: float4 loads); 16, 32 on retries
 SEQ_LENS = [16, 32, 64, 128]
 ROOFLINE_CUDA = (3.0e12, 8e-6)  # bytes/s and per-kernel overhead (s), as synth.py's ROOFLINE["cuda"]
 MEM_CAP = {"cuda": 4 << 30, "cpu": 256 << 20}  # bytes of input + eager intermediates, as synth.py's MEM_CAP
@@ -188,16 +191,43 @@ def degenerate(out, keeps_last_dim: bool) -> str | None:
     return None
 
 
-def run_chain(code: str, shape: tuple, seed: int = 0):
-    """Run a rendered task on CPU at `shape` (trusted code: this module wrote it)."""
+def run_chain(code: str, shape: tuple, seed: int = 0, ablate: tuple | None = None):
+    """Run a rendered task on CPU at `shape` (trusted code: this module wrote it). ablate=(k, "skip"): leave out
+    step k; (k, "const"): replace step k's output by its row median. The parameters stay the same (the model is
+    built as it is; its forward is replayed line by line)."""
     import torch
+    import torch.nn.functional as F
     ns = {}
     exec(compile(code, "<elementwise task>", "exec"), ns)
     torch.manual_seed(seed)
     model = ns["Model"](*ns["get_init_inputs"]()).eval()
     torch.manual_seed(seed + 1)
+    x = torch.randn(*shape)
     with torch.no_grad():
-        return model(torch.randn(*shape))
+        if ablate is None:
+            return model(x)
+        for i, st in enumerate(parse(code)):
+            if (i, "skip") != ablate:
+                x = eval(torch_line(st), {"torch": torch, "F": F, "x": x, "self": model})
+            if (i, "const") == ablate:
+                x = x.median(dim=-1, keepdim=True).values.expand_as(x)
+        return x
+
+
+def every_op_matters(code: str, shape: tuple, out) -> str | None:
+    """Why a kernel that gets one op wrong would pass, or None. Leaving an op out, and replacing its output by a
+    constant per row, must each change at least 5% of the outputs beyond atol/rtol (abs after relu: leaving it out
+    changes nothing; a softmax over 2,048 columns is ~5e-4 everywhere: as good as a constant). A reduction that
+    removes the last dimension is not ablated."""
+    for k, st in enumerate(parse(code)):
+        if "result" in REDUCTIONS.get(st["op"], {}):
+            continue
+        for how in ("skip", "const"):
+            alt = run_chain(code, shape, 0, ablate=(k, how))
+            if alt.shape == out.shape and ((alt - out).abs() > ATOL + RTOL * out.abs()).float().mean().item() < 0.05:
+                what = "leaving out" if how == "skip" else "a constant per row instead of"
+                return f"degenerate: {what} {st['op']} changes under 5% of the outputs"
+    return None
 
 
 def compose_one(index: int, seed: int = 0, backend: str = "cpu", window_ms=(0.1, 10.0), max_ops: int = 5,
@@ -214,14 +244,14 @@ def compose_one(index: int, seed: int = 0, backend: str = "cpu", window_ms=(0.1,
     # rows of DIM: the sampled one, then smaller ones while the task is degenerate (softmax over many columns)
     d0 = rng.choice(DIMS)
     why = "no DIM tried"
-    for dim in [d for d in DIMS if d <= d0][::-1]:
-        small = (8,) + lead + (dim,)
+    for dim in [d for d in [16, 32] + DIMS if d <= d0][::-1]:
+        small = (4, dim)  # rows are independent: 4 of them show the chain (and stay single-threaded in torch)
         code = render(steps, small)
         try:
             outs = [run_chain(code, small, s) for s in (0, 1)]
         except Exception as e:  # noqa: BLE001 - a chain torch rejects
             return {"drop": f"chain fails in eager: {type(e).__name__}"}
-        why = degenerate(outs[0], keeps) or degenerate(outs[1], keeps)
+        why = degenerate(outs[0], keeps) or degenerate(outs[1], keeps) or every_op_matters(code, small, outs[0])
         if why is None:
             break
     else:
