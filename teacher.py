@@ -172,6 +172,8 @@ def script(code: str, backend: str, plan: list):
             obs = yield call("Correct. Time it against eager and torch.compile.", "profile")
         else:
             obs = yield call("Profile it (profile also builds and verifies).", "profile")
+        if "the reference model.py failed" in obs:  # the harness's side (e.g. a timeout on a loaded machine): once more
+            obs = yield call("The reference failed, not my kernel: profile again.", "profile")
         got = profile_numbers(obs)
         if got and got["ms"] is not None and (best is None or got["ms"] < best[0]):
             best = (got["ms"], name, src, got)

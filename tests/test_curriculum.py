@@ -136,7 +136,8 @@ def test_every_cpu_variant_is_correct(tasks):
 @pytest.mark.slow
 def test_teacher_demonstrations_score_reward_and_are_token_exact(tasks, tok, tmp_path):
     pol = teacher.ScriptedTeacher(tok, "cpu", seed=1)
-    demos, eps = teacher.make_demos(pol, tasks, "cpu", tmp_path, samples=1, progress=False)
+    # eval_timeout: torch.compile of the reference on a loaded 2-core machine can take minutes
+    demos, eps = teacher.make_demos(pol, tasks, "cpu", tmp_path, samples=1, progress=False, eval_timeout=900)
     assert len(eps) == 3 and all(ep["reward"] >= 1 for ep in eps), [(ep["ops"], ep["verdict"]) for ep in eps]
     assert len(demos) == 3 and len(agent.load_episodes(tmp_path / "demos.jsonl")) == 3
     stop = pol.stop[0]
