@@ -4,6 +4,8 @@ trajectory (tokens, loss mask, turns, verdicts, reward) for train.py.
 
     # tiny run: the embedded SmolLM2-135M-Instruct (offline), one episode, CPU backend
     python agent.py --problem examples/relu.py --backend cpu --max-turns 4
+    # a demonstration: teacher.py's scripted teacher on a task of the elementwise family (elementwise.py)
+    python agent.py --problem task.py --policy teacher --backend cpu
     # real run: a strong model behind any OpenAI-compatible server, on the GPU
     OPENAI_API_KEY=... python agent.py --problem examples/relu.py --policy openai \\
         --base-url http://localhost:8000/v1 --model Qwen/Qwen3-8B --backend cuda --max-turns 50 --out runs/agent
@@ -837,26 +839,35 @@ def run_single_turn(policy, tasks, backend="auto", max_new_tokens=2048, temperat
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Run one agent episode on a KernelBench-format problem.")
     ap.add_argument("--problem", required=True, help="a KernelBench-format .py file")
-    ap.add_argument("--policy", default="hf", choices=["hf", "openai"])
+    ap.add_argument("--policy", default="hf", choices=["hf", "openai", "teacher"],
+                    help="teacher: teacher.py's demonstrator for the elementwise family (tokens of --model's tokenizer)")
     ap.add_argument("--model", default=None, help="hf: folder, hub id, .gguf, or a LoRA adapter folder of train.py (e.g. runs/x/ppo) (default: embedded SmolLM2-135M); openai: model name")
     ap.add_argument("--base-url", default=None, help="openai: e.g. http://localhost:8000/v1 (API key from OPENAI_API_KEY)")
+    ap.add_argument("--teacher-url", default=None, help="teacher: an OpenAI-compatible server writes the turns instead")
+    ap.add_argument("--teacher-model", default=None, help="teacher: the server's model name (with --teacher-url)")
     ap.add_argument("--backend", default="auto", choices=["auto", "cuda", "cpu"])
     ap.add_argument("--max-turns", type=int, default=20)
-    ap.add_argument("--max-context", type=int, default=8192)
-    ap.add_argument("--max-new-tokens", type=int, default=1024)
+    ap.add_argument("--max-context", type=int, default=None, help="default 8192 (teacher: 16384)")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="default 1024 (teacher: 4096, its kernels are long)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--device", default=None)
     ap.add_argument("--no-compile", action="store_true", help="hf: eager decode layers in the rollout engine (default: torch.compile on CUDA)")
     ap.add_argument("--out", default=None, help="keep the workspace and trajectories.jsonl here")
     ap.add_argument("--json", action="store_true", help="last stdout line: a JSON summary")
     a = ap.parse_args(argv)
+    a.max_context = a.max_context or (16384 if a.policy == "teacher" else 8192)
+    a.max_new_tokens = a.max_new_tokens or (4096 if a.policy == "teacher" else 1024)
     try:
         task = load_problem(a.problem)
         print(f"agent | problem {a.problem} | policy {a.policy} | model {a.model or DEFAULT_MODEL} | backend "
               f"{env.resolve_backend(a.backend)} | max turns {a.max_turns} | max new tokens per turn {a.max_new_tokens}",
               flush=True)
-        policy = load_policy(a.policy, model=a.model, base_url=a.base_url, device=a.device, max_context=a.max_context,
-                             compile_layers=False if a.no_compile else None)
+        if a.policy == "teacher":
+            import teacher  # (here, not at the top: teacher.py is built on this module)
+            policy = teacher.load_teacher(a.backend, model=a.model, url=a.teacher_url, teacher_model=a.teacher_model)
+        else:
+            policy = load_policy(a.policy, model=a.model, base_url=a.base_url, device=a.device, max_context=a.max_context,
+                                 compile_layers=False if a.no_compile else None)
         t0 = time.time()
         ep = run_episodes(policy, [task], backend=a.backend, max_turns=a.max_turns, max_context=a.max_context,
                           out_dir=a.out, transcript=True, max_new_tokens=a.max_new_tokens, temperature=a.temperature)[0]

@@ -2,6 +2,7 @@
 
     python synth.py --out data/tiny --num-tasks 8 --backend cpu --workers 2        # tiny run (CPU, minutes)
     python synth.py --out data/ops6k --num-tasks 6000 --backend cuda --workers 12  # the real run (one H200)
+    python synth.py --out data/elem --num-tasks 64 --family elementwise --backend cpu --workers 2  # elementwise.py's family
 
 The pipeline, one readable function per stage, in order:
   1. mine      ops.mine_seeds: introspect torch.nn modules, torch / torch.special / torch.linalg /
@@ -71,6 +72,7 @@ import torch
 from tqdm import tqdm
 
 import agent
+import elementwise
 import env
 from ops import build_op, meta_run, mine_seeds
 from tasks import FEATURES, KERNELBENCH_HUB, read_dataset
@@ -88,6 +90,7 @@ class Config:
     workers: int = 1
     kernelbench_dir: str | None = None
     composer: str = "rule"  # rule | llm
+    family: str = "paper"  # paper: the paper's mix of mined torch ops | elementwise: elementwise.py's chains
     model: str | None = None  # for --composer llm
     test_share: float = 0.05
     window_ms: tuple | None = None  # (lo, hi) eager-time window; None = 1-100 ms on CUDA, 0.1-10 ms on CPU
@@ -266,7 +269,11 @@ def compose(start: int, count: int, seeds: list[dict], cfg: Config, backend: str
             policy=None) -> list[dict]:
     """Candidates number start..start+count-1, minus those that fail to compose or duplicate an earlier one."""
     by_name = {s["name"]: s for s in seeds}
-    cands = [compose_one(i, seeds, by_name, cfg, backend) for i in range(start, start + count)]
+    if cfg.family == "elementwise":  # elementwise.py composes; the filters below and after are the same
+        cap = int(cfg.mem_cap_gb * 2**30) if cfg.mem_cap_gb else None
+        cands = [elementwise.compose_one(i, cfg.seed, backend, cfg.window_ms, cfg.max_ops, cap) for i in range(start, start + count)]
+    else:
+        cands = [compose_one(i, seeds, by_name, cfg, backend) for i in range(start, start + count)]
     if policy is not None:
         plans = [c for c in cands if "drop" not in c]
         written = iter(compose_llm(plans, cfg, policy))
@@ -914,6 +921,8 @@ def parse_args(argv=None) -> Config:
     g = p.add_argument_group("composition")
     g.add_argument("--max-ops", type=int, default=Config.max_ops)
     g.add_argument("--seed", type=int, default=Config.seed)
+    g.add_argument("--family", default="paper", choices=["paper", "elementwise"],
+                   help="paper: chains of mined torch ops (the paper's mix); elementwise: elementwise.py's fused chains")
     g.add_argument("--composer", default="rule", choices=["rule", "llm"])
     g.add_argument("--model", default=None, help="model for --composer llm")
     g = p.add_argument_group("filters")
@@ -929,7 +938,7 @@ def parse_args(argv=None) -> Config:
                    help="memory one task may touch, which bounds sizes (0: 4 on CUDA, 0.25 on CPU; each worker holds ~3x)")
     a = p.parse_args(argv)
     cfg = Config(out=a.out, num_tasks=a.num_tasks, max_ops=a.max_ops, backend=a.backend, seed=a.seed, workers=a.workers,
-                 kernelbench_dir=a.kernelbench_dir, composer=a.composer, model=a.model, test_share=a.test_share,
+                 kernelbench_dir=a.kernelbench_dir, composer=a.composer, family=a.family, model=a.model, test_share=a.test_share,
                  window_ms=tuple(a.window_ms) if a.window_ms else None, similarity=a.similarity, task_timeout_s=a.task_timeout,
                  max_candidates=a.max_candidates, mem_cap_gb=a.mem_cap_gb)
     return cfg
@@ -945,6 +954,8 @@ def validate(cfg: Config) -> tuple[Path, str]:
         raise env.UsageError(f"--workers must be >= 1 (got {cfg.workers})")
     if not 0 <= cfg.test_share < 1:
         raise env.UsageError(f"--test-share must be in [0, 1) (got {cfg.test_share})")
+    if cfg.family == "elementwise" and cfg.composer == "llm":
+        raise env.UsageError("--composer llm rewrites the paper family's plans; use it without --family elementwise")
     if cfg.window_ms and not 0 < cfg.window_ms[0] < cfg.window_ms[1]:
         raise env.UsageError(f"--window-ms needs 0 < LO < HI (got {cfg.window_ms})")
     if cfg.kernelbench_dir and cfg.kernelbench_dir != "hub" and not Path(cfg.kernelbench_dir).is_dir():
@@ -979,7 +990,7 @@ def main(argv=None) -> int:
         return 2
     work = out.with_name(out.name + ".partial")  # resumable state; removed after a successful run
     work.mkdir(exist_ok=True)
-    print(f"synth | out {out} | tasks {cfg.num_tasks} | max ops {cfg.max_ops} | backend {backend} | workers {cfg.workers}"
+    print(f"synth | out {out} | family {cfg.family} | tasks {cfg.num_tasks} | max ops {cfg.max_ops} | backend {backend} | workers {cfg.workers}"
           f" | window {cfg.window_ms[0]:g}-{cfg.window_ms[1]:g} ms | seed {cfg.seed} | kernelbench files {len(kb)}", flush=True)
     if not kb:
         print("filter: no --kernelbench-dir given: the KernelBench similarity filter is off", flush=True)
@@ -1017,7 +1028,7 @@ def candidate_stream(seeds: list[dict], cfg: Config, backend: str, kb, funnel: d
 
 def run(cfg: Config, out: Path, backend: str, kb: list, work: Path, t0: float, policy=None) -> int:
     """mine -> compose -> filter (one stream: composing overlaps the checks) -> save + report."""
-    seeds = mine_seeds()                                                       # 1. mine
+    seeds = mine_seeds() if cfg.family == "paper" else []                       # 1. mine (elementwise: its op table)
     funnel, taken, kept_rows = new_funnel(), [], {}
     secs = {"mine": round(time.time() - t0, 1), "compose": 0.0, "similarity": 0.0, "execution": 0.0}
     stream = candidate_stream(seeds, cfg, backend, kb, funnel, secs, taken, policy)  # 2. compose, 3a. cheap filters

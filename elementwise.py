@@ -1,0 +1,603 @@
+"""elementwise.py: the elementwise task family, a curriculum the embedded model can climb.
+
+A task is a fused chain of 1-5 operators on one float32 input x of shape (BATCH, DIM) or (BATCH, SEQ_LEN, DIM):
+unary activations, arithmetic with scalar constants or per-feature parameters (vectors of DIM), and at most one
+reduction over the last dimension (softmax, layer norm, sum, ...). Every such chain is one pass over memory
+(row by row when it holds a reduction), so one fused kernel solves it, and the fused kernel is short enough for
+a small model to learn to write.
+
+    python synth.py --family elementwise --out data/elem --num-tasks 64 --backend cpu   # tasks, synth.py's filters
+    python agent.py --policy teacher --problem task.py --backend cpu                   # a demonstration (teacher.py)
+
+What this module holds, top to bottom:
+  1. the op table (data): per op, its PyTorch spelling in Model.forward and its C expression of `v`;
+  2. compose_one(): sample a chain, pick a shape in the eager-time window, reject degenerate tasks, render the
+     KernelBench-format module; synth.py runs its own filters on the result (--family elementwise);
+  3. parse(): the chain back from a task's code (what the teacher reads);
+  4. emitters: the fixed binding, the kernel source (CUDA .cu or C++/OpenMP .cpp) in several variants, and
+     model_new.py. teacher.py writes these through the agent's tools.
+
+Degenerate tasks are dropped at composition, because they would reward a wrong kernel at atol = rtol = 1e-2:
+a task whose output a constant (zeros included) matches on more than 3/4 of the elements (softmax over
+thousands of columns: every value is ~1e-4), and a task with an op that can be left out or replaced by a constant
+per row (either changes under 5% of the outputs beyond tolerance: abs after relu; a softmax over 2,048 columns
+followed by a parameter). Composition
+tries smaller rows (DIM) before it gives up on a chain.
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import math
+import random
+import re
+import textwrap
+
+# ----------------------------------------------------------------------------------------------
+# 1. The op table. {a}, {b}: scalar constants (sampled from "consts"); {p}: a per-feature parameter of DIM values.
+# torch: the line of Model.forward (x in, x out); c: the same math in C on float v (d: the feature index).
+# cpu_ns: single-thread eager ns per element, roughly (measured at 1 MB; sizing only: synth.py's filter measures).
+# ----------------------------------------------------------------------------------------------
+OPS = {
+    "relu":        dict(torch="torch.relu(x)", c="fmaxf(v, 0.f)", cpu_ns=0.25),
+    "leaky_relu":  dict(torch="F.leaky_relu(x, {a})", c="(v > 0.f ? v : {a} * v)", consts=[(0.01,), (0.1,), (0.2,)], cpu_ns=0.25),
+    "gelu":        dict(torch="F.gelu(x)", c="0.5f * v * (1.f + erff(v * 0.70710678f))", cpu_ns=1.5),
+    "gelu_tanh":   dict(torch="F.gelu(x, approximate='tanh')",
+                        c="0.5f * v * (1.f + tanhf(0.79788456f * (v + 0.044715f * v * v * v)))", cpu_ns=2),
+    "silu":        dict(torch="F.silu(x)", c="v / (1.f + expf(-v))", cpu_ns=2),
+    "sigmoid":     dict(torch="torch.sigmoid(x)", c="1.f / (1.f + expf(-v))", cpu_ns=1),
+    "tanh":        dict(torch="torch.tanh(x)", c="tanhf(v)", cpu_ns=2),
+    "softplus":    dict(torch="F.softplus(x)", c="(v > 20.f ? v : log1pf(expf(v)))", cpu_ns=3),
+    "elu":         dict(torch="F.elu(x, {a})", c="(v > 0.f ? v : {a} * expm1f(v))", consts=[(0.5,), (1.0,)], cpu_ns=2),
+    "hardtanh":    dict(torch="F.hardtanh(x, {a}, {b})", c="fminf(fmaxf(v, {a}), {b})",
+                        consts=[(-1.0, 1.0), (-0.5, 2.0), (-2.0, 0.5)], cpu_ns=0.25),
+    "hardsigmoid": dict(torch="F.hardsigmoid(x)", c="fminf(fmaxf(v / 6.f + 0.5f, 0.f), 1.f)", cpu_ns=0.25),
+    "hardswish":   dict(torch="F.hardswish(x)", c="v * fminf(fmaxf(v + 3.f, 0.f), 6.f) / 6.f", cpu_ns=0.25),
+    "mish":        dict(torch="F.mish(x)", c="v * tanhf(v > 20.f ? v : log1pf(expf(v)))", cpu_ns=6),
+    "add":         dict(torch="x + {a}", c="v + {a}", consts=[(0.5,), (1.0,), (2.0,)], cpu_ns=0.25),
+    "sub":         dict(torch="x - {a}", c="v - {a}", consts=[(0.5,), (1.0,), (0.25,)], cpu_ns=0.25),
+    "mul":         dict(torch="x * {a}", c="v * {a}", consts=[(0.5,), (2.0,), (-1.5,), (3.0,)], cpu_ns=0.25),
+    "div":         dict(torch="x / {a}", c="v / {a}", consts=[(2.0,), (4.0,), (0.5,)], cpu_ns=0.25),
+    "square":      dict(torch="x * x", c="v * v", cpu_ns=0.25),
+    "clamp":       dict(torch="torch.clamp(x, {a}, {b})", c="fminf(fmaxf(v, {a}), {b})",
+                        consts=[(-1.0, 1.0), (0.0, 2.0), (-0.5, 0.5)], cpu_ns=0.25),
+    "abs":         dict(torch="torch.abs(x)", c="fabsf(v)", cpu_ns=0.25),
+    "exp":         dict(torch="torch.exp(x)", c="expf(v)", cpu_ns=1),
+    # per-feature parameters (init: the nn.Parameter's initial value; DIM is the constructor's `dim`)
+    "add_param":   dict(torch="x + self.{p}", c="v + {p}[d]", param="torch.randn(dim)", cpu_ns=0.25),
+    "sub_param":   dict(torch="x - self.{p}", c="v - {p}[d]", param="torch.randn(dim)", cpu_ns=0.25),
+    "mul_param":   dict(torch="x * self.{p}", c="v * {p}[d]", param="torch.randn(dim)", cpu_ns=0.25),
+    "div_param":   dict(torch="x / self.{p}", c="v / {p}[d]", param="torch.rand(dim) + 0.5", cpu_ns=0.25),
+}
+# Reductions over the last dimension. stats: (name, "sum" | "max", C term accumulated over the row, final value),
+# computed in order (a later term may use an earlier statistic). out: the C value of each element (the shape is
+# kept; c: the column); result: the row's one value (the last dimension is reduced away). Norm affine parameters: {g}, {o}.
+SOFTMAX_STATS = [("m", "max", "v", "m"), ("s", "sum", "expf(v - m)", "s")]
+NORM_STATS = [("mu", "sum", "v", "mu / cols"), ("var", "sum", "(v - mu) * (v - mu)", "var / cols")]
+RMS_STATS = [("ms", "sum", "v * v", "ms / cols")]
+REDUCTIONS = {
+    "softmax":     dict(torch="torch.softmax(x, dim=-1)", stats=SOFTMAX_STATS, out="expf(v - m) / s", cpu_ns=1),
+    "log_softmax": dict(torch="torch.log_softmax(x, dim=-1)", stats=SOFTMAX_STATS, out="v - m - logf(s)", cpu_ns=1),
+    "logsumexp":   dict(torch="torch.logsumexp(x, dim=-1)", stats=SOFTMAX_STATS, result="m + logf(s)", cpu_ns=1.5),
+    "sum":         dict(torch="torch.sum(x, dim=-1)", stats=[("s", "sum", "v", "s")], result="s", cpu_ns=0.25),
+    "mean":        dict(torch="torch.mean(x, dim=-1)", stats=[("s", "sum", "v", "s / cols")], result="s", cpu_ns=0.25),
+    "max":         dict(torch="torch.amax(x, dim=-1)", stats=[("m", "max", "v", "m")], result="m", cpu_ns=0.25),
+    "layer_norm":  dict(torch="F.layer_norm(x, (x.shape[-1],), eps=1e-5)", stats=NORM_STATS,
+                        out="(v - mu) / sqrtf(var + 1e-5f)", cpu_ns=0.5),
+    "layer_norm_affine": dict(torch="F.layer_norm(x, (x.shape[-1],), self.{g}, self.{o}, eps=1e-5)", stats=NORM_STATS,
+                              out="(v - mu) / sqrtf(var + 1e-5f) * {g}[c] + {o}[c]", cpu_ns=0.5),
+    "rms_norm":    dict(torch="F.rms_norm(x, (x.shape[-1],), eps=1e-6)", stats=RMS_STATS, out="v / sqrtf(ms + 1e-6f)", cpu_ns=0.5),
+    "rms_norm_affine": dict(torch="F.rms_norm(x, (x.shape[-1],), self.{g}, eps=1e-6)", stats=RMS_STATS,
+                            out="v / sqrtf(ms + 1e-6f) * {g}[c]", cpu_ns=0.5),
+}
+NORM_INIT = {"g": "torch.randn(dim) * 0.5 + 1.0", "o": "torch.randn(dim) * 0.5"}  # not 1 and 0: affine must matter
+N_OPS_WEIGHTS = {1: 0.15, 2: 0.3, 3: 0.25, 4: 0.15, 5: 0.15}
+P_REDUCTION = 0.5  # share of chains with a reduction
+DIMS = [64, 128, 256, 512, 1024, 2048, 4096]  # the last dimension (a multiple of 4: float4 loads); 16, 32 on retries
+SEQ_LENS = [16, 32, 64, 128]
+ROOFLINE_CUDA = (3.0e12, 8e-6)  # bytes/s and per-kernel overhead (s), as synth.py's ROOFLINE["cuda"]
+MEM_CAP = {"cuda": 4 << 30, "cpu": 256 << 20}  # bytes of input + eager intermediates, as synth.py's MEM_CAP
+ATOL = RTOL = 1e-2  # env.py's tolerances
+
+
+def c_float(x: float) -> str:
+    return f"{float(x)!r}f"
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Compose
+# ----------------------------------------------------------------------------------------------
+def sample_chain(rng: random.Random, n_ops: int) -> list[dict]:
+    """Steps {"op", "a", "b", "p", "g", "o"}; at most one reduction, and no per-feature op after a reduction that
+    removed the last dimension."""
+    red_at = rng.randrange(n_ops) if rng.random() < P_REDUCTION else None
+    steps, reduced = [], False
+    for i in range(n_ops):
+        if i == red_at:
+            name = rng.choice(list(REDUCTIONS))
+            st = {"op": name}
+            if "{g}" in REDUCTIONS[name]["torch"]:
+                st["g"] = f"gamma{i}"
+            if "{o}" in REDUCTIONS[name]["torch"]:
+                st["o"] = f"beta{i}"
+            reduced = "result" in REDUCTIONS[name]
+        else:
+            names = [n for n in OPS if not (reduced and "param" in OPS[n])]
+            name = rng.choice(names)
+            st = {"op": name}
+            if "consts" in OPS[name]:
+                st.update(zip("ab", rng.choice(OPS[name]["consts"])))
+            if "param" in OPS[name]:
+                st["p"] = f"w{i}"
+        steps.append(st)
+    return steps
+
+
+def torch_line(st: dict) -> str:
+    spec = OPS.get(st["op"]) or REDUCTIONS[st["op"]]
+    return spec["torch"].format(**{k: (repr(v) if isinstance(v, float) else v) for k, v in st.items() if k != "op"})
+
+
+def render(steps: list[dict], shape: tuple) -> str:
+    """The KernelBench-format module: class Model(dim), get_inputs(), get_init_inputs()."""
+    names = ["BATCH", "DIM"] if len(shape) == 2 else ["BATCH", "SEQ_LEN", "DIM"]
+    init = []
+    for st in steps:
+        if "p" in st:
+            init.append(f"        self.{st['p']} = nn.Parameter({OPS[st['op']]['param']})")
+        for k in ("g", "o"):
+            if k in st:
+                init.append(f"        self.{st[k]} = nn.Parameter({NORM_INIT[k]})")
+    fwd = "".join(f"        x = {torch_line(st)}\n" for st in steps)
+    return ("import torch\nimport torch.nn as nn\nimport torch.nn.functional as F\n\n"
+            + "".join(f"{n} = {v}\n" for n, v in zip(names, shape)) + "\n\n"
+            f"class Model(nn.Module):\n    \"\"\"{' -> '.join(st['op'] for st in steps)}\"\"\"\n\n"
+            "    def __init__(self, dim):\n        super().__init__()\n" + "".join(l + "\n" for l in init) +
+            f"\n    def forward(self, x):\n{fwd}        return x\n\n\n"
+            f"def get_inputs():\n    return [torch.randn({', '.join(names)})]\n\n\n"
+            "def get_init_inputs():\n    return [DIM]\n")
+
+
+def estimate_ms(steps: list[dict], shape: tuple, backend: str) -> tuple[float, int]:
+    """Eager time (a rough roofline: every op is one kernel that reads and writes its tensor) and bytes held
+    (input and every intermediate), for sizing. synth.py's filter measures the real time."""
+    n = math.prod(shape)
+    t, held = 0.0, 4 * n
+    for st in steps:
+        spec = OPS.get(st["op"]) or REDUCTIONS[st["op"]]
+        n_out = n // shape[-1] if "result" in spec else n
+        if backend == "cuda":
+            bw, overhead = ROOFLINE_CUDA
+            t += 4 * (n + n_out) / bw + overhead
+        else:
+            t += n * spec["cpu_ns"] * 1e-9
+        held += 4 * n_out
+        n = n_out
+    return t * 1e3, held
+
+
+def degenerate(out, keeps_last_dim: bool) -> str | None:
+    """Why a constant answer would pass env.py's check on this output, or None. The constant is the row's
+    median (a row-constant kernel must fail too) or, for reduced outputs, the global median."""
+    import torch
+    if not bool(torch.isfinite(out).all()):
+        return "non-finite output"
+    if out.numel() < 2:
+        return "scalar output"
+    c = out.median(dim=-1, keepdim=True).values if keeps_last_dim else out.flatten().median()
+    off = (out - c).abs() > ATOL + RTOL * out.abs()
+    if off.float().mean().item() < 0.25:
+        return "degenerate: a constant matches most outputs at atol=1e-2"
+    return None
+
+
+def run_chain(code: str, shape: tuple, seed: int = 0, ablate: tuple | None = None):
+    """Run a rendered task on CPU at `shape` (trusted code: this module wrote it). ablate=(k, "skip"): leave out
+    step k; (k, "const"): replace step k's output by its row median. The parameters stay the same (the model is
+    built as it is; its forward is replayed line by line)."""
+    import torch
+    import torch.nn.functional as F
+    ns = {}
+    exec(compile(code, "<elementwise task>", "exec"), ns)
+    torch.manual_seed(seed)
+    model = ns["Model"](*ns["get_init_inputs"]()).eval()
+    torch.manual_seed(seed + 1)
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        if ablate is None:
+            return model(x)
+        for i, st in enumerate(parse(code)):
+            if (i, "skip") != ablate:
+                x = eval(torch_line(st), {"torch": torch, "F": F, "x": x, "self": model})
+            if (i, "const") == ablate:
+                x = x.median(dim=-1, keepdim=True).values.expand_as(x)
+        return x
+
+
+def every_op_matters(code: str, shape: tuple, out) -> str | None:
+    """Why a kernel that gets one op wrong would pass, or None. Leaving an op out, and replacing its output by a
+    constant per row, must each change at least 5% of the outputs beyond atol/rtol (abs after relu: leaving it out
+    changes nothing; a softmax over 2,048 columns is ~5e-4 everywhere: as good as a constant). A reduction that
+    removes the last dimension is not ablated."""
+    for k, st in enumerate(parse(code)):
+        if "result" in REDUCTIONS.get(st["op"], {}):
+            continue
+        for how in ("skip", "const"):
+            alt = run_chain(code, shape, 0, ablate=(k, how))
+            if alt.shape == out.shape and ((alt - out).abs() > ATOL + RTOL * out.abs()).float().mean().item() < 0.05:
+                what = "leaving out" if how == "skip" else "a constant per row instead of"
+                return f"degenerate: {what} {st['op']} changes under 5% of the outputs"
+    return None
+
+
+def compose_one(index: int, seed: int = 0, backend: str = "cpu", window_ms=(0.1, 10.0), max_ops: int = 5,
+                mem_cap: int | None = None) -> dict:
+    """Candidate number `index` (deterministic in (seed, index)): {"index", "ops", "data_source", "code", "shape",
+    "est_ms"} or {"drop": reason}. The same shape as synth.compose_one's candidates, for synth.py's filters."""
+    rng = random.Random(f"elementwise-{seed}-{index}")
+    ks = [k for k in N_OPS_WEIGHTS if k <= max_ops]
+    n_ops = rng.choices(ks, weights=[N_OPS_WEIGHTS[k] for k in ks])[0]
+    steps = sample_chain(rng, n_ops)
+    red = next((REDUCTIONS[st["op"]] for st in steps if st["op"] in REDUCTIONS), None)
+    keeps = red is None or "out" in red
+    lead = (rng.choice(SEQ_LENS),) if rng.random() < 0.3 else ()
+    # rows of DIM: the sampled one, then smaller ones while the task is degenerate (softmax over many columns)
+    d0 = rng.choice(DIMS)
+    why = "no DIM tried"
+    for dim in [d for d in [16, 32] + DIMS if d <= d0][::-1]:
+        small = (4, dim)  # rows are independent: 4 of them show the chain (and stay single-threaded in torch)
+        code = render(steps, small)
+        try:
+            outs = [run_chain(code, small, s) for s in (0, 1)]
+        except Exception as e:  # noqa: BLE001 - a chain torch rejects
+            return {"drop": f"chain fails in eager: {type(e).__name__}"}
+        why = degenerate(outs[0], keeps) or degenerate(outs[1], keeps) or every_op_matters(code, small, outs[0])
+        if why is None:
+            break
+    else:
+        return {"drop": why}
+    # size: double BATCH until the estimate reaches the window's target (as synth.py), under the memory cap
+    lo, hi = window_ms
+    target = lo * (hi / lo) ** 0.3
+    cap = mem_cap or MEM_CAP[backend]
+    best = None
+    for k in range(0, 26):
+        shape = (2 ** k,) + lead + (dim,)
+        est, held = estimate_ms(steps, shape, backend)
+        if held > cap or est > hi:
+            break
+        best = (shape, est)
+        if est >= target:
+            break
+    if best is None:
+        return {"drop": "too large even at BATCH=1 (memory cap or estimated time)"}
+    shape, est = best
+    ops = [st["op"] for st in steps]
+    return {"index": index, "ops": ops, "data_source": f"elementwise#{len(ops)}", "code": render(steps, shape),
+            "shape": list(shape), "est_ms": est}
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Parse: the chain back from a task's code (the grammar is the op table's torch column)
+# ----------------------------------------------------------------------------------------------
+def _pattern(template: str) -> re.Pattern:
+    """A regex of the template as ast.unparse spells it (1e-5 -> 1e-05): constants {a} {b}, names {p} {g} {o}."""
+    text = ast.unparse(ast.parse(re.sub(r"\{(\w)\}", r"PH_\1", template)))
+    rx = re.escape(text)
+    for k in "ab":
+        rx = rx.replace(f"PH_{k}", rf"(?P<{k}>-?[\d.]+(?:e-?\d+)?)")
+    for k in "pgo":
+        rx = rx.replace(f"PH_{k}", rf"(?P<{k}>\w+)")
+    return re.compile(rx + "$")
+
+
+PATTERNS = [(name, _pattern(spec["torch"])) for name, spec in {**OPS, **REDUCTIONS}.items()]
+
+
+def parse(code: str) -> list[dict]:
+    """The steps of a task of this family, from Model.forward (one `x = ...` line per op). ValueError otherwise."""
+    tree = ast.parse(code)
+    model = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Model"), None)
+    fwd = next((f for f in (model.body if model else []) if isinstance(f, ast.FunctionDef) and f.name == "forward"), None)
+    if fwd is None:
+        raise ValueError("no Model.forward")
+    steps = []
+    for stmt in fwd.body:
+        if isinstance(stmt, ast.Return):
+            break
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
+            continue  # a docstring
+        if not (isinstance(stmt, ast.Assign) and ast.unparse(stmt.targets[0]) == "x"):
+            raise ValueError(f"not a chain step: {ast.unparse(stmt)}")
+        text = ast.unparse(stmt.value)
+        for name, rx in PATTERNS:
+            m = rx.match(text)
+            if m:
+                st = {"op": name, **{k: (float(v) if k in "ab" else v) for k, v in m.groupdict().items()}}
+                steps.append(st)
+                break
+        else:
+            raise ValueError(f"not an op of the elementwise family: {text}")
+    if sum(st["op"] in REDUCTIONS for st in steps) > 1:
+        raise ValueError("more than one reduction")
+    return steps
+
+
+def params(steps: list[dict]) -> list[str]:
+    """Parameter names in the order the kernel takes them."""
+    return [st[k] for st in steps for k in ("p", "g", "o") if k in st]
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Emitters. One fixed binding per backend and one fixed header of CUDA reductions (their builds are cached once for
+# all tasks: env.py's object cache is keyed by content), one kernel source per (task, variant), one model_new.py per task.
+#   launch(x, y, params, scratch, rows, cols, stream): y = chain(x) over rows of `cols` values; scratch holds
+#   per-row statistics (the two-kernel variant) and is allocated by model_new.py.
+# ----------------------------------------------------------------------------------------------
+BINDING = """// kernels/binding.cpp: tensor checks, raw pointers and the one call of launch(); the math is in kernels/op.{ext}
+#include <torch/extension.h>{include}
+#include <vector>
+
+extern "C" void launch(const float* x, float* y, const float* const* params, float* scratch, int64_t rows,
+                       int64_t cols, void* stream);
+
+static void check(const torch::Tensor& t, const char* what) {{
+  TORCH_CHECK(t.{device_check} && t.scalar_type() == torch::kFloat && t.is_contiguous(), what,
+              " must be a contiguous float32 {device} tensor");
+}}
+
+// x: (..., cols); y: x's shape, or x's shape without the last dimension; params: vectors of cols values
+void forward(torch::Tensor x, torch::Tensor y, std::vector<torch::Tensor> params, torch::Tensor scratch) {{
+  check(x, "x");
+  check(y, "y");
+  int64_t cols = x.size(-1), rows = x.numel() / cols;
+  TORCH_CHECK(y.numel() == x.numel() || y.numel() == rows, "y must have x's shape, or one value per row");
+  std::vector<const float*> p;
+  for (auto& t : params) {{
+    check(t, "a parameter");
+    TORCH_CHECK(t.numel() == cols, "a parameter must have x.size(-1) values");
+    p.push_back(t.data_ptr<float>());
+  }}
+  float* s = scratch.numel() ? scratch.data_ptr<float>() : nullptr;
+  launch(x.data_ptr<float>(), y.data_ptr<float>(), p.data(), s, rows, cols, {stream});
+}}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{ m.def("forward", &forward); }}
+"""
+
+
+def binding(backend: str) -> str:
+    if backend == "cuda":
+        return BINDING.format(ext="cu", include="\n#include <ATen/cuda/CUDAContext.h>", device_check="is_cuda()",
+                              device="CUDA", stream="at::cuda::getCurrentCUDAStream().stream()")
+    return BINDING.format(ext="cpp", include="", device_check="is_cpu()", device="CPU", stream="nullptr")
+
+
+def _c(template: str, st: dict) -> str:
+    return template.format(**{k: (c_float(v) if isinstance(v, float) else v) for k, v in st.items() if k != "op"})
+
+
+def split(steps: list[dict]):
+    """(ops before the reduction, the reduction step or None, ops after it)."""
+    i = next((i for i, st in enumerate(steps) if st["op"] in REDUCTIONS), None)
+    return (steps, None, []) if i is None else (steps[:i], steps[i], steps[i + 1:])
+
+
+def model_new(code: str, steps: list[dict], backend: str) -> str:
+    """model_new.py: Model's constructor as it is (same parameters), a forward that allocates and calls the kernel."""
+    tree = ast.parse(code)
+    model = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Model")
+    init = next(f for f in model.body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
+    _, red, _ = split(steps)
+    keeps = red is None or "out" in REDUCTIONS[red["op"]]
+    n_stats = len(REDUCTIONS[red["op"]]["stats"]) if red else 0
+    out = "torch.empty_like(x)" if keeps else "torch.empty(x.shape[:-1], dtype=x.dtype, device=x.device)"
+    scratch = f"torch.empty(x.numel() // x.shape[-1] * {n_stats}, device=x.device)" if n_stats else \
+        "torch.empty(0, device=x.device)"
+    ps = ", ".join(f"self.{p}" for p in params(steps))
+    return ('"""ModelNew: the same parameters as Model; the whole chain runs in one fused kernel (kernels/op.'
+            f'{"cu" if backend == "cuda" else "cpp"})."""\nimport torch\nimport torch.nn as nn\n\nimport cuda_extension\n\n\n'
+            f"class ModelNew(nn.Module):\n{textwrap.indent(ast.unparse(init), '    ')}\n\n" +
+            "    def forward(self, x):\n"
+            f"        y = {out}\n"
+            f"        scratch = {scratch}  # per-row statistics (used by the two-kernel variant)\n"
+            f"        cuda_extension.forward(x, y, [{ps}], scratch)\n"
+            "        return y\n")
+
+
+def _fn(name: str, steps: list[dict], plist: str, qual: str) -> str:
+    body = "".join(f"  v = {_c((OPS[st['op']])['c'], st)};  // {st['op']}\n" for st in steps)
+    return f"{qual} float {name}(float v, int64_t d{plist}) {{\n{body}  return v;\n}}\n"
+
+
+# Variants (name -> description). Which ones apply: VARIANTS_FOR[(backend, has reduction)].
+VARIANTS = {
+    "naive": "one thread per element",
+    "grid_stride": "a grid-stride loop, a few blocks per SM",
+    "vec4": "float4 loads and stores, grid-stride",
+    "block_row": "one block per row, warp-shuffle + shared-memory reductions",
+    "warp_row": "one warp per row, warp-shuffle reductions only",
+    "two_kernels": "a statistics kernel (one block per row), then an elementwise kernel",
+    "flat": "one OpenMP loop over all elements (index % cols for the feature)",
+    "rows": "OpenMP over rows, a contiguous inner loop the compiler vectorises",
+    "passes": "OpenMP over rows, the chain recomputed in every pass over the row",
+    "row_buffer": "OpenMP over rows, the chain computed once into a per-thread row buffer",
+}
+VARIANTS_FOR = {("cuda", False): ["naive", "grid_stride", "vec4"], ("cuda", True): ["block_row", "warp_row", "two_kernels"],
+                ("cpu", False): ["flat", "rows"], ("cpu", True): ["passes", "row_buffer"]}
+BLOCKS = [128, 256, 512]
+
+
+def kernel_source(steps: list[dict], backend: str, variant: str = "", block: int = 256) -> str:
+    """The kernel source (kernels/op.cu or kernels/op.cpp) of one variant; "" = the first that applies."""
+    pre, red, post = split(steps)
+    variant = variant or VARIANTS_FOR[(backend, red is not None)][0]
+    if variant not in VARIANTS_FOR[(backend, red is not None)]:
+        raise ValueError(f"variant {variant} does not apply here")
+    ps = params(steps)
+    plist = "".join(f", const float* {p}" for p in ps)
+    args = "".join(f", {p}" for p in ps)
+    unpack = "".join(f"  const float* {p} = params[{i}];\n" for i, p in enumerate(ps))
+    cuda = backend == "cuda"
+    qual = "__device__ __forceinline__" if cuda else "static inline"
+    chain = " -> ".join(st["op"] for st in steps)
+    head = (f"// kernels/op.{'cu' if cuda else 'cpp'}: {chain}, fused into one pass. Variant {variant}"
+            f"{f'/{block}' if cuda else ''}: {VARIANTS[variant]}.\n"
+            + ("#include <cstdint>\n#include <math.h>\n#include <cuda_runtime.h>\n" +
+               ('#include "reduce.cuh"\n\n' if red else "\n") if cuda else
+               "#include <cstdint>\n#include <math.h>\n#include <vector>\n\n"))
+    launch_sig = ('extern "C" void launch(const float* x, float* y, const float* const* params, float* scratch, '
+                  'int64_t rows, int64_t cols, void* stream) {\n')
+    src = head + _fn("pre", pre, plist, qual) + (_fn("post", post, plist, qual) if red else "")
+    if red is None:
+        if variant == "naive":
+            src += (f"\n__global__ void fused(const float* __restrict__ x, float* __restrict__ y{plist}, int64_t n, int64_t cols) {{\n"
+                    "  int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;\n"
+                    f"  if (i < n) y[i] = pre(x[i], i % cols{args});\n}}\n\n" + launch_sig + unpack +
+                    f"  int64_t n = rows * cols;\n  fused<<<(n + {block - 1}) / {block}, {block}, 0, (cudaStream_t)stream>>>(x, y{args}, n, cols);\n}}\n")
+        elif variant == "grid_stride":
+            src += (f"\n__global__ void fused(const float* __restrict__ x, float* __restrict__ y{plist}, int64_t n, int64_t cols) {{\n"
+                    "  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)\n"
+                    f"    y[i] = pre(x[i], i % cols{args});\n}}\n\n" + launch_sig + unpack + GRID.format(block=block, n="rows * cols") +
+                    f"  fused<<<grid, {block}, 0, (cudaStream_t)stream>>>(x, y{args}, rows * cols, cols);\n}}\n")
+        elif variant == "vec4":  # cols % 4 == 0 (every DIM of the family): 4 consecutive values share one row
+            src += (f"\n__global__ void fused(const float4* __restrict__ x, float4* __restrict__ y{plist}, int64_t n4, int64_t cols) {{\n"
+                    "  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n4; i += (int64_t)gridDim.x * blockDim.x) {\n"
+                    "    float4 v = x[i];\n    int64_t d = (i * 4) % cols;\n"
+                    f"    v.x = pre(v.x, d{args});\n    v.y = pre(v.y, d + 1{args});\n"
+                    f"    v.z = pre(v.z, d + 2{args});\n    v.w = pre(v.w, d + 3{args});\n    y[i] = v;\n  }}\n}}\n\n" + launch_sig + unpack +
+                    GRID.format(block=block, n="rows * cols / 4") +
+                    f"  fused<<<grid, {block}, 0, (cudaStream_t)stream>>>((const float4*)x, (float4*)y{args}, rows * cols / 4, cols);\n}}\n")
+        elif variant == "flat":
+            src += ("\n" + launch_sig + unpack + "  const int64_t n = rows * cols;\n  #pragma omp parallel for\n"
+                    f"  for (int64_t i = 0; i < n; ++i) y[i] = pre(x[i], i % cols{args});\n}}\n")
+        else:  # rows
+            src += ("\n" + launch_sig + unpack + "  #pragma omp parallel for\n  for (int64_t r = 0; r < rows; ++r) {\n"
+                    "    const float* xr = x + r * cols;\n    float* yr = y + r * cols;\n    #pragma omp simd\n"
+                    f"    for (int64_t c = 0; c < cols; ++c) yr[c] = pre(xr[c], c{args});\n  }}\n}}\n")
+        return src
+    spec = REDUCTIONS[red["op"]]
+    stats = spec["stats"]
+    out = _c(spec.get("out") or spec["result"], red)
+    keeps = "out" in spec
+    if cuda:
+        return src + _cuda_rows(variant, block, stats, out, keeps, plist, args, unpack, launch_sig)
+    return src + _cpu_rows(variant, stats, out, keeps, args, unpack, launch_sig)
+
+
+GRID = ("  int64_t blocks = ({n} + {block} - 1) / {block};\n"
+        "  int grid = (int)(blocks < 132 * 8 ? blocks : 132 * 8);  // a few waves of blocks over the SMs\n")
+# kernels/reduce.cuh: reductions across the threads of a warp (shuffles) or of a block (shuffles, then one value per
+# warp through shared memory). Fixed text for every task: its builds are shared through the object cache.
+REDUCE_HEADER = """// kernels/reduce.cuh: sums and maxima across a warp or a block; every thread gets the result
+#pragma once
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// blockDim.x: a multiple of 32
+__device__ float block_sum(float v) {
+  __shared__ float part[32];
+  v = warp_sum(v);
+  __syncthreads();  // part[] may still be read by the previous call
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+  __syncthreads();
+  return warp_sum((threadIdx.x & 31) < (blockDim.x >> 5) ? part[threadIdx.x & 31] : 0.f);
+}
+__device__ float block_max(float v) {
+  __shared__ float part[32];
+  v = warp_max(v);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+  __syncthreads();
+  return warp_max((threadIdx.x & 31) < (blockDim.x >> 5) ? part[threadIdx.x & 31] : -INFINITY);
+}
+"""
+INIT = {"sum": "0.f", "max": "-INFINITY"}
+ACC = {"sum": "{n} += {e};", "max": "{n} = fmaxf({n}, {e});"}
+
+
+def _stat_code(stats, loop: str, load: str, reduce: str, args: str, ind: str) -> str:
+    """Each statistic in turn: accumulate over the row, reduce across threads (reduce: "block"/"warp"/""), finalise."""
+    code = ""
+    for name, kind, term, fin in stats:
+        code += (f"{ind}float {name} = {INIT[kind]};\n{ind}{loop} {{\n{ind}  float v = pre({load}, c{args});\n"
+                 f"{ind}  {ACC[kind].format(n=name, e=term)}\n{ind}}}\n")
+        if reduce:
+            code += f"{ind}{name} = {reduce}_{kind}({name});\n"
+        if fin != name:
+            code += f"{ind}{name} = {fin};\n"
+    return code
+
+
+def _cuda_rows(variant, block, stats, out, keeps, plist, args, unpack, launch_sig) -> str:
+    names = [s[0] for s in stats]
+    result = (f"    float v = {out};\n    y[row] = post(v, 0{args});\n")
+    if variant in ("block_row", "warp_row"):
+        warp = variant == "warp_row"
+        step, first = ("32", "lane") if warp else ("blockDim.x", "threadIdx.x")
+        loop = f"for (int64_t c = {first}; c < cols; c += {step})"
+        body = ("  int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;\n  int lane = threadIdx.x & 31;\n"
+                "  if (row >= rows) return;  // the whole warp leaves: no shuffle is missing a lane\n") if warp else \
+            "  int64_t row = blockIdx.x;\n"
+        body += "  const float* xr = x + row * cols;\n" + _stat_code(stats, loop, "xr[c]", "warp" if warp else "block", args, "  ")
+        if keeps:
+            body += f"  {loop} {{\n    float v = pre(xr[c], c{args});\n    v = {out};\n    y[row * cols + c] = post(v, c{args});\n  }}\n"
+        else:
+            body += f"  if ({first} == 0) {{\n" + result + "  }\n"
+        grid = f"(rows + {block // 32 - 1}) / {block // 32}" if warp else "rows"
+        return (f"\n__global__ void fused_rows(const float* __restrict__ x, float* __restrict__ y{plist}, "
+                f"int64_t rows, int64_t cols) {{\n{body}}}\n\n" + launch_sig + unpack +
+                f"  fused_rows<<<{grid}, {block}, 0, (cudaStream_t)stream>>>(x, y{args}, rows, cols);\n}}\n")
+    # two kernels: statistics per row into scratch, then every element (or row) on its own
+    ns = len(stats)
+    body = "  int64_t row = blockIdx.x;\n  const float* xr = x + row * cols;\n" + _stat_code(
+        stats, "for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)", "xr[c]", "block", args, "  ")
+    body += "  if (threadIdx.x == 0) {\n" + "".join(f"    stats[row * {ns} + {i}] = {n};\n" for i, n in enumerate(names)) + "  }\n"
+    load = "".join(f"    float {n} = stats[row * {ns} + {i}];\n" for i, n in enumerate(names))
+    if keeps:
+        second = (f"__global__ void apply(const float* __restrict__ x, float* __restrict__ y, const float* __restrict__ stats{plist}, "
+                  "int64_t n, int64_t cols) {\n"
+                  "  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {\n"
+                  "    int64_t row = i / cols, c = i % cols;\n" + load +
+                  f"    float v = pre(x[i], c{args});\n    v = {out};\n    y[i] = post(v, c{args});\n  }}\n}}\n")
+        n = "rows * cols"
+    else:
+        second = (f"__global__ void apply(const float* __restrict__ x, float* __restrict__ y, const float* __restrict__ stats{plist}, "
+                  "int64_t n, int64_t cols) {\n"
+                  "  for (int64_t row = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; row < n; row += (int64_t)gridDim.x * blockDim.x) {\n"
+                  + load + result + "  }\n}\n")
+        n = "rows"
+    return (f"\n__global__ void row_stats(const float* __restrict__ x, float* __restrict__ stats{plist}, "
+            f"int64_t rows, int64_t cols) {{\n{body}}}\n\n{second}\n" + launch_sig + unpack +
+            f"  row_stats<<<rows, {block}, 0, (cudaStream_t)stream>>>(x, scratch{args}, rows, cols);\n" +
+            GRID.format(block=block, n=n) +
+            f"  apply<<<grid, {block}, 0, (cudaStream_t)stream>>>(x, y, scratch{args}, {n}, cols);\n}}\n")
+
+
+def _cpu_rows(variant, stats, out, keeps, args, unpack, launch_sig) -> str:
+    buffered = variant == "row_buffer"  # the chain before the reduction runs once per element into a row buffer
+    ind = "      " if buffered else "    "
+    loop = "for (int64_t c = 0; c < cols; ++c)"
+    val = "buf[c]" if buffered else f"pre(xr[c], c{args})"
+    body = f"{ind}const float* xr = x + r * cols;\n"
+    if buffered:
+        body += f"{ind}{loop} buf[c] = pre(xr[c], c{args});\n"
+    body += _stat_code(stats, loop, "xr[c]", "", args, ind).replace(f"pre(xr[c], c{args})", val)
+    if keeps:
+        body += f"{ind}{loop} {{\n{ind}  float v = {val};\n{ind}  v = {out};\n{ind}  y[r * cols + c] = post(v, c{args});\n{ind}}}\n"
+    else:
+        body += f"{ind}{{\n{ind}  float v = {out};\n{ind}  y[r] = post(v, 0{args});\n{ind}}}\n"
+    if buffered:
+        return ("\n" + launch_sig + unpack + "  #pragma omp parallel\n  {\n    std::vector<float> buf(cols);  // one per thread\n"
+                "    #pragma omp for\n    for (int64_t r = 0; r < rows; ++r) {\n" + body + "    }\n  }\n}\n")
+    return "\n" + launch_sig + unpack + "  #pragma omp parallel for\n  for (int64_t r = 0; r < rows; ++r) {\n" + body + "  }\n}\n"
+
+
+def task_hash(code: str) -> str:
+    return hashlib.sha256(code.encode()).hexdigest()[:12]

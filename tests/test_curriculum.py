@@ -1,0 +1,299 @@
+"""The elementwise task family (elementwise.py) and the teacher (teacher.py): tasks are valid and not degenerate,
+every kernel variant the teacher writes is correct (CPU here, CUDA on a GPU) or at least compiles with nvcc,
+demonstrations score reward >= 1 through env.py and are token-exact, and the command lines work."""
+import collections
+import concurrent.futures
+import http.server
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import agent
+import elementwise as E
+import env
+import teacher
+from tasks import read_dataset
+from test_agent import FakeOpenAI, structured, tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU_WINDOW = (0.1, 10.0)
+
+
+def find(pred, backend="cpu", window=CPU_WINDOW, start=0):
+    """The first composed task (index >= start) whose steps satisfy pred."""
+    for i in range(start, start + 500):
+        c = E.compose_one(i, 0, backend, window)
+        if "drop" not in c and pred(E.parse(c["code"])):
+            return c
+    raise AssertionError("no such task in 500 candidates")
+
+
+def kind(steps):
+    _, red, _ = E.split(steps)
+    return "elementwise" if red is None else ("rowwise" if "out" in E.REDUCTIONS[red["op"]] else "reducing")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    """Three small CPU tasks: no reduction (with a parameter), a shape-keeping reduction, a reduction to one value per row."""
+    picks = [find(lambda s: kind(s) == "elementwise" and E.params(s)), find(lambda s: kind(s) == "rowwise" and len(s) >= 2),
+             find(lambda s: kind(s) == "reducing")]
+    return [{"task_id": f"t{c['index']}", "code": c["code"], "ops": c["ops"]} for c in picks]
+
+
+def test_family_composes_valid_nondegenerate_tasks(tmp_path):
+    got, drops = [], collections.Counter()
+    for i in range(300):
+        c = E.compose_one(i, 0, "cpu", CPU_WINDOW)
+        (drops.update([c["drop"]]) if "drop" in c else got.append(c))
+    assert len(got) > 200, drops
+    seen = collections.Counter(o for c in got for o in c["ops"])
+    assert set(seen) == set(E.OPS) | set(E.REDUCTIONS), (set(E.OPS) | set(E.REDUCTIONS)) - set(seen)
+    assert {len(c["ops"]) for c in got} == {1, 2, 3, 4, 5}
+    for c in got[:40]:
+        steps = E.parse(c["code"])
+        assert [s["op"] for s in steps] == c["ops"] and c["data_source"] == f"elementwise#{len(c['ops'])}"
+        assert sum(s["op"] in E.REDUCTIONS for s in steps) <= 1
+        env.new_workspace(tmp_path / f"ws{c['index']}", c["code"], "cpu")  # KernelBench format, or UsageError
+        shape = tuple(c["shape"])
+        out = E.run_chain(c["code"], (8,) + shape[1:])
+        assert E.degenerate(out, kind(steps) != "reducing") is None  # a constant answer fails the check
+        assert E.every_op_matters(c["code"], (8,) + shape[1:], out) is None  # so does leaving out an op
+        assert c["est_ms"] <= CPU_WINDOW[1]
+    # CUDA sizes: inside the 1-100 ms window by the estimate, under the memory cap
+    for i in range(30):
+        c = E.compose_one(i, 0, "cuda", (1.0, 100.0))
+        if "drop" not in c:
+            assert c["est_ms"] <= 100 and E.estimate_ms(E.parse(c["code"]), tuple(c["shape"]), "cuda")[1] <= E.MEM_CAP["cuda"]
+
+
+def test_degenerate_outputs_are_recognised():
+    torch.manual_seed(0)
+    x = torch.randn(8, 4096)
+    assert E.degenerate(torch.softmax(x, -1), True)  # every value ~1/4096: zeros pass at atol 1e-2
+    assert E.degenerate(x.mean(-1) * 0, False)
+    assert E.degenerate(torch.softmax(x[:, :16], -1), True) is None
+    assert E.degenerate(x.sum(-1), False) is None
+    # an op that can be left out: a kernel without it would pass
+    for steps, dim, bad in [([{"op": "softmax"}, {"op": "sub_param", "p": "w1"}], 2048, "softmax"),
+                            ([{"op": "relu"}, {"op": "abs"}], 64, "abs"), ([{"op": "mul", "a": 2.0}, {"op": "layer_norm"}], 64, "mul"),
+                            ([{"op": "gelu"}, {"op": "mul_param", "p": "w1"}], 64, None)]:
+        code = E.render(steps, (8, dim))
+        why = E.every_op_matters(code, (8, dim), E.run_chain(code, (8, dim)))
+        assert (why is None) if bad is None else (why is not None and why.endswith(f"{bad} changes under 5% of the outputs")), (steps, why)
+
+
+def test_parse_rejects_tasks_outside_the_family():
+    code = E.compose_one(0, 0, "cpu", CPU_WINDOW)["code"]
+    with pytest.raises(ValueError, match="not an op of the elementwise family"):
+        E.parse(code.replace("        return x", "        x = torch.cumsum(x, 1)\n        return x"))
+
+
+def test_teacher_reads_the_conversation_from_tokens(tok):
+    """Fast, no builds: the teacher finds its last turn and the observation after it in the token prompt."""
+    code = find(lambda s: kind(s) == "rowwise")["code"]
+    pol = teacher.ScriptedTeacher(tok, "cpu")
+    prompt = agent.episode_prompt({"task_id": "t", "code": code}, tok, "cpu")
+    out = pol.generate([prompt], 4096)[0]
+    name, args, err = agent.parse_tool_call(tok.decode(out[:-1]))
+    assert err is None and name == "write_file" and args["path"] == "kernels/binding.cpp" and out[-1] == pol.stop[0]
+    obs = "wrote kernels/binding.cpp (1378 characters, 30 lines)"
+    prompt2 = prompt + out + agent.observation_tokens(tok, obs, True, "<|im_end|>")
+    got_code, history = pol._state(prompt2)
+    assert got_code.strip() == code.strip() and history == [(tok.decode(out[:-1]), obs)]
+    name, args, _ = agent.parse_tool_call(tok.decode(pol.generate([prompt2], 4096)[0]))
+    assert (name, args["path"]) == ("write_file", "kernels/op.cpp") and "#pragma omp" in args["content"]
+    cut = pol.generate([prompt2], 50)[0]  # over budget: cut like a model's output, no stop token
+    assert len(cut) == 50 and cut[-1] != pol.stop[0]
+    other = agent.episode_prompt({"task_id": "x", "code": code.replace("return x", "x = torch.cumsum(x, 1)\n        return x")},
+                                 tok, "cpu")
+    assert "outside the elementwise family" in tok.decode(pol.generate([other], 4096)[0])
+
+
+@pytest.mark.slow
+def test_every_cpu_variant_is_correct(tasks):
+    """Every CPU kernel variant of each task kind passes env.py's 5 checks (the binding is built once: cached)."""
+    for t in tasks:
+        steps = E.parse(t["code"])
+        for v in E.VARIANTS_FOR[("cpu", kind(steps) != "elementwise")]:
+            files = {"kernels/binding.cpp": E.binding("cpu"), "kernels/op.cpp": E.kernel_source(steps, "cpu", v),
+                     "model_new.py": E.model_new(t["code"], steps, "cpu")}
+            verdict = agent.score_files(files, t, "cpu", stage="verify")
+            assert verdict.correct and not verdict.violations, (t["ops"], v, verdict.summary())
+
+
+@pytest.mark.slow
+def test_teacher_demonstrations_score_reward_and_are_token_exact(tasks, tok, tmp_path):
+    pol = teacher.ScriptedTeacher(tok, "cpu", seed=1)
+    # eval_timeout: torch.compile of the reference on a loaded 2-core machine can take minutes
+    demos, eps = teacher.make_demos(pol, tasks, "cpu", tmp_path, samples=1, progress=False, eval_timeout=900)
+    assert len(eps) == 3 and all(ep["reward"] >= 1 for ep in eps), [(ep["ops"], ep["verdict"]) for ep in eps]
+    assert len(demos) == 3 and len(agent.load_episodes(tmp_path / "demos.jsonl")) == 3
+    stop = pol.stop[0]
+    for ep in eps:
+        tools = [t["tool"] for t in ep["turns"]]
+        assert tools[:6] == ["write_file", "write_file", "write_file", "compile", "verify", "profile"]
+        assert tools[-1] == "finish" and ep["finished"] and ep["malformed_calls"] == 0
+        assert sum(ep["loss_mask"]) == sum(t["end"] - t["start"] for t in ep["turns"])
+        for t in ep["turns"]:  # the model's tokens are the tool-call text the loop parsed, ending with the stop token
+            out = ep["tokens"][t["start"]:t["end"]]
+            assert all(ep["loss_mask"][t["start"]:t["end"]]) and out[-1] == stop
+            name, args, err = agent.parse_tool_call(tok.decode(out[:-1]))
+            assert err is None and name == t["tool"] and args == t["args"]
+        steps = E.parse({x["task_id"]: x["code"] for x in tasks}[ep["task_id"]])
+        plan = teacher.parse_plan(tok.decode(ep["tokens"][ep["turns"][0]["start"]:ep["turns"][0]["end"]]))
+        assert {v for v, _ in plan} <= set(E.VARIANTS_FOR[("cpu", kind(steps) != "elementwise")])
+    print(teacher.summary(eps))
+
+
+def test_teacher_script_keeps_the_fastest_variant():
+    code = find(lambda s: kind(s) == "elementwise")["code"]
+    plan = [("flat", 0), ("rows", 0)]
+    gen = teacher.script(code, "cpu", plan)
+    obs = {"compile": "compiled OK (1.0s)", "verify": "reward +1 | compiled True | correct True",
+           "profile": ["reward +2 | compiled True | correct True\nruntime 1.0 ms | eager 2 ms | compile 3 ms | "
+                       "speedup vs eager 2x | vs compile 3x",
+                       "reward +1 | compiled True | correct True\nruntime 4.0 ms | eager 2 ms | compile 3 ms | "
+                       "speedup vs eager 0.5x | vs compile 0.75x"]}
+    calls, text = [], next(gen)
+    while True:
+        name, args, err = agent.parse_tool_call(text)
+        assert err is None
+        calls.append((name, args))
+        if name == "finish":
+            break
+        o = obs["profile"].pop(0) if name == "profile" else obs.get(name, "wrote")
+        text = gen.send(o)
+    assert [c[0] for c in calls] == ["write_file"] * 3 + ["compile", "verify", "profile", "write_file", "profile",
+                                                          "write_file", "finish"]
+    assert calls[-2][1]["content"] == calls[1][1]["content"] and "Variant flat" in calls[-2][1]["content"]
+    assert "flat is correct, 1 ms (2.0x eager" in text
+
+
+@pytest.mark.slow
+def test_cli_agent_teacher(tasks, tok, tmp_path):
+    tok.save_pretrained(tmp_path / "tok")
+    (tmp_path / "task.py").write_text(tasks[0]["code"])
+    r = subprocess.run([sys.executable, str(ROOT / "agent.py"), "--policy", "teacher", "--model", str(tmp_path / "tok"),
+                        "--problem", str(tmp_path / "task.py"), "--backend", "cpu",
+                        "--out", str(tmp_path / "run"), "--json"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["reward"] >= 1 and summary["finished"] and summary["malformed_calls"] == 0, r.stdout[-3000:]
+    assert "call: write_file(path='kernels/op.cpp'" in r.stdout and "call: profile()" in r.stdout
+
+
+@pytest.mark.slow
+def test_cli_agent_teacher_url_on_loopback_server(tasks, tok, tmp_path):
+    """--teacher-url: a chat server's structured tool calls become the student's tokens (here: the scripted
+    teacher's files, served by a fake server)."""
+    t = tasks[0]
+    steps = E.parse(t["code"])
+    files = {"kernels/binding.cpp": E.binding("cpu"), "kernels/op.cpp": E.kernel_source(steps, "cpu", "rows"),
+             "model_new.py": E.model_new(t["code"], steps, "cpu")}
+    FakeOpenAI.script = [structured("write_file", i, path=p, content=c) for i, (p, c) in enumerate(files.items())] + \
+        [{"content": "Check it. " + teacher.call("", "verify").strip()}, structured("finish", 4)]
+    FakeOpenAI.requests = []
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeOpenAI)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    tok.save_pretrained(tmp_path / "tok")
+    (tmp_path / "task.py").write_text(t["code"])
+    try:
+        r = subprocess.run([sys.executable, str(ROOT / "agent.py"), "--policy", "teacher", "--model", str(tmp_path / "tok"),
+                            "--teacher-url", f"http://127.0.0.1:{srv.server_port}/v1", "--teacher-model", "fake",
+                            "--problem", str(tmp_path / "task.py"), "--backend", "cpu",
+                            "--out", str(tmp_path / "run"), "--json"],
+                           capture_output=True, text=True, timeout=600, env=dict(os.environ, OPENAI_API_KEY="sk-test"))
+    finally:
+        srv.shutdown()
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["reward"] >= 1 and summary["turns"] == 5 and summary["malformed_calls"] == 0, r.stdout[-3000:]
+    req = FakeOpenAI.requests
+    assert len(req) == 5 and "<tool_response>\nwrote kernels/binding.cpp" in req[1]["body"]["messages"][-1]["content"]
+    ep = agent.load_episodes(tmp_path / "run" / "trajectories.jsonl")[0]
+    first = tok.decode(ep["tokens"][ep["turns"][0]["start"]:ep["turns"][0]["end"]])
+    assert json.loads(first.split("<tool_call>")[1].split("</tool_call>")[0])["arguments"]["content"] == files["kernels/binding.cpp"]
+
+
+@pytest.mark.slow
+def test_cli_synth_elementwise(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "synth.py"), "--family", "elementwise", "--out", str(tmp_path / "ds"),
+                        "--num-tasks", "3", "--backend", "cpu", "--workers", "2"],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [r for split in ("train", "test") for r in read_dataset(str(tmp_path / "ds"), split)]
+    assert len(rows) == 3 and "family elementwise" in r.stdout
+    for row in rows:
+        steps = E.parse(row["code"])  # the teacher can read every task
+        assert [s["op"] for s in steps] == row["ops"] and row["data_source"].startswith("elementwise#")
+        assert CPU_WINDOW[0] <= row["eager_ms"] <= CPU_WINDOW[1]
+
+
+def test_cli_synth_family_errors_are_one_line(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "synth.py"), "--family", "elementwise", "--composer", "llm",
+                        "--out", str(tmp_path / "ds"), "--backend", "cpu"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().startswith("synth.py: error: --composer llm")
+
+
+@pytest.mark.slow
+def test_every_cuda_variant_compiles_with_nvcc(tmp_path):
+    """No GPU here: nvcc (env.py's command line) compiles every CUDA kernel variant, at every block size, of three
+    tasks. The CUDA binding needs a CUDA build of torch's headers, so it is built by the gpu test only."""
+    nvcc = env.toolchain("cuda")["nvcc"]
+    if shutil.which(nvcc[0]) is None:
+        pytest.skip("no nvcc")
+    (tmp_path / "reduce.cuh").write_text(E.REDUCE_HEADER)
+    jobs = []
+    for c in [find(lambda s: kind(s) == k and len(s) >= 2, "cuda", (1.0, 100.0)) for k in ("elementwise", "rowwise", "reducing")]:
+        steps = E.parse(c["code"])
+        for v in E.VARIANTS_FOR[("cuda", kind(steps) != "elementwise")]:
+            for block in E.BLOCKS:
+                src = tmp_path / f"t{c['index']}_{v}_{block}.cu"
+                src.write_text(E.kernel_source(steps, "cuda", v, block))
+                jobs.append([*nvcc, "-c", str(src), "-o", str(src.with_suffix(".o"))])
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for cmd, r in zip(jobs, pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True), jobs)):
+            assert r.returncode == 0, (cmd[-3], r.stderr[-2000:])
+
+
+@pytest.mark.gpu
+def test_cuda_variants_score_on_gpu(tok, tmp_path):
+    """On a GPU: every CUDA variant (block 256; all three block sizes for the first) of four tasks is correct, and
+    the teacher's demonstrations (two per task) all score reward >= 1. Small sizes (window 0.1-10 ms) keep the
+    verdicts short. Run with -s: one line per variant (reward, runtime, speedups) and the demonstrations' summary."""
+    window = (0.1, 10.0)
+    picks = [find(lambda s: kind(s) == "elementwise" and E.params(s), "cuda", window),
+             find(lambda s: kind(s) == "rowwise" and len(s) >= 3, "cuda", window),
+             find(lambda s: kind(s) == "rowwise" and s[0]["op"] not in E.REDUCTIONS, "cuda", window, 100),
+             find(lambda s: kind(s) == "reducing", "cuda", window)]
+    tasks = [{"task_id": f"cuda{c['index']}", "code": c["code"], "ops": c["ops"]} for c in picks]
+    for t in tasks:
+        steps = E.parse(t["code"])
+        variants = E.VARIANTS_FOR[("cuda", kind(steps) != "elementwise")]
+        for v, block in [(variants[0], b) for b in E.BLOCKS] + [(v, 256) for v in variants[1:]]:
+            files = {"kernels/binding.cpp": E.binding("cuda"), "kernels/op.cu": E.kernel_source(steps, "cuda", v, block),
+                     "model_new.py": E.model_new(t["code"], steps, "cuda")}
+            if kind(steps) != "elementwise":
+                files["kernels/reduce.cuh"] = E.REDUCE_HEADER
+            vd = agent.score_files(files, t, "cuda", stage="profile")
+            print(f"{' -> '.join(t['ops'])} {t['code'].split('DIM = ')[1].split()[0]} cols | {v}/{block} | reward "
+                  f"{vd.reward:+d} | {vd.runtime_ms} ms | eager {vd.speedup_eager}x | compile {vd.speedup_compile}x")
+            assert vd.correct and not vd.violations, (t["ops"], v, block, vd.summary())
+    pol = teacher.ScriptedTeacher(tok, "cuda", seed=0)
+    demos, eps = teacher.make_demos(pol, tasks, "cuda", tmp_path, samples=2, progress=False)
+    print(teacher.summary(eps))
+    assert len(demos) == len(eps) == 2 * len(tasks), [(ep["ops"], ep["verdict"]) for ep in eps if ep["reward"] < 1]
