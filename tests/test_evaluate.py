@@ -230,7 +230,8 @@ def test_wrong_and_cheating_solutions_all_fail(tmp_path):
     assert (o["n"], o["pass_rate"], o["faster_eager_rate"], o["faster_compile_rate"]) == (3, 0.0, 0.0, 0.0)
     assert o["geomean_speedup_eager"] is None
     rows = {json.loads(l)["task_id"]: json.loads(l)["verdict"] for l in (tmp_path / "b" / "tasks.jsonl").read_text().splitlines()}
-    assert "cached by pointer" in rows["level1/1_ScaledReLU"]["error"]  # passes the 5 checks, caught while timing
+    # every check reuses the same input buffers, so a pointer-keyed cache already fails the second check
+    assert "check 2/5" in rows["level1/1_ScaledReLU"]["error"] and "values differ" in rows["level1/1_ScaledReLU"]["error"]
     assert "values differ" in rows["level1/2_ScaledReLUEye"]["error"]
     assert "expected shape (4, 64)" in rows["level2/1_ScaleThenReLU"]["error"]
 
