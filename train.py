@@ -481,13 +481,37 @@ def rollout_logprobs(seq) -> list:
     return [float("nan") if lp is None else lp for lp, m in zip(lps[1:], seq["loss_mask"][1:]) if m]
 
 
+def targets(seqs, flat_v, flat_kl, cfg: Config, device):
+    """Rewards and GAE in the sequences' own (B, T) layout: tool-output tokens are gaps that GAE skips,
+    carrying the value of the next model token across them (see gae). The actor's advantages use lambda =
+    cfg.lam (0.95); the critic's targets use cfg.critic_lam (1: Monte-Carlo returns, unbiased by the
+    critic's own errors; VC-PPO / VAPO's decoupled lambdas). flat_v: (N,) values of the model tokens in
+    row-major order; flat_kl: (N,) log pi - log pi_ref, or None (no KL penalty).
+    Returns (advantages (N,), returns (N,), act (B, T) bool)."""
+    import torch
+    B, T = len(seqs), max([len(s["tokens"]) for s in seqs] + [2])
+    act = torch.zeros(B, T, dtype=torch.bool, device=device)  # (B, T) model tokens (t >= 1)
+    for b, sq in enumerate(seqs):
+        act[b, 1:len(sq["tokens"])] = torch.tensor(sq["loss_mask"][1:], dtype=torch.bool, device=device)
+    values = torch.zeros(B, T, device=device)
+    values[act] = flat_v.float()
+    rewards = torch.zeros(B, T, device=device)
+    if flat_kl is not None:
+        rewards[act] = -cfg.kl_coef * flat_kl.float()
+    for b, sq in enumerate(seqs):
+        if act[b].any():
+            rewards[b, int(act[b].nonzero()[-1])] += float(sq["reward"])
+    adv, _ = gae(rewards, values, act.float(), cfg.gamma, cfg.lam)
+    _, ret = gae(rewards, values, act.float(), cfg.gamma, cfg.critic_lam)
+    return adv[act], ret[act], act
+
+
 def ppo_update(pm, head, opts, seqs, cfg: Config, device, step: int = 0) -> dict:
     """seqs: this rank's rollouts, {"tokens", "loss_mask", "reward", optional "logprobs"}. opts: {"actor":
     (opt, sched), "critic": (opt, sched)}. Rewards sit on the last model token; with cfg.kl_coef > 0 every
     model token also pays kl_coef * (log pi - log pi_ref). Returns mean losses and statistics."""
     import torch
     B = len(seqs)
-    T = max([len(s["tokens"]) for s in seqs] + [2])
     # 1) no-grad pass over micro-batches: old log-probs (the training forward), reference log-probs (adapter
     #    off), old values. Flattened (N,) in row-major order of the model tokens of the whole batch.
     old_logp, ref_logp, old_v = [], [], []
@@ -504,27 +528,10 @@ def ppo_update(pm, head, opts, seqs, cfg: Config, device, step: int = 0) -> dict
     cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, device=device)
     flat_old, flat_ref, flat_v = cat(old_logp), cat(ref_logp), cat(old_v)  # (N,) each
     flat_roll = torch.tensor([lp for sq in seqs for lp in rollout_logprobs(sq)], dtype=torch.float32, device=device)
-    # 2) rewards and GAE in the sequences' own (B, T) layout: tool-output tokens are gaps that GAE skips,
-    #    carrying the value of the next model token across them (see gae). The actor's advantages use
-    #    lambda = cfg.lam (0.95); the critic's targets use cfg.critic_lam (1: Monte-Carlo returns, unbiased
-    #    by the critic's own errors; VC-PPO / VAPO's "decoupled GAE").
-    act_all = torch.zeros(B, T, dtype=torch.bool, device=device)  # (B, T) model tokens (t >= 1)
-    for b, sq in enumerate(seqs):
-        act_all[b, 1:len(sq["tokens"])] = torch.tensor(sq["loss_mask"][1:], dtype=torch.bool, device=device)
-    mask = act_all.float()
-    values = torch.zeros(B, T, device=device)
-    values[act_all] = flat_v
-    rewards = torch.zeros(B, T, device=device)
-    rewards[act_all] = -cfg.kl_coef * (flat_old - flat_ref) if cfg.kl_coef > 0 else 0.0
+    # 2) advantages (actor) and returns (critic) over model tokens; advantages whitened over the global batch
+    raw_adv, flat_ret, act_all = targets(seqs, flat_v, flat_old - flat_ref if cfg.kl_coef > 0 else None, cfg, device)
+    flat_adv = masked_whiten(raw_adv, torch.ones_like(raw_adv))  # (N,) in the same order as flat_old
     counts = act_all.sum(1).tolist()
-    for b, sq in enumerate(seqs):
-        if counts[b]:
-            rewards[b, int(act_all[b].nonzero()[-1])] += float(sq["reward"])
-    adv, _ = gae(rewards, values, mask, cfg.gamma, cfg.lam)
-    _, ret = gae(rewards, values, mask, cfg.gamma, cfg.critic_lam)
-    raw_adv = adv[act_all]
-    adv = masked_whiten(adv, mask)
-    flat_adv, flat_ret = adv[act_all], ret[act_all]  # (N,) in the same order as flat_old
     offsets = [0]
     for n in counts:
         offsets.append(offsets[-1] + n)

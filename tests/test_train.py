@@ -2,6 +2,7 @@
 filter, the GPU plan of --env-gpus, a CPU learning test (PPO raises a synthetic reward), the tiny
 end-to-end run with a kill -9 and --resume, every bad input, and a 2-process accelerate launch (gloo)."""
 import json
+import math
 import os
 import signal
 import subprocess
@@ -343,3 +344,225 @@ def test_rft_overfit_sanity_gpu():
                        cwd=ROOT, capture_output=True, text=True, timeout=1800)
     print(r.stdout[-4000:])
     assert r.returncode == 0 and "overfit: 3/3 tasks reach reward >= 1" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------------------------
+# The recipe as the paper means it: critic, gradients on N ranks, RFT filter, rollout/training mismatch
+# ----------------------------------------------------------------------------------------------
+def toy_lm(V=16, layers=1, seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+                                        initializer_range=0.3))
+
+
+def opts_for(pm, head, lr=1e-2, sgd=False):
+    """Adam as in training, or plain SGD with lr 1 (a parameter's change IS minus its gradient)."""
+    if sgd:
+        o = {"actor": torch.optim.SGD(train.adapter_params(pm, "actor"), lr=1.0),
+             "critic": torch.optim.SGD(train.adapter_params(pm, "critic") + list(head.parameters()), lr=1.0)}
+        return {k: (v, torch.optim.lr_scheduler.LambdaLR(v, lambda s: 1.0)) for k, v in o.items()}
+    return {"actor": train.make_optimizer(train.adapter_params(pm, "actor"), lr, 0),
+            "critic": train.make_optimizer(train.adapter_params(pm, "critic") + list(head.parameters()), lr, 0)}
+
+
+def predictable_episodes(n, seed, vocab=(8, 16)):
+    """Episodes whose return is written in a tool observation: token 5 -> reward 3, token 6 -> reward -1.
+    Layout: prompt [1, 2], observation [4, 5|6, 4], 3 model tokens, observation [4, 4], 4 model tokens."""
+    g = torch.Generator().manual_seed(seed)
+    eps = []
+    for i in range(n):
+        good = i % 2 == 0
+        m1, m2 = torch.randint(*vocab, (3,), generator=g).tolist(), torch.randint(*vocab, (4,), generator=g).tolist()
+        toks = [1, 2, 4, 5 if good else 6, 4] + m1 + [4, 4] + m2
+        eps.append({"tokens": toks, "loss_mask": [0] * 5 + [1] * 3 + [0, 0] + [1] * 4, "reward": 3.0 if good else -1.0})
+    return eps
+
+
+def critic_ev(pm, head, eps, cfg):
+    ids, attn, act = train.collate(eps, "cpu")
+    pm.set_adapter("critic")
+    with torch.no_grad():
+        v = train.action_values(pm, head, ids, attn, act)
+    pm.set_adapter("actor")
+    return train.explained_variance(v, train.mc_returns(eps, cfg.gamma, "cpu"))
+
+
+def test_critic_pretraining_learns_returns_written_in_a_tool_observation():
+    """critic_epoch regresses on Monte-Carlo returns, which every model token can predict from the observation
+    before it. Explained variance on held-out episodes: 0 before (V = 0 explains nothing), > 0.9 after 20 epochs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cfg = train.Config(lora_r=8, lora_alpha=16, critic_lr=3e-2, lr_warmup=0, minibatches=2, micro_batch=16)
+    pm, head = train.add_adapters(toy_lm(), cfg, "cpu")
+    opt = opts_for(pm, head, lr=3e-2)["critic"]
+    data, held = predictable_episodes(32, seed=1), predictable_episodes(8, seed=2)
+    before = critic_ev(pm, head, held, cfg)
+    evs = []
+    for epoch in range(20):
+        train.critic_epoch(pm, head, opt, data, cfg, "cpu", epoch)
+        evs.append(critic_ev(pm, head, held, cfg))
+    torch.set_num_threads(threads)
+    print("held-out explained variance before", before, "per epoch", [round(e, 3) for e in evs])
+    assert abs(before) < 1e-6
+    assert max(evs) > 0.9, evs
+
+
+def test_ppo_critic_learns_and_constant_rewards_leave_the_actor_alone():
+    """ppo_update trains the critic on lambda-1 returns (explained variance of the old values rises from 0 to
+    > 0.9 on a fixed batch); a batch whose rewards are all equal moves the critic but never the actor."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cfg = train.Config(lora_r=8, lora_alpha=16, actor_lr=1e-2, critic_lr=3e-2, lr_warmup=0, minibatches=2, micro_batch=16)
+    pm, head = train.add_adapters(toy_lm(), cfg, "cpu")
+    opts = opts_for(pm, head, lr=3e-2)
+    batch = predictable_episodes(16, seed=3)
+    evs = [train.ppo_update(pm, head, opts, batch, cfg, "cpu", step=k)["ev"] for k in range(25)]
+    print("explained variance of the old values per PPO step:", [round(e, 3) for e in evs])
+    assert abs(evs[0]) < 1e-6 and max(evs[-5:]) > 0.9, evs
+    actor = [p.clone() for p in train.adapter_params(pm, "actor")]
+    critic = [p.clone() for p in train.adapter_params(pm, "critic")]
+    st = train.ppo_update(pm, head, opts, [{**e, "reward": -1.0} for e in batch], cfg, "cpu", step=99)
+    torch.set_num_threads(threads)
+    assert st["pg_skipped"] == 1.0 and st["grad_norm"] is None
+    assert all(torch.equal(a, b) for a, b in zip(actor, train.adapter_params(pm, "actor")))
+    assert not all(torch.equal(a, b) for a, b in zip(critic, train.adapter_params(pm, "critic")))
+
+
+def test_actor_gradient_ignores_tool_tokens():
+    """Tool output after the last model turn (an episode that ran out of turns) cannot influence any model
+    token's log-prob; if the mask is right, changing it changes no gradient. Training on it would."""
+    cfg = train.Config(lora_r=4, minibatches=1, micro_batch=4, tis_cap=0)
+    grads = []
+    for tail in ([4, 4, 4], [9, 3, 7]):
+        pm, head = train.add_adapters(toy_lm(), cfg, "cpu")
+        seqs = [{"tokens": [1, 2, 10, 11, 5, 12] + tail, "loss_mask": [0, 0, 1, 1, 0, 1, 0, 0, 0], "reward": r}
+                for r in (1.0, -1.0)] + [{"tokens": [1, 2, 13, 14, 5, 15] + tail, "loss_mask": [0, 0, 1, 1, 0, 1, 0, 0, 0],
+                                          "reward": 0.5}]
+        before = [p.clone() for p in train.adapter_params(pm, "actor")]
+        train.ppo_update(pm, head, opts_for(pm, head, sgd=True), seqs, cfg, "cpu")
+        grads.append(torch.cat([(b - p).flatten() for b, p in zip(before, train.adapter_params(pm, "actor"))]))
+    assert grads[0].abs().sum() > 0
+    assert torch.allclose(grads[0], grads[1], atol=1e-7)
+
+
+def turn(tool, args=None, ws=None, obs="ok"):
+    t = {"tool": tool, "args": args or {}, "observation": obs}
+    if ws is not None:
+        t["ws"] = ws
+    return t
+
+
+def test_rft_filter_keeps_long_debugging_and_drops_true_loops():
+    """Calls are judged with the workspace they ran on: compile -> edit -> compile is debugging; the same call on
+    unchanged files is a repeat, three times a loop."""
+    known = ("write_file", "edit_file", "compile", "verify", "profile", "finish", "read_file", "bash")
+    w1, w2 = ("write_file", {"path": "kernels/k.cpp", "content": "v1"}), ("write_file", {"path": "model_new.py", "content": "m"})
+    e = lambda n: ("edit_file", {"path": "kernels/k.cpp", "old": f"v{n}", "new": f"v{n + 1}"})
+    c, v, p, f = ("compile", {}), ("verify", {}), ("profile", {}), ("finish", {})
+    # the issue's reward-3 episode: write, write, compile, edit, compile, verify, edit, compile, verify, profile, edit,
+    # profile, finish; "ws" = the workspace hash after each call (changes after every write and edit)
+    script = [(w1, "s1"), (w2, "s2"), (c, "s2"), (e(1), "s3"), (c, "s3"), (v, "s3"), (e(2), "s4"), (c, "s4"), (v, "s4"),
+              (p, "s4"), (e(3), "s5"), (p, "s5"), (f, "s5")]
+    honest = {"reward": 3, "malformed_calls": 0, "turns": [turn(t, a, ws) for (t, a), ws in script]}
+    # the same calls, but nothing edited between the compiles: compile, verify, compile, verify, compile = a loop
+    loop = {"reward": 1, "malformed_calls": 0,
+            "turns": [turn(*w1, ws="s1"), turn(*c, ws="s1"), turn(*v, ws="s1"), turn(*c, ws="s1"), turn(*v, ws="s1"),
+                      turn(*c, ws="s1"), turn(*f, ws="s1")]}
+    # re-profiling unchanged code until the noise looks good
+    farm = {"reward": 3, "malformed_calls": 0,
+            "turns": [turn(*w1, ws="s1"), turn(*c, ws="s1"), turn(*p, ws="s1"), turn(*p, ws="s1"), turn(*f, ws="s1")]}
+    # edit a -> b, edit b -> a, ... with a compile each time: the same (call, workspace) pairs come back
+    ab = ("edit_file", {"path": "kernels/k.cpp", "old": "a", "new": "b"})
+    ba = ("edit_file", {"path": "kernels/k.cpp", "old": "b", "new": "a"})
+    cycle = {"reward": 1, "malformed_calls": 0,
+             "turns": [turn(*w1, ws="sa")] + [turn(*x, ws=s) for _ in range(3) for x, s in ((ab, "sb"), (c, "sb"), (ba, "sa"), (c, "sa"))]}
+    kept, dropped = train.rft_filter([honest, loop, farm, cycle], known_tools=known)
+    assert kept == [honest], dropped
+    assert dropped == {"loop": 2, "repeated identical tool call": 1}, dropped
+    assert train.bad_patterns(loop) == ["loop"] and train.bad_patterns(farm) == ["repeated identical tool call"]
+    # episodes recorded without workspace hashes: the observation tells a new compile from the same one
+    old_style = {"reward": 1, "malformed_calls": 0, "turns": [turn(*c, obs="error: line 3"), turn(*e(1)), turn(*c, obs="compiled OK")]}
+    assert train.bad_patterns(old_style) == []
+
+
+def test_harness_failures_are_neither_trained_nor_counted():
+    ok = {"reward": 1, "verdict": {"correct": True, "compiled": True, "speedup_compile": 1.5}, "tokens": [1, 2, 3],
+          "loss_mask": [0, 1, 1], "n_turns": 2, "malformed_calls": 1, "turns": [turn("compile", ws="a"), turn("finish", ws="a")],
+          "end_reason": "finish"}
+    ref = {**ok, "reward": -1, "verdict": {"error": "the reference model.py failed: boom"}, "end_reason": "max_turns"}
+    crash = {**ok, "reward": -1, "verdict": {"error": "final evaluation failed: OSError: disk"}}
+    assert [train.harness_failed(e) for e in (ok, ref, crash)] == [False, True, True]
+    st = train.rollout_stats([ok, ref, crash])
+    assert st["reward"] == 1 and st["harness_fail"] == 2 and st["n"] == 3 and st["malformed"] == 0.5
+    assert st["speedup"] == pytest.approx(1.5) and st["end_finish"] == 1.0
+    assert [sum(e["loss_mask"]) for e in train.trainable([ok, ref])] == [2, 0]
+    clean = {**ok, "malformed_calls": 0}
+    assert train.rft_filter([clean, {**ref, "reward": 1, "malformed_calls": 0}], known_tools=("compile", "finish")) == ([clean], {"harness failure": 1})
+
+
+def test_shard_keeps_every_item_even_with_fewer_items_than_ranks():
+    assert train.shard(["a"], 0, 2) + train.shard(["a"], 1, 2) == ["a"]
+    parts = [train.shard(list(range(7)), r, 3) for r in range(3)]
+    assert sorted(sum(parts, [])) == list(range(7))
+
+
+def test_tis_weight_and_mismatch_stats():
+    train_lp = torch.log(torch.tensor([0.5, 0.5, 0.5, 0.5]))
+    roll = torch.log(torch.tensor([0.5, 0.1, 0.9, float("nan")]))
+    w = train.tis_weight(train_lp, roll, cap=2.0)
+    assert torch.allclose(w, torch.tensor([1.0, 2.0, 0.5 / 0.9, 1.0]), atol=1e-6)  # 5x capped at 2; unknown -> 1
+    assert torch.equal(train.tis_weight(train_lp, roll, cap=0), torch.ones(4))
+    st = train.mismatch_stats(train_lp, roll)
+    d = [0.0, abs(math.log(5)), abs(math.log(0.5 / 0.9))]
+    assert st["mm_mean"] == pytest.approx(sum(d) / 3, rel=1e-5) and st["mm_out"] == pytest.approx(2 / 3)
+    assert train.mismatch_stats(train_lp, torch.full((4,), float("nan")))["mm_mean"] is None
+    # the weight multiplies the clipped surrogate, token by token
+    loss, _ = train.policy_loss(torch.zeros(2), torch.zeros(2), torch.tensor([1.0, 1.0]), weight=torch.tensor([2.0, 0.5]))
+    assert torch.allclose(loss, torch.tensor([-2.0, -0.5]))
+
+
+def test_targets_use_the_sequence_layout_with_tool_gaps():
+    """ppo_update's targets: GAE runs over the real token layout, tool output is a gap, the critic gets
+    Monte-Carlo returns (lambda 1) and the actor lambda 0.95 advantages; equal to GAE on the model tokens
+    packed by hand (where no gap exists)."""
+    seqs = [{"tokens": list(range(9)), "loss_mask": [0, 0, 1, 1, 0, 0, 0, 1, 1], "reward": 2.0},
+            {"tokens": list(range(6)), "loss_mask": [0, 1, 0, 0, 1, 0], "reward": -1.0}]  # ends with tool output
+    cfg = train.Config(gamma=1.0, lam=0.95, critic_lam=1.0)
+    flat_v = torch.tensor([0.3, -0.2, 0.5, 0.1, 0.7, -0.4])  # 4 + 2 model tokens
+    adv, ret, act = train.targets(seqs, flat_v, None, cfg, "cpu")
+    assert act.sum().item() == 6
+    assert torch.allclose(ret, torch.tensor([2., 2., 2., 2., -1., -1.]))  # lambda 1, gamma 1: R everywhere
+    packed_adv = []
+    for vals, r in ((flat_v[:4], 2.0), (flat_v[4:], -1.0)):
+        rew = torch.zeros(1, len(vals))
+        rew[0, -1] = r
+        packed_adv.append(train.gae(rew, vals[None], torch.ones(1, len(vals)), 1.0, 0.95)[0][0])
+    assert torch.allclose(adv, torch.cat(packed_adv), atol=1e-6)
+    # the KL penalty: a per-token reward of -kl_coef * (log pi - log pi_ref)
+    cfg_kl = train.Config(kl_coef=0.5, critic_lam=1.0)
+    _, ret_kl, _ = train.targets(seqs, flat_v, torch.full((6,), 0.1), cfg_kl, "cpu")
+    assert torch.allclose(ret_kl[:4], torch.tensor([2 - 0.2, 2 - 0.15, 2 - 0.1, 2 - 0.05]), atol=1e-6)
+
+
+def test_actor_logprobs_follow_the_sampling_temperature():
+    lm = toy_lm()
+    pm, head = train.add_adapters(lm, train.Config(lora_r=4), "cpu")
+    ids, attn, act = train.collate([{"tokens": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1]}], "cpu")
+    with torch.no_grad():
+        lp2, _ = train.action_logprobs(pm, ids, attn, act, temperature=2.0)
+        logits = pm(input_ids=ids).logits[0, :-1].float()
+    assert torch.allclose(lp2, torch.log_softmax(logits / 2.0, -1)[torch.arange(3), ids[0, 1:]], atol=1e-5)
+
+
+def test_seed_sets_lora_init_and_minibatch_order():
+    a = [p.clone() for p in train.adapter_params(train.add_adapters(toy_lm(), train.Config(lora_r=4, seed=1), "cpu")[0], "actor")]
+    b = [p.clone() for p in train.adapter_params(train.add_adapters(toy_lm(), train.Config(lora_r=4, seed=1), "cpu")[0], "actor")]
+    c = [p.clone() for p in train.adapter_params(train.add_adapters(toy_lm(), train.Config(lora_r=4, seed=2), "cpu")[0], "actor")]
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and not all(torch.equal(x, y) for x, y in zip(a, c))
+    orders = {tuple(map(tuple, train.minibatches(16, 2, seed=0, step=s, epoch=0))) for s in range(4)}
+    assert len(orders) == 4  # a new permutation every step
+    assert train.minibatches(16, 2, 0, 3, 0) == train.minibatches(16, 2, 0, 3, 0)
+    assert train.minibatches(16, 2, 1, 3, 0) != train.minibatches(16, 2, 0, 3, 0)
+    assert train.minibatches(1, 4, 0, 0, 0) == [[0]]  # never more minibatches than sequences
