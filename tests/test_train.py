@@ -566,3 +566,77 @@ def test_seed_sets_lora_init_and_minibatch_order():
     assert train.minibatches(16, 2, 0, 3, 0) == train.minibatches(16, 2, 0, 3, 0)
     assert train.minibatches(16, 2, 1, 3, 0) != train.minibatches(16, 2, 0, 3, 0)
     assert train.minibatches(1, 4, 0, 0, 0) == [[0]]  # never more minibatches than sequences
+
+
+GRAD_SCRIPT = r'''
+import os, sys, torch
+sys.path.insert(0, sys.argv[1])
+import train
+rank, world, out = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+if world > 1:
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[5]}", rank=rank, world_size=world)
+torch.set_num_threads(1)
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+lm = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.3))
+cfg = train.Config(lora_r=4, lora_alpha=8, minibatches=1, micro_batch=1, max_grad_norm=1e9, tis_cap=2.0)
+pm, head = train.add_adapters(lm, cfg, "cpu")
+g = torch.Generator().manual_seed(1)
+with torch.no_grad():  # non-zero LoRA B and value head, the same on every rank: every parameter gets a gradient
+    for n, p in pm.named_parameters():
+        if "lora_B" in n:
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    head.weight.copy_(torch.randn(head.weight.shape, generator=g) * 0.1)
+# 3 sequences of different lengths, tool gaps, recorded rollout log-probs (some missing): rank 0 holds 2, rank 1 holds 1
+seqs = [{"tokens": [1, 2, 9, 10, 4, 5, 11], "loss_mask": [0, 0, 1, 1, 0, 0, 1], "reward": 3.0,
+         "logprobs": [None, None, -2.0, -1.5, None, None, -3.0]},
+        {"tokens": [1, 3, 12, 4, 13, 14, 15, 8, 8], "loss_mask": [0, 0, 1, 0, 1, 1, 1, 0, 0], "reward": -1.0,
+         "logprobs": [None, None, -2.5, None, None, -2.0, -1.0, None, None]},
+        {"tokens": [1, 2, 9, 9], "loss_mask": [0, 0, 1, 1], "reward": 1.0}]
+mine = train.shard(seqs, rank, world)
+def sgd(params):
+    o = torch.optim.SGD(params, lr=1.0)
+    return o, torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0)
+actor, critic = train.adapter_params(pm, "actor"), train.adapter_params(pm, "critic") + list(head.parameters())
+res = {}
+def delta(params, fn):
+    before = [p.detach().clone() for p in params]
+    r = fn()
+    return torch.cat([(b - p.detach()).flatten() for b, p in zip(before, params)]), r
+opts = {"actor": sgd(actor), "critic": sgd(critic)}
+before_c = [p.detach().clone() for p in critic]
+res["ppo_actor"], st = delta(actor, lambda: train.ppo_update(pm, head, opts, mine, cfg, "cpu"))
+res["ppo_critic"] = torch.cat([(b - p.detach()).flatten() for b, p in zip(before_c, critic)])
+res["ppo_grad_norm"] = torch.tensor(st["grad_norm"])
+res["rft"], _ = delta(actor, lambda: train.sft_epoch(pm, sgd(actor), mine, cfg, "cpu", 0))
+res["critic"], _ = delta(critic, lambda: train.critic_epoch(pm, head, sgd(critic), mine, cfg, "cpu", 0))
+torch.save(res, f"{out}/rank{rank}.pt")
+'''
+
+
+def test_gradients_on_two_ranks_equal_one_process(tmp_path):
+    """The same 3 sequences as 1 process, and as 2 gloo ranks holding 2 and 1 of them: PPO (actor and critic),
+    an RFT epoch and a critic pre-training epoch change every parameter by the same gradient (SGD, lr 1)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env_ = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    one = subprocess.run([sys.executable, "-c", GRAD_SCRIPT, str(ROOT), "0", "1", str(tmp_path / "one")],
+                         capture_output=True, text=True, timeout=300, env=env_)
+    assert one.returncode == 0, one.stderr[-3000:]
+    procs = [subprocess.Popen([sys.executable, "-c", GRAD_SCRIPT, str(ROOT), str(r), "2", str(tmp_path / "two"), str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_) for r in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    ref = torch.load(tmp_path / "one" / "rank0.pt")
+    for r in range(2):
+        got = torch.load(tmp_path / "two" / f"rank{r}.pt")
+        for k, v in ref.items():
+            assert v.abs().sum() > 0, k
+            assert torch.allclose(got[k], v, rtol=1e-4, atol=1e-7), (k, r, float((got[k] - v).abs().max()), float(v.abs().max()))
