@@ -228,10 +228,11 @@ def parse_tool_call(text: str):
 SOURCE_NAME = re.compile(r"^(?:kernels/)?[\w.-]+\.(?:cu|cpp|h|cuh|hpp)$|^model_new\.py$")
 
 
-def cut_after_call(tokenizer, out: list) -> int:
-    """How many of a turn's generated tokens to keep: up to the token that completes the first </tool_call>
-    (all of them when there is none). What a model writes after its call (a second call, an invented
-    <tool_response>) is never executed, so it must not be kept and trained on either."""
+def cut_after_call(tokenizer, out: list, stop_ids=()) -> int:
+    """How many of a turn's generated tokens to keep: up to the token that completes the first </tool_call>,
+    and the end-of-turn token when only whitespace comes before it (all tokens when there is no call). What a
+    model writes after its call (a second call, an invented <tool_response>) is never executed, so it must
+    not be kept and trained on either."""
     if "</tool_call>" not in tokenizer.decode(out, skip_special_tokens=False):
         return len(out)
     lo, hi = 1, len(out)  # the shortest prefix whose text contains the tag (prefix texts only grow)
@@ -241,6 +242,9 @@ def cut_after_call(tokenizer, out: list) -> int:
             hi = mid
         else:
             lo = mid + 1
+    end = next((j for j in range(lo, len(out)) if out[j] in stop_ids), None)
+    if end is not None and not tokenizer.decode(out[lo:end], skip_special_tokens=False).strip():
+        return end + 1
     return lo
 
 
@@ -858,13 +862,20 @@ class HFPolicy:
         ids = torch.tensor([[pad] * (n - len(p)) + list(p) for p in prompts], device=dev)
         mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in prompts], device=dev)
         from transformers import GenerationConfig
-        # a fresh config: the model's generation_config (repetition penalties, top-k/top-p of its authors) would
-        # sample from another distribution than the policy's softmax(logits / T) that training assumes
+        # the model's own generation_config (its authors' repetition penalty, top-k, suppressed tokens) fills every
+        # field a passed config leaves unset: swap in a blank one, so that generate samples from softmax(logits / T),
+        # the distribution training assumes
         kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else dict(do_sample=False)
         gc = GenerationConfig(max_new_tokens=m, eos_token_id=stop or None, pad_token_id=pad, output_logits=True,
                               return_dict_in_generate=True, **kw)
+        lm = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        own, lm.generation_config = lm.generation_config, GenerationConfig()
+        try:
+            with torch.no_grad():
+                g = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
+        finally:
+            lm.generation_config = own
         with torch.no_grad():
-            g = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
             out = g.sequences[:, n:]  # (B, m')
             logits = torch.stack(g.logits, 1).float() / (temperature or 1.0)  # (B, m', V): raw logits, our temperature
             lps = torch.log_softmax(logits, -1).gather(-1, out[..., None])[..., 0].tolist()
@@ -1112,7 +1123,7 @@ def run_episodes(policy, tasks, backend="auto", max_turns=None, max_context=None
             calls = []
             for (ep, _), out, lp in zip(gen_eps, outs, lps):
                 start = len(ep["tokens"])
-                out = list(out)[:cut_after_call(tok, out)]
+                out = list(out)[:cut_after_call(tok, out, stop_ids)]
                 ep["tokens"] += out
                 ep["loss_mask"] += [1] * len(out)
                 ep["logprobs"] += list(lp)[:len(out)]
