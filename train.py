@@ -3,7 +3,8 @@
 
     # tiny: minutes on a 2-core CPU, CPU backend, a tiny randomly initialised model (this is what CI runs)
     python train.py --stage all --preset tiny --backend cpu --run-dir runs/tiny
-    # default: one H200 with the embedded SmolLM2-135M-Instruct (~7 min of stages, projected from a short H200 run: README)
+    # default: one H200 with the embedded SmolLM2-135M-Instruct (~7 min of stages, projected from a short H200 run: README);
+    # without a GPU the same command runs the CPU-sized preset "cpu" (the first line says so)
     python train.py --stage all --run-dir runs/default
     # one stage at a time (each needs its predecessor's checkpoint in --run-dir), resumable after kill -9
     python train.py --stage ppo --run-dir runs/default --resume
@@ -12,25 +13,46 @@
     # the same on a CPU-only machine (gloo): accelerate launch --multi_gpu --num_processes 2 train.py ... --backend cpu
 
 The algorithm, as differences from named baselines
-  warmup  PPO as in the paper's single-turn warm-up (actor + critic, token-level GAE with gamma = 1,
-          lambda = 0.95, value clipping, token-mean loss) with DAPO's asymmetric clip (eps_low 0.2,
-          eps_high 0.28). Reward = env.py's milestone reward (-1/1/2/3) on the last response token.
-          No KL penalty by default (--kl-coef turns it on; the reference is the base with the adapter off).
+  warmup  PPO as in the paper's single-turn warm-up (actor + critic, token-level GAE with gamma = 1, value
+          clipping, token-mean loss) with DAPO's asymmetric clip (eps_low 0.2, eps_high 0.28) and two changes
+          from VC-PPO / VAPO: decoupled lambdas (actor advantages lambda 0.95, critic targets lambda 1, i.e.
+          Monte-Carlo returns that the critic's own errors cannot bias), and a batch whose rewards are all
+          equal trains the critic only (its advantages would be the critic's errors, not information).
+          Reward = env.py's milestone reward (-1/1/2/3) on the last response token. No KL penalty by default
+          (--set kl_coef=...; the reference is the base with the adapter off); the KL to it is logged anyway.
   rft     plain SFT (next-token loss on model tokens only) on the warmed-up actor's own multi-turn
-          episodes, kept only if reward > 0 and free of bad patterns (malformed or unknown tool calls,
-          the same call twice in a row, any call repeated 3+ times = a loop). Drop reasons are logged.
-  critic  a scalar value head on the base model with its own LoRA adapter, regressed (MSE) on GAE
-          targets (gamma 1, lambda 0.95) recomputed with the current critic every epoch, trained on ALL
-          rolled-out episodes (the critic must also learn what failure looks like), explained variance
-          against the episodes' returns reported on held-out episodes.
-  ppo     the warm-up's PPO over whole multi-turn episodes: GAE runs over model tokens only, tool-output
-          tokens are skipped and the value is carried across them; advantages whitened over model
-          tokens of the whole global batch. Rollout log-probs are recomputed by the training forward
-          (never taken from generation), so the first ratio is exactly 1 (the paper's bf16
-          train/inference mismatch cannot creep in).
+          episodes, kept only if reward > 0 and free of bad patterns, judged on behaviour: a malformed or
+          unknown tool call; the same call on an unchanged workspace twice in a row (re-profiling until the
+          noise looks good); such a call 3+ times (a loop). Each call is keyed by the workspace's content
+          before it (agent.py records a hash per turn), so compile -> edit -> compile is debugging, and kept.
+  critic  a scalar value head on the base model with its own LoRA adapter, regressed (MSE) on Monte-Carlo
+          returns (gamma 1: the episode's reward at every model token) of ALL rolled-out episodes (the
+          critic must also learn what failure looks like). The paper regresses on GAE(lambda 0.95) targets;
+          computed from a zero critic those give a token d tokens before the end only R * 0.95^d, i.e.
+          nothing for the thousands of tokens of an agent episode. Epochs run until the explained variance
+          on held-out episodes has not improved for critic_patience epochs; the best epoch is kept, and the
+          explained variance before and after the stage is printed.
+  ppo     the warm-up's PPO over whole multi-turn episodes: GAE runs over the sequences' own layout, where
+          tool-output tokens are gaps it skips (the value is carried across them); advantages whitened over
+          the model tokens of the whole global batch.
+  rollout/training mismatch: tokens are sampled by agent.py's engine (merged LoRA, fused projections,
+          reused K/V; on a GPU bf16 and compiled layers), the PPO ratio is taken against log-probs that the
+          training forward recomputes. The two differ (CPU, embedded model: docs/recipe.md). The engine
+          records each sampled token's log-prob; every step logs mean and p99 |delta log p| and the share
+          of ratios pi_train / pi_rollout outside [0.8, 1.2], and the PPO loss is weighted per token by the
+          truncated importance weight min(pi_train / pi_rollout, tis_cap) (tis_cap 2; 0 turns it off).
+  Harness failures (the task's reference does not run, the evaluation crashed) are not the policy's -1:
+  those episodes are left out of training and of the reward statistics (harness_fail counts them).
   One base model in memory: the actor and the critic are two LoRA adapters of it ("actor", "critic"),
   the KL reference is the same base with adapters disabled. Multi-rank: no DDP wrapper (the model
-  switches adapters and generates, which DDP dislikes); LoRA gradients are all-reduced by hand.
+  switches adapters and generates, which DDP dislikes); every loss is divided by the global token count
+  of its minibatch and LoRA gradients are SUMMED over ranks by hand, so N ranks compute the 1-process
+  token-mean gradient (also with uneven shares: no episode is dropped to even them out).
+
+Per-step log (stdout and metrics.jsonl): rollout rates and reward, geometric-mean speedup vs torch.compile
+of the correct kernels, turns, malformed-call rate, end reasons; losses, entropy, clip fraction; the
+critic's explained variance against its targets, mean value, advantage std, KL to the reference, learning
+rate; the mismatch statistics and the mean importance weight.
 
 Run folder (--run-dir): config.json, metrics.jsonl (one JSON line per step), tb/ (TensorBoard, if
 installed), data/ (the synthesised dataset when no --dataset), and warmup/ rft/ critic/ ppo/, each with
@@ -1197,6 +1219,13 @@ def final_eval(ctx: Ctx) -> dict | None:
     return res
 
 
+def all_rewards_minus_one(run_dir: Path, ev: dict | None) -> bool:
+    """True when every logged training step and the final evaluation had mean reward -1."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()] if (run_dir / "metrics.jsonl").is_file() else []
+    rewards = [r["reward"] for r in rows if r.get("reward") is not None] + ([ev["reward"]] if ev else [])
+    return bool(rewards) and all(x == -1 for x in rewards)
+
+
 def summary_table(run_dir: Path, ev: dict | None) -> str:
     """Reward, pass and faster rates per stage (its last rollouts) and on the held-out split."""
     ends = {}
@@ -1215,7 +1244,8 @@ def summary_table(run_dir: Path, ev: dict | None) -> str:
         if r is None:
             continue
         note = (f"kept {r.get('kept')}/{r.get('episodes')} episodes" if s == "rft" else
-                f"held-out explained variance {num(r.get('ev'), '+.3f')}" if s == "critic" else "training rollouts")
+                f"held-out explained variance {num(r.get('ev_before'), '+.3f')} -> {num(r.get('ev'), '+.3f')}" if s == "critic"
+                else "training rollouts")
         lines.append(f"{s:<10} {r.get('steps', 0):>5} {num(r.get('reward'), '+7.3f')} {num(r.get('compile'), '7.2f')} "
                      f"{num(r.get('correct'), '7.2f')} {num(r.get('faster'), '7.2f')} {num(r.get('faster_c'), '8.2f')}  {note}")
     if ev:
@@ -1239,7 +1269,8 @@ def check_model(name: str | None):
     if name in (None, agent.DEFAULT_MODEL):
         agent.default_model_path()  # raises a UsageError when the embedded model is not installed
         return
-    p = Path(name)
+    p = Path(name).expanduser()
+    missing = f"unknown model {name!r}: no such model folder or hub id"
     if str(name).endswith(".gguf"):
         if not p.is_file():
             raise env.UsageError(f"unknown model {name!r}: no such GGUF file")
@@ -1248,21 +1279,26 @@ def check_model(name: str | None):
         if not (p / "config.json").is_file():
             raise env.UsageError(f"unknown model {name!r}: the folder has no config.json")
         return
+    if p.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1:  # a path, and not there (hub ids are org/name)
+        raise env.UsageError(missing)
     import socket
     from huggingface_hub import try_to_load_from_cache
-    if isinstance(try_to_load_from_cache(name, "config.json"), str):
-        return  # in the local Hugging Face cache
+    try:
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return  # in the local Hugging Face cache
+    except ValueError:  # huggingface_hub's HFValidationError: not even a well-formed hub id
+        raise env.UsageError(missing)
     try:
         socket.getaddrinfo("huggingface.co", 443)  # offline: say so now instead of after the hub's retries
     except OSError:
-        raise env.UsageError(f"unknown model {name!r}: not a local folder, a .gguf file, or in the Hugging Face cache "
-                             "(and the hub is unreachable)")
+        raise env.UsageError(f"{missing} (not a local folder, a .gguf file, or in the Hugging Face cache, "
+                             "and the hub is unreachable)")
     try:
         from transformers import AutoConfig
         AutoConfig.from_pretrained(name)
     except Exception as e:  # noqa: BLE001  (OSError, ValueError, HTTP errors: all mean "cannot use it")
-        raise env.UsageError(f"unknown model {name!r}: not a local folder, a .gguf file, or a model on the Hugging Face "
-                             f"hub ({type(e).__name__})")
+        raise env.UsageError(f"{missing} (not a local folder, a .gguf file, or a model on the Hugging Face hub: "
+                             f"{type(e).__name__})")
 
 
 def tiny_tokenizer():
@@ -1355,7 +1391,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description="staged agentic RL for CUDA kernels (warmup -> rft -> critic -> ppo)",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n")[1])
     p.add_argument("--stage", required=True, choices=[*STAGES, "all"])
-    p.add_argument("--preset", default="default", choices=list(PRESETS))
+    p.add_argument("--preset", choices=list(PRESETS), help="default: 'default' with a GPU, 'cpu' without one")
     p.add_argument("--model", help=f"base model: HF folder/hub id, .gguf file, or {TINY!r} (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dataset", help="synth.py output folder or hub id (default with --stage all: synthesise one)")
     p.add_argument("--backend", default="auto", help="kernel scoring: auto | cuda | cpu")
@@ -1368,7 +1404,17 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def gpu_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
 def make_config(a) -> Config:
+    if a.preset is None:
+        a.preset = "default" if gpu_available() else "cpu"
+        if a.preset == "cpu":  # the first line a user sees: the default preset would take hours on a CPU
+            print("train.py: no GPU found: running the CPU-sized preset 'cpu' (the embedded 135M model, 2 tasks per step, "
+                  "a few minutes); pass --preset default (or tiny, paper) to choose another", flush=True)
     cfg = Config(preset=a.preset, **PRESETS[a.preset])
     for field, value in (("model", a.model), ("dataset", a.dataset), ("demos", a.demos)):
         if value is not None:
@@ -1466,6 +1512,8 @@ def run(cfg: Config, a, stages: list, src: str | None) -> int:
     if acc.is_main_process:
         write_json(run_dir / "config.json", dataclasses.asdict(cfg))
     import agent
+    if acc.is_main_process:
+        print(f"model: loading {cfg.model or agent.DEFAULT_MODEL} on {device}", flush=True)
     policy = build_policy(cfg, run_dir, device, acc.is_main_process)
     barrier()
     pm, head = add_adapters(policy.model, cfg, device)
@@ -1504,6 +1552,11 @@ def run(cfg: Config, a, stages: list, src: str | None) -> int:
     ev = final_eval(ctx) if a.stage == "all" else None
     if ctx.main:
         print(summary_table(run_dir, ev))
+        if all_rewards_minus_one(run_dir, ev):
+            print(f"note: every reward in this run was -1 (no kernel was both built and correct). That is expected for "
+                  f"{'a tiny random model' if cfg.model == TINY else 'the embedded 135M model'} at preset {cfg.preset!r}: "
+                  "this run shows that every stage works end to end, not that the model learns; a model that can write "
+                  "C++/CUDA (--model) on a GPU is where rewards appear")
         print(f"done in {fmt_time(time.time() - t_start)} | checkpoints: " +
               " ".join(str(run_dir / s / latest(run_dir / s)["ckpt"]) for s in stages if latest(run_dir / s)) +
               f" | metrics: {run_dir / 'metrics.jsonl'}")

@@ -244,6 +244,8 @@ def test_bad_inputs(tmp_path, relu_dataset, capsys):
     common = ["--preset", "tiny", "--backend", "cpu", "--run-dir", rd]
     assert "needs a finished warmup stage" in bad(capsys, ["--stage", "rft", *common, "--dataset", str(relu_dataset)])
     assert "needs a finished rft stage" in bad(capsys, ["--stage", "critic", *common])
+    assert "no such model folder or hub id" in bad(capsys, ["--stage", "warmup", *common, "--dataset", str(relu_dataset),
+                                                            "--model", "/nonexistent/model"])
     assert "unknown model 'no-such-org/no-such-model-xyz'" in bad(
         capsys, ["--stage", "warmup", *common, "--dataset", str(relu_dataset), "--model", "no-such-org/no-such-model-xyz"])
     nocode = tmp_path / "nocode"
@@ -268,6 +270,14 @@ def test_bad_inputs(tmp_path, relu_dataset, capsys):
     r = run_cli(["--stage", "ppo", *common])
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "needs a finished critic stage" in r.stderr, r.stderr
     assert time.time() - t0 < 60
+    r = run_cli(["--stage", "warmup", "--preset", "tiny", "--backend", "cpu", "--run-dir", rd + "-m", "--dataset", str(relu_dataset),
+                 "--model", "/nonexistent/model"])
+    assert r.returncode == 2 and r.stderr.strip() == "train.py: error: unknown model '/nonexistent/model': no such model folder or hub id"
+    # without a GPU and without --preset, the first line says so and names the CPU preset it runs instead
+    r = run_cli(["--stage", "all", "--run-dir", rd + "-cpu", "--dataset", str(tmp_path / "no-such-dataset")],
+                env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.stdout.splitlines()[0].startswith("train.py: no GPU found: running the CPU-sized preset 'cpu'"), r.stdout
+    assert r.returncode == 2 and "no-such-dataset" in r.stderr
 
 
 # ----------------------------------------------------------------------------------------------
