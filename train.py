@@ -1137,7 +1137,8 @@ def stage_critic(ctx: Ctx, resume: bool):
     best, since = state.get("best", score(ev0, mse0)), state.get("since", 0)
     snapshot = [p.detach().clone() for p in c_params]
     ctx.say(f"critic: {len(train)} training / {len(held)} held-out episodes | held-out explained variance before: "
-            + (f"{ev_before:+.3f}" if ev_before is not None else "- (constant returns)"))
+            + (f"{ev_before:+.3f}" if ev_before is not None else "- (constant returns)")
+            + f" | up to {cfg.critic_epochs} epochs, stops after {cfg.critic_patience} without improvement")
     rows, t_begin, epoch = [], time.time(), start - 1
     for epoch in range(start, cfg.critic_epochs):
         t0 = time.time()
@@ -1163,8 +1164,9 @@ def stage_critic(ctx: Ctx, resume: bool):
     if start >= cfg.critic_epochs:
         save_checkpoint(ctx, "critic", 0, opts, done=True)
     ev_after, _ = held_out_ev(ctx, mine_held)
-    ctx.say(f"critic: held-out explained variance {ev_before if ev_before is not None else float('nan'):+.3f} before, "
-            f"{ev_after if ev_after is not None else float('nan'):+.3f} after {epoch + 1} epoch(s) (best epoch kept)")
+    fmt = lambda x: "- (constant returns)" if x is None else f"{x:+.3f}"
+    ctx.say(f"critic: held-out explained variance {fmt(ev_before)} before, {fmt(ev_after)} after "
+            f"{epoch + 1} epoch(s) (the best epoch is kept)")
     ctx.pm.set_adapter("actor")
     log_event(ctx, {"event": "stage_end", "stage": "critic", "steps": len(rows), "ev_before": ev_before, "ev": ev_after,
                     "vf_loss": rows[-1]["vf_loss"] if rows else None})

@@ -315,7 +315,16 @@ def test_stage_all_tiny_with_kill_and_resume(tmp_path, relu_dataset):
     assert steps == [("warmup", 1), ("warmup", 2), ("rft", 1), ("critic", 1), ("ppo", 1), ("ppo", 2)], steps
     step_lines = [x for x in out.splitlines() if x.startswith(("warmup 2/2 |", "ppo 1/2 |", "ppo 2/2 |"))]
     assert len(step_lines) == 3 and all(" | reward " in x and " | clip " in x and "ETA" in x for x in step_lines), out
+    assert all(f" | {k} " in x for k in ("ev", "V", "adv_std", "kl_ref", "dlogp", "dlogp_p99", "ratio_out", "tis_w", "lr",
+                                          "malformed", "end") for x in step_lines), step_lines
+    ppo_rows = [x for x in lines if x.get("stage") == "ppo" and "event" not in x]
+    assert all(k in ppo_rows[0] for k in ("ev", "v_mean", "adv_mean", "adv_std", "kl_ref", "lr", "mm_mean", "mm_p99", "mm_out",
+                                          "tis_w", "malformed", "speedup", "harness_fail", "pg_skipped")), ppo_rows[0]
+    assert any(k.startswith("end_") for k in ppo_rows[0]), ppo_rows[0]
+    assert ppo_rows[0]["mm_mean"] is not None and ppo_rows[0]["mm_mean"] < 1e-3  # fp32 CPU: engine == training forward
     assert "rft: kept " in out and "held-out" in out and "done in" in out
+    assert "critic: held-out explained variance" in out and " before, " in out and " after " in out
+    assert "note: every reward in this run was -1" in out  # a tiny random model writes no working kernel
     assert any(x.get("event") == "eval" and x["n"] == 1 for x in lines)
     # the checkpoint is a standard PEFT adapter on the saved base model
     from peft import PeftModel
