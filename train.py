@@ -561,7 +561,7 @@ def ppo_update(pm, head, opts, seqs, cfg: Config, device, step: int = 0) -> dict
     # A batch whose episodes all got the same reward says nothing about which actions were better: with an
     # imperfect critic its advantages are the critic's errors (e.g. all -1 and V = 0: after whitening the
     # early tokens of a failure get positive advantages). The actor skips it; the critic still learns.
-    rs = gather([float(sq["reward"]) for sq in seqs])
+    rs = gather([float(sq["reward"]) for sq, n in zip(seqs, counts) if n])  # harness failures carry no tokens
     train_actor = len(rs) > 0 and max(rs) > min(rs)
     n_all = all_sum(_t(float(len(flat_old)), device)).clamp(min=1)
     st = {"ev": global_explained_variance(flat_v, flat_ret),  # the old values against the critic's targets
