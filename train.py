@@ -140,10 +140,11 @@ PRESETS = {
                  eval_tasks=1, lora_r=4, lora_alpha=8, minibatches=1, micro_batch=2, actor_lr=1e-3,
                  critic_lr=1e-3, rft_lr=1e-3, lr_warmup=0),
     # A machine without a GPU (what `--stage all` picks there unless --preset is given): the embedded 135M model,
-    # 2 tasks per step, short turns; the whole pipeline in minutes on a 2-core CPU. Every reward is -1 at this
-    # size: it shows the stages run, not that they learn.
+    # 2 tasks per step, short turns. Every reward is -1 at this size: it shows the stages run, not that they learn.
+    # TODO: not yet "minutes": each update is a forward/backward of 135M over ~1.2k-token prompts (SKILL.md), which
+    # took 12 min (warm-up step) and 23 min (critic epoch) on a shared 2-core machine at load 10-70 (docs/recipe.md).
     "cpu": dict(synth_tasks=4, tasks_per_step=2, max_new_tokens=48, max_turns=2, max_context=4096, warmup_steps=1,
-                rft_tasks=2, rft_epochs=1, critic_epochs=2, critic_patience=1, ppo_steps=1, eval_tasks=1, lora_r=4,
+                rft_tasks=2, rft_epochs=1, critic_epochs=1, critic_patience=1, ppo_steps=1, eval_tasks=1, lora_r=4,
                 lora_alpha=8, minibatches=1, micro_batch=2, lr_warmup=0),
     # One H200 with the embedded 135M model; meant for <= 30 minutes (not measured yet; bench/preset_time.py projects it).
     "default": dict(),
@@ -1416,7 +1417,7 @@ def make_config(a) -> Config:
         a.preset = "default" if gpu_available() else "cpu"
         if a.preset == "cpu":  # the first line a user sees: the default preset would take hours on a CPU
             print("train.py: no GPU found: running the CPU-sized preset 'cpu' (the embedded 135M model, 2 tasks per step, "
-                  "a few minutes); pass --preset default (or tiny, paper) to choose another", flush=True)
+                  "1 step per stage); pass --preset default (or tiny, paper) to choose another", flush=True)
     cfg = Config(preset=a.preset, **PRESETS[a.preset])
     for field, value in (("model", a.model), ("dataset", a.dataset), ("demos", a.demos)):
         if value is not None:
