@@ -93,7 +93,8 @@ for dtype_name in args.dtypes.split(","):
         d = (train_lp - roll).abs()
         rows.append((dtype_name, engine, len(d), st["mm_mean"], st["mm_p99"], float(d.max()), st["mm_out"],
                      max(len(s["tokens"]) for s in seqs), gen_s))
-        print(f"  {dtype_name} {engine}: {len(d)} tokens in {gen_s:.1f}s", file=sys.stderr, flush=True)
+        print(f"  {dtype_name} {engine}: {len(d)} tokens in {gen_s:.1f}s | mean |dlogp| {st['mm_mean']:.4f} | p99 "
+              f"{st['mm_p99']:.4f} | ratio outside [0.8, 1.2] {100 * st['mm_out']:.2f}%", file=sys.stderr, flush=True)
     del policy, pm
 
 print(f"device {args.device} | {torch.cuda.get_device_name() if args.device.startswith('cuda') else 'CPU'} | torch "
