@@ -230,6 +230,26 @@ def parse_tool_call(text: str):
 SOURCE_NAME = re.compile(r"^(?:kernels/)?[\w.-]+\.(?:cu|cpp|h|cuh|hpp)$|^model_new\.py$")
 
 
+def cut_after_call(tokenizer, out: list, stop_ids=()) -> int:
+    """How many of a turn's generated tokens to keep: up to the token that completes the first </tool_call>,
+    and the end-of-turn token when only whitespace comes before it (all tokens when there is no call). What a
+    model writes after its call (a second call, an invented <tool_response>) is never executed, so it must
+    not be kept and trained on either."""
+    if "</tool_call>" not in tokenizer.decode(out, skip_special_tokens=False):
+        return len(out)
+    lo, hi = 1, len(out)  # the shortest prefix whose text contains the tag (prefix texts only grow)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if "</tool_call>" in tokenizer.decode(out[:mid], skip_special_tokens=False):
+            hi = mid
+        else:
+            lo = mid + 1
+    end = next((j for j in range(lo, len(out)) if out[j] in stop_ids), None)
+    if end is not None and not tokenizer.decode(out[lo:end], skip_special_tokens=False).strip():
+        return end + 1
+    return lo
+
+
 def parse_single_turn(text: str) -> dict:
     """{path: content} from a single-turn answer: fenced blocks whose file name is given in the fence info
     (```cpp kernels/op.cpp), in a first-line comment (// file: kernels/op.cu, # model_new.py), or on the line
@@ -330,8 +350,9 @@ def observation_tokens(tokenizer, obs: str, ended: bool, stop_text: str) -> list
     """The tokens that follow a model turn: the template's end of the assistant turn (the stop token too,
     if generation was cut off), the tool message, and the next assistant header."""
     native = tools_in_template(tokenizer) and "tool" in (tokenizer.chat_template or "")
-    msg = {"role": "tool", "content": obs} if native else \
-        {"role": "user", "content": f"<tool_response>\n{obs}\n</tool_response>"}
+    slot = "\x1eOBSERVATION\x1e"  # rendered in place of obs, which is encoded on its own below
+    msg = {"role": "tool", "content": slot} if native else \
+        {"role": "user", "content": f"<tool_response>\n{slot}\n</tool_response>"}
     base = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
     t1 = render(tokenizer, base, False)
     t2 = render(tokenizer, base + [msg], True)
@@ -340,7 +361,11 @@ def observation_tokens(tokenizer, obs: str, ended: bool, stop_text: str) -> list
         t2 = t1 + render(tokenizer, base[:1] + [msg], True)[len(s0):]
     cut = t1.rfind(stop_text) if stop_text else -1
     after_stop = t1[cut + len(stop_text):] if cut >= 0 else ""
-    return encode(tokenizer, ("" if ended else stop_text) + after_stop + t2[len(t1):])
+    # the observation's own text is encoded with special tokens split: a file or a compiler message that
+    # contains "<|im_end|>" must not end the turn or open a new one; the template around it stays special
+    head, _, tail = (("" if ended else stop_text) + after_stop + t2[len(t1):]).partition(slot)
+    return encode(tokenizer, head) + list(tokenizer(obs, add_special_tokens=False, split_special_tokens=True)["input_ids"]) \
+        + encode(tokenizer, tail)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -392,7 +417,9 @@ class HFPolicy:
                         torch.cuda.empty_cache()
                     self.engine = FastEngine(self.model, self.max_context, len(prompts), **self.engine_kw)
                 self.engine.adapters = adapters
-                return self.engine.generate(prompts, max_new_tokens, temperature, stop, progress)
+                out = self.engine.generate(prompts, max_new_tokens, temperature, stop, progress)
+                self.last_logprobs = self.engine.last_logprobs
+                return out
             return self._hf_generate(prompts, max_new_tokens, temperature, stop)
         finally:
             self.model.train(training)
@@ -404,12 +431,26 @@ class HFPolicy:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else (stop[0] if stop else 0)
         ids = torch.tensor([[pad] * (n - len(p)) + list(p) for p in prompts], device=dev)
         mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in prompts], device=dev)
+        from transformers import GenerationConfig
+        # the model's own generation_config (its authors' repetition penalty, top-k, suppressed tokens) fills every
+        # field a passed config leaves unset: swap in a blank one, so that generate samples from softmax(logits / T),
+        # the distribution training assumes
         kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else dict(do_sample=False)
+        gc = GenerationConfig(max_new_tokens=m, eos_token_id=stop or None, pad_token_id=pad, output_logits=True,
+                              return_dict_in_generate=True, **kw)
+        lm = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        own, lm.generation_config = lm.generation_config, GenerationConfig()
+        try:
+            with torch.no_grad():
+                g = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gc)
+        finally:
+            lm.generation_config = own
         with torch.no_grad():
-            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=m, eos_token_id=stop or None,
-                                      pad_token_id=pad, **kw)[:, n:].tolist()
-        res = []
-        for i, o in enumerate(out):
+            out = g.sequences[:, n:]  # (B, m')
+            logits = torch.stack(g.logits, 1).float() / (temperature or 1.0)  # (B, m', V): raw logits, our temperature
+            lps = torch.log_softmax(logits, -1).gather(-1, out[..., None])[..., 0].tolist()
+        res, self.last_logprobs = [], []
+        for i, o in enumerate(out.tolist()):
             lim = max_new_tokens[i] if isinstance(max_new_tokens, (list, tuple)) else m
             o = o[:lim]
             for j, t in enumerate(o):
@@ -417,6 +458,7 @@ class HFPolicy:
                     o = o[:j + 1]
                     break
             res.append(o)
+            self.last_logprobs.append(lps[i][:len(o)])
         return res
 
     def release(self):
@@ -551,7 +593,7 @@ def load_policy(kind="hf", model=None, base_url=None, device=None, dtype=None, m
 def _new_episode(i, task, ws):
     return {"task_id": task.get("task_id", f"task{i}"), "tokens": [], "loss_mask": [], "turns": [], "reward": -1,
             "verdict": None, "n_turns": 0, "finished": False, "malformed_calls": 0, "end_reason": None,
-            "workspace": str(ws), "ops": task.get("ops"), "_done": False, "_last": None}
+            "workspace": str(ws), "ops": task.get("ops"), "_done": False}
 
 
 def _print_turn(ep, turn, thought):
@@ -596,6 +638,7 @@ def run_episodes(policy, tasks, backend="auto", max_turns=None, max_context=None
         for ep, task in zip(eps, tasks):
             ep["tokens"] = episode_prompt(task, tok, backend)
             ep["loss_mask"] = [0] * len(ep["tokens"])
+            ep["logprobs"] = [None] * len(ep["tokens"])  # the rollout engine's log-prob of each model token
     else:
         for ep, task in zip(eps, tasks):
             ep["messages"] = [{"role": "system", "content": system_prompt(None, True) + "\n\nIf you cannot call tools "
@@ -658,11 +701,14 @@ def run_episodes(policy, tasks, backend="auto", max_turns=None, max_context=None
             outs = policy.generate([ep["tokens"] for ep, _ in gen_eps], budgets, temperature=cfg.temperature, stop=stop_ids, **kw)
             if tok_bar is not None:
                 tok_bar.close()
+            lps = getattr(policy, "last_logprobs", None) or [[None] * len(o) for o in outs]
             calls = []
-            for (ep, _), out in zip(gen_eps, outs):
+            for (ep, _), out, lp in zip(gen_eps, outs, lps):
                 start = len(ep["tokens"])
-                ep["tokens"] += list(out)
+                out = list(out)[:cut_after_call(tok, out, stop_ids)]
+                ep["tokens"] += out
                 ep["loss_mask"] += [1] * len(out)
+                ep["logprobs"] += list(lp)[:len(out)]
                 ended = bool(out) and out[-1] in stop_ids
                 text = tok.decode(out[:-1] if ended else out, skip_special_tokens=False)  # for parsing only
                 name, args, err = parse_tool_call(text)
@@ -683,11 +729,12 @@ def run_episodes(policy, tasks, backend="auto", max_turns=None, max_context=None
             obs = truncate(obs, cfg.obs_chars)
             ep["n_turns"] += 1
             ep["malformed_calls"] += int(err is not None)
+            # "ws": the workspace's content after the call: train.py's RFT filter tells a repeated call on
+            # unchanged files (a loop) from the same call after an edit (debugging)
             turn = {"start": start, "end": len(ep["tokens"]), "tool": None if err else name,
-                    "args": None if err else args, "observation": obs, "verdict": verdict, "ok": ok}
+                    "args": None if err else args, "observation": obs, "verdict": verdict, "ok": ok,
+                    "ws": workspace_key(Path(ep["workspace"]))}
             ep["turns"].append(turn)
-            if verdict is not None and name == "profile":
-                ep["_last"] = (workspace_key(Path(ep["workspace"])), verdict)
             if transcript:
                 _print_turn(ep, turn, thought)
             if name == "finish" and not err:
@@ -713,6 +760,7 @@ def run_episodes(policy, tasks, backend="auto", max_turns=None, max_context=None
                     continue
                 ep["tokens"] += o
                 ep["loss_mask"] += [0] * len(o)
+                ep["logprobs"] += [None] * len(o)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(live=sum(not e["_done"] for e in eps))
@@ -722,20 +770,19 @@ def run_episodes(policy, tasks, backend="auto", max_turns=None, max_context=None
         if not ep["_done"]:
             ep["end_reason"] = "max_turns"
 
-    # 4. final score of every workspace (a profile verdict of the same content is reused)
+    # 4. final score of every workspace: a measurement of its own, never the agent's last `profile` (the agent
+    # saw that one and could re-profile until timing noise crossed a reward threshold, then finish)
     def final(ep):
         ws = Path(ep["workspace"])
         if (ws / "model.py").read_text() != ep["_code"]:
             (ws / "model.py").write_text(ep["_code"])
-        if ep["_last"] is not None and ep["_last"][0] == workspace_key(ws):
-            return ep["_last"][1]
         try:
             return env.evaluate(ws, backend, reference=ep["_code"], stage="profile", timeout=cfg.eval_timeout).to_dict()
         except Exception as e:  # noqa: BLE001
             return env.Verdict(backend=backend, error=f"final evaluation failed: {type(e).__name__}: {e}").to_dict()
     for ep, v in zip(eps, pool.map(final, eps)):
         ep["verdict"], ep["reward"] = v, v["reward"]
-        for k in ("_done", "_last", "_code"):
+        for k in ("_done", "_code"):
             ep.pop(k, None)
     pool.shutdown()
     if out_dir:

@@ -190,6 +190,8 @@ class FastEngine:
         self.inv_temp = torch.ones((), dtype=torch.float32, device=dev)
         self.stop = torch.full((8,), -1, dtype=torch.long, device=dev)
         self.out = torch.zeros(self.B, self.T + 1, dtype=torch.long, device=dev)  # (B, T+1) generated ids
+        self.out_lp = torch.zeros(self.B, self.T + 1, dtype=torch.float32, device=dev)  # (B, T+1) their log-probs
+        self.last_logprobs = []  # generate(): the sampled tokens' log-probs, one list per prompt
         self.graphs = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
 
@@ -219,12 +221,16 @@ class FastEngine:
 
     def _pick(self, h, sampled):
         """Next token from final hidden states h (b, D): argmax, or Gumbel-max sampling at temperature
-        1/inv_temp (exactly softmax sampling, and free of host syncs unlike torch.multinomial)."""
+        1/inv_temp (exactly softmax sampling, and free of host syncs unlike torch.multinomial). Returns
+        (token (b,), its log-prob (b,) under the distribution it was drawn from: softmax(logits / T), T = 1 greedy)."""
         logits = self.lm_head(_rms(h, self.final_ln)).float()  # (b, V)
-        if not sampled:
-            return logits.argmax(-1)
-        u = torch.rand_like(logits).clamp_(1e-20, 1.0)
-        return (logits * self.inv_temp - torch.log(-torch.log(u))).argmax(-1)
+        if sampled:
+            logits = logits * self.inv_temp
+            u = torch.rand_like(logits).clamp_(1e-20, 1.0)
+            nxt = (logits - torch.log(-torch.log(u))).argmax(-1)
+        else:
+            nxt = logits.argmax(-1)
+        return nxt, torch.log_softmax(logits, -1).gather(-1, nxt[:, None])[:, 0]
 
     def _decode_forward(self, Tb):
         """One decode step for all B slots: token self.tok at position self.pos, each layer by _decode_layer
@@ -243,8 +249,9 @@ class FastEngine:
 
     def _decode_step(self, Tb, sampled):
         x = self._decode_forward(Tb)
-        nxt = self._pick(x[:, -1], sampled)  # (B,)
+        nxt, lp = self._pick(x[:, -1], sampled)  # (B,), (B,)
         self.out.index_copy_(1, self.step.clamp(max=self.T).view(1), nxt[:, None])
+        self.out_lp.index_copy_(1, self.step.clamp(max=self.T).view(1), lp[:, None])
         self.tok.copy_(nxt)
         self.step += 1
         hit = (nxt[:, None] == self.stop[None, :]).any(-1)
@@ -324,10 +331,10 @@ class FastEngine:
                 idx = torch.tensor([s for s, _, _, _ in chunk])
                 x = self._forward(ids.to(dev), P.to(dev), idx.to(dev), self.bucket(int((starts + lens).max())))
                 last = x[torch.arange(len(chunk), device=dev), (lens - 1).to(dev)]  # (b, D)
-                nxt = self._pick(last, sampled)
+                nxt, lp = self._pick(last, sampled)
                 for r, (s, _, _, final) in enumerate(chunk):
                     if final:
-                        firsts[s] = nxt[r]
+                        firsts[s] = (nxt[r], lp[r])
         return firsts
 
     def generate(self, prompts, max_new_tokens, temperature=0.0, stop=(), progress=None):
@@ -364,7 +371,7 @@ class FastEngine:
             tok = torch.zeros(self.B, dtype=torch.long, device=self.device)
             for i, s, r in live:
                 pos[s], done[s], max_new[s] = len(prompts[i]), False, budgets[i]
-                tok[s] = firsts[s]
+                tok[s], self.out_lp[s, 0] = firsts[s]
             self.tok.copy_(tok)
             self.pos.copy_(torch.tensor(pos).clamp(max=self.T))
             self.max_new.copy_(torch.tensor(max_new))
@@ -382,7 +389,8 @@ class FastEngine:
                         progress(t + 1)
                 self._replay(self.bucket(longest + t + 1), sampled)
             out = self.out[:, :max(1, n_steps + 1)].tolist()
-        results = []
+            out_lp = self.out_lp[:, :max(1, n_steps + 1)].tolist()
+        results, self.last_logprobs = [], []
         stops = set(stop)
         for i, (s, r) in enumerate(assign):
             m = budgets[i]
@@ -392,6 +400,7 @@ class FastEngine:
                     gen = gen[:j + 1]
                     break
             results.append(gen)
+            self.last_logprobs.append(out_lp[s][:len(gen)])
             # valid K/V now: the prompt plus every generated token but the last (it was never fed)
             self.slot_tokens[s] = list(prompts[i]) + gen[:-1] if gen else list(prompts[i][:r])
         return results

@@ -3,7 +3,8 @@
 
     # tiny: minutes on a 2-core CPU, CPU backend, a tiny randomly initialised model (this is what CI runs)
     python train.py --stage all --preset tiny --backend cpu --run-dir runs/tiny
-    # default: one H200 with the embedded SmolLM2-135M-Instruct (~7 min of stages, projected from a short H200 run: README)
+    # default: one H200 with the embedded SmolLM2-135M-Instruct (~7 min of stages, projected from a short H200 run: README);
+    # without a GPU the same command runs the CPU-sized preset "cpu" (the first line says so)
     python train.py --stage all --run-dir runs/default
     # one stage at a time (each needs its predecessor's checkpoint in --run-dir), resumable after kill -9
     python train.py --stage ppo --run-dir runs/default --resume
@@ -12,25 +13,46 @@
     # the same on a CPU-only machine (gloo): accelerate launch --multi_gpu --num_processes 2 train.py ... --backend cpu
 
 The algorithm, as differences from named baselines
-  warmup  PPO as in the paper's single-turn warm-up (actor + critic, token-level GAE with gamma = 1,
-          lambda = 0.95, value clipping, token-mean loss) with DAPO's asymmetric clip (eps_low 0.2,
-          eps_high 0.28). Reward = env.py's milestone reward (-1/1/2/3) on the last response token.
-          No KL penalty by default (--kl-coef turns it on; the reference is the base with the adapter off).
+  warmup  PPO as in the paper's single-turn warm-up (actor + critic, token-level GAE with gamma = 1, value
+          clipping, token-mean loss) with DAPO's asymmetric clip (eps_low 0.2, eps_high 0.28) and two changes
+          from VC-PPO / VAPO: decoupled lambdas (actor advantages lambda 0.95, critic targets lambda 1, i.e.
+          Monte-Carlo returns that the critic's own errors cannot bias), and a batch whose rewards are all
+          equal trains the critic only (its advantages would be the critic's errors, not information).
+          Reward = env.py's milestone reward (-1/1/2/3) on the last response token. No KL penalty by default
+          (--set kl_coef=...; the reference is the base with the adapter off); the KL to it is logged anyway.
   rft     plain SFT (next-token loss on model tokens only) on the warmed-up actor's own multi-turn
-          episodes, kept only if reward > 0 and free of bad patterns (malformed or unknown tool calls,
-          the same call twice in a row, any call repeated 3+ times = a loop). Drop reasons are logged.
-  critic  a scalar value head on the base model with its own LoRA adapter, regressed (MSE) on GAE
-          targets (gamma 1, lambda 0.95) recomputed with the current critic every epoch, trained on ALL
-          rolled-out episodes (the critic must also learn what failure looks like), explained variance
-          against the episodes' returns reported on held-out episodes.
-  ppo     the warm-up's PPO over whole multi-turn episodes: GAE runs over model tokens only, tool-output
-          tokens are skipped and the value is carried across them; advantages whitened over model
-          tokens of the whole global batch. Rollout log-probs are recomputed by the training forward
-          (never taken from generation), so the first ratio is exactly 1 (the paper's bf16
-          train/inference mismatch cannot creep in).
+          episodes, kept only if reward > 0 and free of bad patterns, judged on behaviour: a malformed or
+          unknown tool call; the same call on an unchanged workspace twice in a row (re-profiling until the
+          noise looks good); such a call 3+ times (a loop). Each call is keyed by the workspace's content
+          before it (agent.py records a hash per turn), so compile -> edit -> compile is debugging, and kept.
+  critic  a scalar value head on the base model with its own LoRA adapter, regressed (MSE) on Monte-Carlo
+          returns (gamma 1: the episode's reward at every model token) of ALL rolled-out episodes (the
+          critic must also learn what failure looks like). The paper regresses on GAE(lambda 0.95) targets;
+          computed from a zero critic those give a token d tokens before the end only R * 0.95^d, i.e.
+          nothing for the thousands of tokens of an agent episode. Epochs run until the explained variance
+          on held-out episodes has not improved for critic_patience epochs; the best epoch is kept, and the
+          explained variance before and after the stage is printed.
+  ppo     the warm-up's PPO over whole multi-turn episodes: GAE runs over the sequences' own layout, where
+          tool-output tokens are gaps it skips (the value is carried across them); advantages whitened over
+          the model tokens of the whole global batch.
+  rollout/training mismatch: tokens are sampled by agent.py's engine (merged LoRA, fused projections,
+          reused K/V; on a GPU bf16 and compiled layers), the PPO ratio is taken against log-probs that the
+          training forward recomputes. The two differ (CPU, embedded model: docs/recipe.md). The engine
+          records each sampled token's log-prob; every step logs mean and p99 |delta log p| and the share
+          of ratios pi_train / pi_rollout outside [0.8, 1.2], and the PPO loss is weighted per token by the
+          truncated importance weight min(pi_train / pi_rollout, tis_cap) (tis_cap 2; 0 turns it off).
+  Harness failures (the task's reference does not run, the evaluation crashed) are not the policy's -1:
+  those episodes are left out of training and of the reward statistics (harness_fail counts them).
   One base model in memory: the actor and the critic are two LoRA adapters of it ("actor", "critic"),
   the KL reference is the same base with adapters disabled. Multi-rank: no DDP wrapper (the model
-  switches adapters and generates, which DDP dislikes); LoRA gradients are all-reduced by hand.
+  switches adapters and generates, which DDP dislikes); every loss is divided by the global token count
+  of its minibatch and LoRA gradients are SUMMED over ranks by hand, so N ranks compute the 1-process
+  token-mean gradient (also with uneven shares: no episode is dropped to even them out).
+
+Per-step log (stdout and metrics.jsonl): rollout rates and reward, geometric-mean speedup vs torch.compile
+of the correct kernels, turns, malformed-call rate, end reasons; losses, entropy, clip fraction; the
+critic's explained variance against its targets, mean value, advantage std, KL to the reference, learning
+rate; the mismatch statistics and the mean importance weight.
 
 Run folder (--run-dir): config.json, metrics.jsonl (one JSON line per step), tb/ (TensorBoard, if
 installed), data/ (the synthesised dataset when no --dataset), and warmup/ rft/ critic/ ppo/, each with
@@ -83,7 +105,8 @@ class Config:
     warmup_steps: int = 10
     rft_tasks: int = 32  # tasks rolled out (per rank) to collect RFT/critic episodes
     rft_epochs: int = 3
-    critic_epochs: int = 3
+    critic_epochs: int = 30  # at most; pre-training stops once held-out explained variance stops improving
+    critic_patience: int = 3  # ... for this many epochs (the best epoch's critic is kept)
     ppo_steps: int = 10
     eval_tasks: int = 16
     # optimisation
@@ -100,7 +123,9 @@ class Config:
     eps_high: float = 0.28
     value_clip: float = 0.5
     gamma: float = 1.0
-    lam: float = 0.95
+    lam: float = 0.95  # GAE lambda of the actor's advantages
+    critic_lam: float = 1.0  # ... of the critic's targets (1: Monte-Carlo returns, as VC-PPO / VAPO)
+    tis_cap: float = 2.0  # truncated importance weight min(pi_train / pi_rollout, C) on the PPO loss; 0 = off
     kl_coef: float = 0.0
     max_grad_norm: float = 1.0
     ckpt_every: int = 1  # steps between checkpoints (1: a kill -9 loses at most one step)
@@ -114,13 +139,20 @@ PRESETS = {
                  max_context=4096, warmup_steps=2, rft_tasks=2, rft_epochs=1, critic_epochs=1, ppo_steps=2,
                  eval_tasks=1, lora_r=4, lora_alpha=8, minibatches=1, micro_batch=2, actor_lr=1e-3,
                  critic_lr=1e-3, rft_lr=1e-3, lr_warmup=0),
+    # A machine without a GPU (what `--stage all` picks there unless --preset is given): the embedded 135M model,
+    # 2 tasks per step, short turns. Every reward is -1 at this size: it shows the stages run, not that they learn.
+    # TODO: not yet "minutes": each update is a forward/backward of 135M over ~1.2k-token prompts (SKILL.md), which
+    # took 12 min (warm-up step) and 23 min (critic epoch) on a shared 2-core machine at load 10-70 (docs/recipe.md).
+    "cpu": dict(synth_tasks=4, tasks_per_step=2, max_new_tokens=48, max_turns=2, max_context=4096, warmup_steps=1,
+                rft_tasks=2, rft_epochs=1, critic_epochs=1, critic_patience=1, ppo_steps=1, eval_tasks=1, lora_r=4,
+                lora_alpha=8, minibatches=1, micro_batch=2, lr_warmup=0),
     # One H200 with the embedded 135M model; meant for <= 30 minutes (not measured yet; bench/preset_time.py projects it).
     "default": dict(),
     # The paper's hyper-parameters (actor lr 3e-6, critic lr 6e-6, gamma 1, lambda 0.95, eps 0.2/0.28,
     # 150 PPO steps) with batch, context and turns scaled to one 8-GPU node (paper: batch 1024, 128k
     # context, 150 turns).
     "paper": dict(synth_tasks=6000, tasks_per_step=32, max_new_tokens=4096, max_turns=50, max_context=32768,
-                  warmup_steps=50, rft_tasks=512, rft_epochs=2, critic_epochs=2, ppo_steps=150, eval_tasks=250,
+                  warmup_steps=50, rft_tasks=512, rft_epochs=2, critic_epochs=30, ppo_steps=150, eval_tasks=250,
                   lora_r=64, lora_alpha=128, actor_lr=3e-6, critic_lr=6e-6, rft_lr=1e-5, lr_warmup=5,
                   minibatches=4, micro_batch=1),
 }
@@ -173,14 +205,29 @@ def masked_whiten(x, mask):
     return ((x - mean.to(x.dtype)) * torch.rsqrt(var.to(x.dtype) + 1e-8)) * mask
 
 
-def policy_loss(logp, old_logp, adv, eps_low=0.2, eps_high=0.28):
-    """Per-token PPO clipped surrogate with DAPO's asymmetric clip. All (N,) over model tokens.
+def policy_loss(logp, old_logp, adv, eps_low=0.2, eps_high=0.28, weight=None):
+    """Per-token PPO clipped surrogate with DAPO's asymmetric clip, times an optional per-token weight
+    (the truncated importance weight, see tis_weight). All (N,) over model tokens.
     Returns (loss per token, clipped per token as float)."""
     import torch
     ratio = torch.exp(logp - old_logp)
     loss_unclipped = -adv * ratio
     loss_clipped = -adv * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    return torch.maximum(loss_unclipped, loss_clipped), (loss_clipped > loss_unclipped).float()
+    loss = torch.maximum(loss_unclipped, loss_clipped)
+    return loss * weight if weight is not None else loss, (loss_clipped > loss_unclipped).float()
+
+
+def tis_weight(train_logp, rollout_logp, cap):
+    """Truncated importance weight min(pi_train / pi_rollout, cap) per token, (N,), no gradient. The tokens
+    were sampled by the rollout engine (other kernels, merged LoRA, bf16), the PPO ratio is taken against the
+    training forward's log-probs: this weight corrects for the difference, truncated so that a rare token the
+    engine over-sampled cannot blow up the update (Yao et al. 2025, "truncated importance sampling").
+    Tokens without a recorded rollout log-prob (NaN) get weight 1; cap <= 0 turns the weight off."""
+    import torch
+    if cap <= 0:
+        return torch.ones_like(train_logp)
+    w = torch.exp(train_logp.detach() - rollout_logp).clamp(max=cap)
+    return torch.where(torch.isnan(rollout_logp), torch.ones_like(w), w)
 
 
 def value_loss(v, old_v, returns, clip=0.5):
@@ -200,26 +247,82 @@ def explained_variance(pred, target):
     return float(1 - (target - pred).var(unbiased=False) / var)
 
 
+def global_explained_variance(pred, target):
+    """explained_variance over the tokens of all ranks, from five summed moments (no gather of tokens)."""
+    import torch
+    p, t = pred.double().flatten(), target.double().flatten()
+    d = t - p
+    s = all_sum(torch.stack([torch.tensor(float(t.numel()), dtype=torch.float64, device=t.device),
+                             t.sum(), (t * t).sum(), d.sum(), (d * d).sum()]))
+    n = float(s[0])
+    if n < 2:
+        return None
+    var_t = float(s[2]) / n - (float(s[1]) / n) ** 2
+    var_d = float(s[4]) / n - (float(s[3]) / n) ** 2
+    return None if var_t < 1e-12 else 1 - var_d / var_t
+
+
+def mismatch_stats(train_logp, rollout_logp) -> dict:
+    """How far the rollout engine's log-probs are from the training forward's on the same tokens, over all
+    ranks: mean and p99 of |delta log p| and the share of ratios pi_train / pi_rollout outside [0.8, 1.2]
+    (None when no token carries a rollout log-prob, e.g. episodes from an API model)."""
+    import torch
+    known = ~torch.isnan(rollout_logp)
+    d = torch.tensor(gather((train_logp[known] - rollout_logp[known]).double().cpu().tolist()), dtype=torch.float64)
+    if d.numel() == 0:
+        return {"mm_mean": None, "mm_p99": None, "mm_out": None}
+    ratio = torch.exp(d)  # (N,) pi_train / pi_rollout
+    return {"mm_mean": float(d.abs().mean()), "mm_p99": float(torch.quantile(d.abs(), 0.99)),
+            "mm_out": float(((ratio < 0.8) | (ratio > 1.2)).double().mean())}
+
+
+def call_keys(episode) -> list:
+    """One key per tool call that says what the call did: (tool, arguments, workspace content before the call).
+    The same call on unchanged files does the same thing again; the same call after an edit is new work.
+    Episodes recorded without workspace hashes fall back to (tool, arguments, observation)."""
+    keys, state = [], "start"
+    for t in episode.get("turns", []):
+        call = (t.get("tool"), json.dumps(t.get("args"), sort_keys=True, default=str))
+        keys.append(call + ((state,) if "ws" in t else (t.get("observation"),)))
+        state = t.get("ws", state)
+    return keys
+
+
 def bad_patterns(episode, known_tools=None) -> list[str]:
-    """Why an episode must not be imitated (the paper's RFT filter). Empty list = clean."""
+    """Why an episode must not be imitated (the paper's RFT filter, judged on behaviour). Empty list = clean.
+    A repeated call is the same call on the same workspace twice in a row (re-profiling unchanged code until
+    the timing noise looks good; compiling twice with nothing edited); a loop is such a call 3+ times
+    anywhere in the episode. compile -> edit -> compile is debugging, and kept."""
     reasons = []
     if episode.get("malformed_calls", 0):
         reasons.append("malformed tool call")
-    calls = [(t.get("tool"), json.dumps(t.get("args"), sort_keys=True, default=str)) for t in episode.get("turns", [])]
-    if known_tools is not None and any(c[0] is not None and c[0] not in known_tools for c in calls):
+    if known_tools is not None and any(t.get("tool") is not None and t.get("tool") not in known_tools
+                                       for t in episode.get("turns", [])):
         reasons.append("unknown tool")
-    if any(a == b for a, b in zip(calls, calls[1:])):
+    keys = call_keys(episode)
+    if any(a == b for a, b in zip(keys, keys[1:])):
         reasons.append("repeated identical tool call")
-    if any(calls.count(c) >= 3 for c in set(calls)):
+    if any(keys.count(k) >= 3 for k in set(keys)):
         reasons.append("loop")
     return reasons
+
+
+HARNESS_ERRORS = ("the reference model.py failed", "final evaluation failed")
+
+
+def harness_failed(ep) -> bool:
+    """The -1 was the harness's (the task's reference does not run, the evaluation itself crashed), not the
+    policy's: such episodes carry no reward signal and are neither trained on nor counted in the reward."""
+    err = (ep.get("verdict") or {}).get("error") or ""
+    return err.startswith(HARNESS_ERRORS)
 
 
 def rft_filter(episodes, known_tools=None):
     """Split episodes into (kept, drop reason counts): keep reward > 0 and no bad pattern."""
     kept, dropped = [], {}
     for ep in episodes:
-        reasons = ([] if ep["reward"] > 0 else ["reward <= 0"]) + bad_patterns(ep, known_tools)
+        reasons = (["harness failure"] if harness_failed(ep) else []) + \
+            ([] if ep["reward"] > 0 else ["reward <= 0"]) + bad_patterns(ep, known_tools)
         if reasons:
             for r in reasons:
                 dropped[r] = dropped.get(r, 0) + 1
@@ -274,15 +377,16 @@ def add_adapters(model, cfg: Config, device):
     import torch
     lora = lambda: peft.LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
                                    target_modules="all-linear", task_type="CAUSAL_LM")
-    pm = peft.get_peft_model(model, lora(), adapter_name="actor")
-    pm.add_adapter("critic", lora())
+    with torch.random.fork_rng(devices=[]):  # LoRA A matrices follow --seed, without touching the caller's RNG
+        torch.manual_seed(cfg.seed)
+        pm = peft.get_peft_model(model, lora(), adapter_name="actor")
+        pm.add_adapter("critic", lora())
     pm.set_adapter("actor")
     hidden = model.config.get_text_config().hidden_size
     head = torch.nn.Linear(hidden, 1).to(device=device, dtype=torch.float32)
     torch.nn.init.zeros_(head.weight)  # starts at V = 0: no made-up values before pre-training
     torch.nn.init.zeros_(head.bias)
-    # peft draws LoRA A from the global RNG, whose state may differ per rank by now: start every rank
-    # from rank 0's adapters, or the ranks drift apart from step one.
+    # every rank seeds the same way; broadcasting rank 0's adapters guards against any other difference
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         with torch.no_grad():
@@ -300,14 +404,17 @@ def hidden_states(pm, ids, attn):
     return pm.get_base_model().base_model(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
 
 
-def action_logprobs(pm, ids, attn, act):
-    """Log-probs and entropies of the model tokens. act: (B, T) bool, True where token t was written by
-    the model (t >= 1). Only those positions go through lm_head: prompts and tool output are usually
-    most of the sequence and would cost (B, T, vocab) memory for nothing. Returns (N,), (N,)."""
+def action_logprobs(pm, ids, attn, act, temperature=1.0):
+    """Log-probs and entropies of the model tokens under softmax(logits / temperature), the distribution
+    the rollouts sampled from (temperature <= 0, greedy: T = 1). act: (B, T) bool, True where token t was
+    written by the model (t >= 1). Only those positions go through lm_head: prompts and tool output are
+    usually most of the sequence and would cost (B, T, vocab) memory for nothing. Returns (N,), (N,)."""
     import torch
     h = hidden_states(pm, ids, attn)[:, :-1]  # (B, T-1, H): the state before token t+1
     sel = act[:, 1:]  # (B, T-1)
     logits = pm.get_base_model().get_output_embeddings()(h[sel]).float()  # (N, V)
+    if temperature and temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, ids[:, 1:][sel][:, None])[:, 0]  # (N,)
     entropy = -(logp_all.exp() * logp_all).sum(-1)  # (N,)
@@ -337,7 +444,10 @@ def collate(seqs, device):
 
 
 def sync_grads(params):
-    """Average gradients over ranks: one all-reduce of the flattened LoRA grads (no DDP wrapper)."""
+    """SUM gradients over ranks: one all-reduce of the flattened LoRA grads (no DDP wrapper). Every loss
+    is divided by the token count of the whole global minibatch (all_sum), so the sum over ranks is the
+    single-process token mean; DDP's average would be 1/world of it. A rank with no tokens in a minibatch
+    contributes zeros and still receives the others' gradient (the ranks' weights stay identical)."""
     import torch
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -345,7 +455,6 @@ def sync_grads(params):
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat)
-    flat /= dist.get_world_size()
     i = 0
     for p, g in zip(params, grads):
         p.grad = flat[i:i + g.numel()].view_as(g).to(p.dtype)
@@ -370,97 +479,202 @@ def optimizer_step(opt, sched, params, max_norm):
 
 
 # ----------------------------------------------------------------------------------------------
-# One PPO update (warm-up and multi-turn PPO share it; the learning test calls it directly)
+# The three updates (PPO, RFT's SFT epoch, the critic's pre-training epoch). Each takes this rank's
+# sequences; minibatch counts and token counts are global, so N ranks compute the 1-process gradient.
 # ----------------------------------------------------------------------------------------------
-def ppo_update(pm, head, opts, seqs, cfg: Config, device, train_critic=True) -> dict:
-    """seqs: list of {"tokens", "loss_mask", "reward"} (this rank's rollouts). opts: {"actor": (opt,
-    sched), "critic": (opt, sched)}. Rewards sit on the last model token; with cfg.kl_coef > 0 every model
-    token also pays kl_coef * (log pi - log pi_ref). Returns mean losses and statistics."""
+def minibatches(n_local: int, n_mb_wanted: int, seed: int, step: int, epoch: int, device="cpu") -> list[list[int]]:
+    """This rank's sequence indices for each minibatch. The number of minibatches is the same on every rank
+    (the optimizer steps must line up for the all-reduce); the order follows (seed, step, epoch), so it
+    changes every step and every run seed. A rank may hold fewer sequences than minibatches: its share is
+    empty there and it contributes zero gradient."""
+    n_mb = max(1, min(n_mb_wanted, int(all_sum(_t(float(n_local), device)))))
+    order = list(range(n_local))
+    random.Random(seed * 1_000_003 + step * 1_009 + epoch).shuffle(order)
+    return [order[mb::n_mb] for mb in range(n_mb)]
+
+
+def _t(x, device="cpu"):
+    import torch
+    return torch.tensor(x, dtype=torch.float64, device=device)
+
+
+def rollout_logprobs(seq) -> list:
+    """The engine's log-probs of a sequence's model tokens (after the first token), NaN where none was recorded."""
+    lps = seq.get("logprobs") or [None] * len(seq["tokens"])
+    return [float("nan") if lp is None else lp for lp, m in zip(lps[1:], seq["loss_mask"][1:]) if m]
+
+
+def targets(seqs, flat_v, flat_kl, cfg: Config, device):
+    """Rewards and GAE in the sequences' own (B, T) layout: tool-output tokens are gaps that GAE skips,
+    carrying the value of the next model token across them (see gae). The actor's advantages use lambda =
+    cfg.lam (0.95); the critic's targets use cfg.critic_lam (1: Monte-Carlo returns, unbiased by the
+    critic's own errors; VC-PPO / VAPO's decoupled lambdas). flat_v: (N,) values of the model tokens in
+    row-major order; flat_kl: (N,) log pi - log pi_ref, or None (no KL penalty).
+    Returns (advantages (N,), returns (N,), act (B, T) bool)."""
+    import torch
+    B, T = len(seqs), max([len(s["tokens"]) for s in seqs] + [2])
+    act = torch.zeros(B, T, dtype=torch.bool, device=device)  # (B, T) model tokens (t >= 1)
+    for b, sq in enumerate(seqs):
+        act[b, 1:len(sq["tokens"])] = torch.tensor(sq["loss_mask"][1:], dtype=torch.bool, device=device)
+    values = torch.zeros(B, T, device=device)
+    values[act] = flat_v.float()
+    rewards = torch.zeros(B, T, device=device)
+    if flat_kl is not None:
+        rewards[act] = -cfg.kl_coef * flat_kl.float()
+    for b, sq in enumerate(seqs):
+        if act[b].any():
+            rewards[b, int(act[b].nonzero()[-1])] += float(sq["reward"])
+    adv, _ = gae(rewards, values, act.float(), cfg.gamma, cfg.lam)
+    _, ret = gae(rewards, values, act.float(), cfg.gamma, cfg.critic_lam)
+    return adv[act], ret[act], act
+
+
+def ppo_update(pm, head, opts, seqs, cfg: Config, device, step: int = 0) -> dict:
+    """seqs: this rank's rollouts, {"tokens", "loss_mask", "reward", optional "logprobs"}. opts: {"actor":
+    (opt, sched), "critic": (opt, sched)}. Rewards sit on the last model token; with cfg.kl_coef > 0 every
+    model token also pays kl_coef * (log pi - log pi_ref). Returns mean losses and statistics."""
     import torch
     B = len(seqs)
-    n_mb = max(1, min(cfg.minibatches, B))
-    # 1) no-grad pass: old log-probs (same forward as training), reference log-probs, old values
+    # 1) no-grad pass over micro-batches: old log-probs (the training forward), reference log-probs (adapter
+    #    off), old values. Flattened (N,) in row-major order of the model tokens of the whole batch.
     old_logp, ref_logp, old_v = [], [], []
     with torch.no_grad():
         for i in range(0, B, cfg.micro_batch):
             ids, attn, act = collate(seqs[i:i + cfg.micro_batch], device)
             pm.set_adapter("actor")
-            old_logp.append(action_logprobs(pm, ids, attn, act)[0])
-            if cfg.kl_coef > 0:
-                with pm.disable_adapter():
-                    ref_logp.append(action_logprobs(pm, ids, attn, act)[0])
+            old_logp.append(action_logprobs(pm, ids, attn, act, cfg.temperature)[0])
+            with pm.disable_adapter():
+                ref_logp.append(action_logprobs(pm, ids, attn, act, cfg.temperature)[0])
             pm.set_adapter("critic")
             old_v.append(action_values(pm, head, ids, attn, act))
     pm.set_adapter("actor")
-    # 2) rewards, GAE over model tokens only, global advantage whitening. Work in a (B, L) layout where
-    #    L = the longest number of model tokens: tool tokens carry no reward and are skipped by GAE
-    #    anyway, so packing each sequence's model tokens left is equivalent and keeps tensors small.
-    counts = [int(sum(s["loss_mask"][1:])) for s in seqs]
-    L = max(max(counts), 1)
-    mask = torch.zeros(B, L, device=device)
-    values = torch.zeros(B, L, device=device)
-    rewards = torch.zeros(B, L, device=device)
-    flat_old = torch.cat(old_logp)
-    flat_v = torch.cat(old_v)
-    flat_ref = torch.cat(ref_logp) if ref_logp else None
-    o = 0
-    for b, n in enumerate(counts):
-        mask[b, :n] = 1
-        values[b, :n] = flat_v[o:o + n]
-        if flat_ref is not None:
-            rewards[b, :n] -= cfg.kl_coef * (flat_old[o:o + n] - flat_ref[o:o + n])
-        if n:
-            rewards[b, n - 1] += float(seqs[b]["reward"])
-        o += n
-    adv, ret = gae(rewards, values, mask, cfg.gamma, cfg.lam)
-    adv = masked_whiten(adv, mask)
-    sel = mask > 0
-    flat_adv, flat_ret = adv[sel], ret[sel]  # (N,) in the same order as the flattened model tokens
+    cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, device=device)
+    flat_old, flat_ref, flat_v = cat(old_logp), cat(ref_logp), cat(old_v)  # (N,) each
+    flat_roll = torch.tensor([lp for sq in seqs for lp in rollout_logprobs(sq)], dtype=torch.float32, device=device)
+    # 2) advantages (actor) and returns (critic) over model tokens; advantages whitened over the global batch
+    raw_adv, flat_ret, act_all = targets(seqs, flat_v, flat_old - flat_ref if cfg.kl_coef > 0 else None, cfg, device)
+    flat_adv = masked_whiten(raw_adv, torch.ones_like(raw_adv))  # (N,) in the same order as flat_old
+    counts = act_all.sum(1).tolist()
     offsets = [0]
     for n in counts:
         offsets.append(offsets[-1] + n)
+    weight = tis_weight(flat_old, flat_roll, cfg.tis_cap)  # (N,)
+    # A batch whose episodes all got the same reward says nothing about which actions were better: with an
+    # imperfect critic its advantages are the critic's errors (e.g. all -1 and V = 0: after whitening the
+    # early tokens of a failure get positive advantages). The actor skips it; the critic still learns.
+    rs = gather([float(sq["reward"]) for sq, n in zip(seqs, counts) if n])  # harness failures carry no tokens
+    train_actor = len(rs) > 0 and max(rs) > min(rs)
+    n_all = all_sum(_t(float(len(flat_old)), device)).clamp(min=1)
+    st = {"ev": global_explained_variance(flat_v, flat_ret),  # the old values against the critic's targets
+          "v_mean": float(all_sum(flat_v.double().sum()) / n_all),
+          "ret_mean": float(all_sum(flat_ret.double().sum()) / n_all),
+          "adv_mean": float(all_sum(raw_adv.double().sum()) / n_all),
+          "adv_std": float((all_sum((raw_adv.double() ** 2).sum()) / n_all - (all_sum(raw_adv.double().sum()) / n_all) ** 2)
+                           .clamp(min=0).sqrt()),
+          "kl_ref": float(all_sum((flat_old - flat_ref).double().sum()) / n_all),  # k1 estimate of KL(pi || ref)
+          "tis_w": float(all_sum(weight.double().sum()) / n_all),
+          "pg_skipped": 0.0 if train_actor else 1.0,
+          "lr": opts["actor"][1].get_last_lr()[0],
+          **mismatch_stats(flat_old, flat_roll)}
     # 3) epochs x minibatches, each minibatch accumulated over micro-batches; token-mean losses
     stats = {"pg_loss": [], "vf_loss": [], "entropy": [], "clipfrac": [], "approx_kl": [], "grad_norm": []}
     a_params, c_params = adapter_params(pm, "actor"), adapter_params(pm, "critic")
-    order = list(range(B))
     for epoch in range(cfg.ppo_epochs):
-        random.Random(cfg.seed + epoch + B).shuffle(order)
-        for mb in range(n_mb):
-            idx = order[mb::n_mb]
-            n_tok = all_sum(torch.tensor(float(sum(counts[i] for i in idx)), device=device)).clamp(min=1)
-            acc = {k: torch.zeros((), device=device) for k in ("pg_loss", "vf_loss", "entropy", "clipfrac", "approx_kl")}
+        for idx in minibatches(B, cfg.minibatches, cfg.seed, step, epoch, device):
+            n_tok = all_sum(_t(float(sum(counts[i] for i in idx)), device)).clamp(min=1)
+            acc = {k: torch.zeros((), dtype=torch.float64, device=device)
+                   for k in ("pg_loss", "vf_loss", "entropy", "clipfrac", "approx_kl")}
             for j in range(0, len(idx), cfg.micro_batch):
                 part = idx[j:j + cfg.micro_batch]
                 ids, attn, act = collate([seqs[i] for i in part], device)
                 take = lambda flat: torch.cat([flat[offsets[i]:offsets[i + 1]] for i in part])
                 pm.set_adapter("actor")
-                logp, ent = action_logprobs(pm, ids, attn, act)
+                logp, ent = action_logprobs(pm, ids, attn, act, cfg.temperature)
                 old = take(flat_old)
-                pg, clipped = policy_loss(logp, old, take(flat_adv), cfg.eps_low, cfg.eps_high)
-                (pg.sum() / n_tok).backward()
+                pg, clipped = policy_loss(logp, old, take(flat_adv), cfg.eps_low, cfg.eps_high, take(weight))
+                if train_actor:
+                    (pg.sum() / n_tok).backward()
                 acc["pg_loss"] += pg.detach().sum() / n_tok
                 acc["entropy"] += ent.detach().sum() / n_tok
                 acc["clipfrac"] += clipped.sum() / n_tok
                 acc["approx_kl"] += (old - logp.detach()).sum() / n_tok
-                if train_critic:
-                    pm.set_adapter("critic")
-                    v = action_values(pm, head, ids, attn, act)
-                    vl = value_loss(v, take(flat_v), take(flat_ret), cfg.value_clip)
-                    (vl.sum() / n_tok).backward()
-                    acc["vf_loss"] += vl.detach().sum() / n_tok
-            stats["grad_norm"].append(optimizer_step(*opts["actor"], a_params, cfg.max_grad_norm))
-            if train_critic:
-                optimizer_step(*opts["critic"], c_params + list(head.parameters()), cfg.max_grad_norm)
+                pm.set_adapter("critic")
+                v = action_values(pm, head, ids, attn, act)
+                vl = value_loss(v, take(flat_v), take(flat_ret), cfg.value_clip)
+                (vl.sum() / n_tok).backward()
+                acc["vf_loss"] += vl.detach().sum() / n_tok
+            if train_actor:
+                stats["grad_norm"].append(optimizer_step(*opts["actor"], a_params, cfg.max_grad_norm))
+            optimizer_step(*opts["critic"], c_params + list(head.parameters()), cfg.max_grad_norm)
             for k, v in acc.items():
                 stats[k].append(float(all_sum(v)))
     pm.set_adapter("actor")
-    return {k: sum(v) / max(len(v), 1) for k, v in stats.items()}
+    return {**st, **{k: sum(v) / len(v) if v else None for k, v in stats.items()}}
 
 
 def sft_loss(pm, ids, attn, act):
     """Next-token negative log-likelihood summed over model tokens, and their count."""
     logp, _ = action_logprobs(pm, ids, attn, act)
     return -logp.sum(), logp.numel()
+
+
+def sft_epoch(pm, opt, data: list, cfg: Config, device, epoch: int) -> float | None:
+    """One RFT epoch over this rank's episodes: cfg.minibatches optimizer steps of next-token loss, each
+    the token mean over the whole global minibatch. Returns the mean loss (None without data anywhere)."""
+    import torch
+    a_params, losses = adapter_params(pm, "actor"), []
+    pm.set_adapter("actor")
+    for idx in minibatches(len(data), cfg.minibatches, cfg.seed, 0, epoch, device):
+        n_tok = all_sum(_t(float(sum(sum(data[i]["loss_mask"][1:]) for i in idx)), device))
+        if float(n_tok) == 0:
+            return None
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for j in range(0, len(idx), cfg.micro_batch):
+            ids, attn, act = collate([data[i] for i in idx[j:j + cfg.micro_batch]], device)
+            nll, _ = sft_loss(pm, ids, attn, act)
+            (nll / n_tok).backward()
+            total += nll.detach() / n_tok
+        optimizer_step(*opt, a_params, cfg.max_grad_norm)
+        losses.append(float(all_sum(total)))
+    return sum(losses) / len(losses) if losses else None
+
+
+def mc_returns(eps: list, gamma: float, device):
+    """Monte-Carlo returns (GAE with lambda = 1) at every model token, (N,): with the reward on the last
+    model token, gamma^(tokens left) * R; gamma = 1 gives R everywhere. No critic in the target, so the
+    targets are right from the first step (lambda = 0.95 targets from a zero critic give a token d tokens
+    before the end only R * 0.95^d: nothing for tokens thousands of tokens before the end)."""
+    import torch
+    out = []
+    for e in eps:
+        n = int(sum(e["loss_mask"][1:]))
+        k = torch.arange(n - 1, -1, -1, dtype=torch.float32, device=device)  # model tokens after this one
+        out.append(float(e["reward"]) * gamma ** k)
+    return torch.cat(out) if out else torch.zeros(0, device=device)
+
+
+def critic_epoch(pm, head, opt, data: list, cfg: Config, device, epoch: int) -> float | None:
+    """One pre-training epoch of the critic (its LoRA adapter and the value head): MSE to Monte-Carlo returns,
+    token mean over each global minibatch. Returns the mean loss."""
+    import torch
+    c_params, losses = adapter_params(pm, "critic") + list(head.parameters()), []
+    pm.set_adapter("critic")
+    for idx in minibatches(len(data), cfg.minibatches, cfg.seed, 1, epoch, device):
+        n_tok = all_sum(_t(float(sum(sum(data[i]["loss_mask"][1:]) for i in idx)), device))
+        if float(n_tok) == 0:
+            return None
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for j in range(0, len(idx), cfg.micro_batch):
+            part = [data[i] for i in idx[j:j + cfg.micro_batch]]
+            ids, attn, act = collate(part, device)
+            v = action_values(pm, head, ids, attn, act)
+            loss = 0.5 * ((v - mc_returns(part, cfg.gamma, device)) ** 2).sum() / n_tok
+            loss.backward()
+            total += loss.detach()
+        optimizer_step(*opt, c_params, cfg.max_grad_norm)
+        losses.append(float(all_sum(total)))
+    pm.set_adapter("actor")
+    return sum(losses) / len(losses) if losses else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -488,10 +702,10 @@ def gather(items: list) -> list:
 
 
 def shard(items: list, rank: int, world: int) -> list:
-    """An equal share for each rank (the remainder is dropped so every rank does the same number of
-    optimizer steps, which the gradient all-reduce needs)."""
-    n = len(items) // world
-    return items[rank * n:(rank + 1) * n]
+    """Rank r's share: items r, r + world, ... Nothing is dropped: shares may differ by one (or be empty when
+    there are fewer items than ranks); the updates count minibatches and tokens globally, so uneven shares
+    give the same gradient as one process holding every item."""
+    return items[rank::world]
 
 
 @dataclasses.dataclass
@@ -642,16 +856,29 @@ def cached(path: Path, make):
 
 
 def rollout_stats(eps: list) -> dict:
-    """Means over episodes: reward, compile/correct/faster rates, model tokens, turns."""
-    n = max(len(eps), 1)
-    v = [e.get("verdict") or {} for e in eps]
-    return {"reward": sum(e["reward"] for e in eps) / n,
+    """Means over episodes (harness failures excluded from the rates and counted apart): reward, compile /
+    correct / faster rates, geometric-mean speedup vs torch.compile of the correct kernels, model tokens, turns,
+    malformed-call rate (per tool call), end reasons (shares), harness failures."""
+    ok = [e for e in eps if not harness_failed(e)]
+    n = max(len(ok), 1)
+    v = [e.get("verdict") or {} for e in ok]
+    sp = [x["speedup_compile"] for x in v if x.get("correct") and (x.get("speedup_compile") or 0) > 0]
+    calls = sum(e.get("n_turns", 1) for e in ok)
+    ends = {}
+    for e in ok:
+        if e.get("end_reason"):
+            ends[f"end_{e['end_reason'].split(':')[0]}"] = ends.get(f"end_{e['end_reason'].split(':')[0]}", 0) + 1 / n
+    return {"reward": sum(e["reward"] for e in ok) / n,
             "compile": sum(bool(x.get("compiled")) for x in v) / n,
             "correct": sum(bool(x.get("correct")) for x in v) / n,
-            "faster": sum(e["reward"] >= 2 for e in eps) / n,  # > 5% faster than eager
-            "faster_c": sum(e["reward"] >= 3 for e in eps) / n,  # ... and than torch.compile
-            "resp": sum(sum(e["loss_mask"]) for e in eps) / n,
-            "turns": sum(e.get("n_turns", 1) for e in eps) / n,
+            "faster": sum(e["reward"] >= 2 for e in ok) / n,  # > 5% faster than eager
+            "faster_c": sum(e["reward"] >= 3 for e in ok) / n,  # ... and than torch.compile
+            "speedup": math.exp(sum(math.log(x) for x in sp) / len(sp)) if sp else None,
+            "resp": sum(sum(e["loss_mask"]) for e in ok) / n,
+            "turns": sum(e.get("n_turns", 1) for e in ok) / n,
+            "malformed": sum(e.get("malformed_calls", 0) for e in ok) / calls if calls else None,
+            **ends,
+            "harness_fail": len(eps) - len(ok),
             "n": len(eps)}
 
 
@@ -667,12 +894,22 @@ def log_step(ctx: Ctx, stage: str, step: int, total: int, row: dict, t_step: flo
     f = lambda k, spec: f"{row[k]:{spec}}" if row.get(k) is not None else "-"
     parts = [f"{stage} {step + 1}/{total}"]
     for key, label, spec in (("reward", "reward", "+.3f"), ("compile", "compile", ".2f"), ("correct", "correct", ".2f"),
-                             ("faster", "faster", ".2f"), ("faster_c", "faster_c", ".2f"), ("resp", "resp", ".0f"),
-                             ("turns", "turns", ".1f"), ("pg_loss", "pg", "+.4f"), ("vf_loss", "vf", ".4f"),
-                             ("loss", "loss", ".4f"), ("entropy", "ent", ".3f"), ("clipfrac", "clip", ".3f"),
-                             ("ev", "ev", "+.3f")):
+                             ("faster", "faster", ".2f"), ("faster_c", "faster_c", ".2f"), ("speedup", "speedup", ".2f"),
+                             ("resp", "resp", ".0f"), ("turns", "turns", ".1f"), ("malformed", "malformed", ".2f"),
+                             ("pg_loss", "pg", "+.4f"), ("vf_loss", "vf", ".4f"), ("loss", "loss", ".4f"),
+                             ("entropy", "ent", ".3f"), ("clipfrac", "clip", ".3f"), ("ev", "ev", "+.3f"),
+                             ("v_mean", "V", "+.3f"), ("adv_std", "adv_std", ".3f"), ("kl_ref", "kl_ref", "+.4f"),
+                             ("mm_mean", "dlogp", ".4f"), ("mm_p99", "dlogp_p99", ".3f"), ("mm_out", "ratio_out", ".3f"),
+                             ("tis_w", "tis_w", ".3f"), ("lr", "lr", ".1e")):
         if key in row:
             parts.append(f"{label} {f(key, spec)}")
+    ends = [f"{k[4:]} {row[k]:.2f}" for k in sorted(row) if k.startswith("end_")]
+    if ends:
+        parts.append("end " + " ".join(ends))
+    if row.get("pg_skipped"):
+        parts.append("actor skipped (equal rewards)")
+    if row.get("harness_fail"):
+        parts.append(f"harness failures {row['harness_fail']}")
     parts += [f"{t_step:.1f}s/step", f"ETA {fmt_time(eta)}"]
     ctx.say(" | ".join(parts))
     rec = {"stage": stage, "step": step + 1, "of": total, **row, "s_step": round(t_step, 3), "time": time.time()}
@@ -681,7 +918,7 @@ def log_step(ctx: Ctx, stage: str, step: int, total: int, row: dict, t_step: flo
     if ctx.tb is not None:
         gstep = STAGES.index(stage) * 100_000 + step + 1 if stage in STAGES else step + 1
         for k, v in row.items():
-            if isinstance(v, (int, float)) and v is not None:
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
                 ctx.tb.add_scalar(f"{stage}/{k}", v, gstep)
 
 
@@ -703,20 +940,26 @@ def single_turn_rollouts(ctx: Ctx, tasks: list) -> list:
     cfg, tok = ctx.cfg, ctx.policy.tokenizer
     ctx.pm.set_adapter("actor")
     prompts = [agent.single_turn_prompt(t, tok, ctx.backend) for t in tasks]
+    ctx.say(f"  generating {len(prompts)} answers of up to {cfg.max_new_tokens} tokens on each of {ctx.world} rank(s)")
     outs = ctx.policy.generate(prompts, cfg.max_new_tokens, temperature=cfg.temperature)
+    lps = getattr(ctx.policy, "last_logprobs", None) or [[None] * len(o) for o in outs]
 
     def score(i):
         files = agent.parse_single_turn(tok.decode(outs[i], skip_special_tokens=True))
         if not files:  # nothing to build: the verdict is known without spending a sandbox on it
             return env.Verdict(backend=ctx.backend, stage="scan", error="no files in the answer").to_dict()
-        return agent.score_files(files, tasks[i], ctx.backend).to_dict()
+        try:
+            return agent.score_files(files, tasks[i], ctx.backend).to_dict()
+        except Exception as e:  # noqa: BLE001  (the harness's failure, not the policy's: see harness_failed)
+            return env.Verdict(backend=ctx.backend, error=f"final evaluation failed: {type(e).__name__}: {e}").to_dict()
 
     with ThreadPoolExecutor(max(1, min(4, len(tasks)))) as pool:
         verdicts = list(tqdm(pool.map(score, range(len(tasks))), total=len(tasks), desc="score", unit="answer",
                              leave=False, disable=not ctx.main))
     return [{"task_id": t["task_id"], "tokens": list(p) + list(o), "loss_mask": [0] * len(p) + [1] * len(o),
-             "turns": [], "reward": v["reward"], "verdict": v, "n_turns": 1, "finished": True, "malformed_calls": 0}
-            for t, p, o, v in zip(tasks, prompts, outs, verdicts)]
+             "logprobs": [None] * len(p) + list(lp), "turns": [], "reward": v["reward"], "verdict": v, "n_turns": 1,
+             "finished": True, "malformed_calls": 0, "end_reason": "answer"}
+            for t, p, o, lp, v in zip(tasks, prompts, outs, lps, verdicts)]
 
 
 def agent_rollouts(ctx: Ctx, tasks: list, out_dir: Path) -> list:
@@ -728,10 +971,17 @@ def agent_rollouts(ctx: Ctx, tasks: list, out_dir: Path) -> list:
     return eps
 
 
+def trainable(eps: list) -> list:
+    """Episodes whose -1 was the harness's (harness_failed) keep their place in the batch with no model
+    tokens: nothing is trained on them, and they do not enter the advantage statistics."""
+    return [{**e, "loss_mask": [0] * len(e["loss_mask"])} if harness_failed(e) else e for e in eps]
+
+
 def fit_context(eps: list, max_context: int) -> list:
     """Sequences longer than max_context are cut (the reward stays on the last kept model token)."""
     return [e if len(e["tokens"]) <= max_context else
-            {**e, "tokens": e["tokens"][:max_context], "loss_mask": e["loss_mask"][:max_context]} for e in eps]
+            {**e, **{k: e[k][:max_context] for k in ("tokens", "loss_mask", "logprobs") if e.get(k) is not None}}
+            for e in eps]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -771,7 +1021,9 @@ def ppo_stage(ctx: Ctx, stage: str, n_steps: int, resume: bool):
             ctx.say(f"{stage} {step + 1}/{n_steps}: reusing {len(eps)} scored rollouts from {path.parent}")
         ctx.policy.release()  # the engine's KV cache holds keys/values of the weights about to change
         t_roll = time.time() - t0
-        upd = ppo_update(ctx.pm, ctx.head, opts, fit_context(eps, cfg.max_context), cfg, ctx.device)
+        ctx.say(f"{stage} {step + 1}/{n_steps}: update on {len(eps) * ctx.world} episodes "
+                f"({sum(sum(e['loss_mask']) for e in eps)} model tokens on this rank)")
+        upd = ppo_update(ctx.pm, ctx.head, opts, trainable(fit_context(eps, cfg.max_context)), cfg, ctx.device, step)
         row = {**rollout_stats(gather(eps)), **upd, "rollout_s": round(t_roll, 2), "generate_s": round(ctx.gen_s, 2),
                "env_s": round(t_roll - ctx.gen_s, 2), "update_s": round(time.time() - t0 - t_roll, 2), "reused": reused}
         rows.append(row)
@@ -820,32 +1072,16 @@ def stage_rft(ctx: Ctx, resume: bool):
     why = ", ".join(f"{k} x{v}" for k, v in sorted(dropped.items(), key=lambda kv: -kv[1])) or "none"
     ctx.say(f"rft: kept {len(kept)} of {len(episodes)} episodes" + (f" (+{len(demos)} demos)" if demos else "")
             + f" | dropped: {why}")
-    data = shard(kept + demos, ctx.rank, ctx.world)
+    data = fit_context(shard(kept + demos, ctx.rank, ctx.world), cfg.max_context)
     log_event(ctx, {"event": "rft_filter", "episodes": len(episodes), "kept": len(kept), "demos": len(demos), "dropped": dropped})
-    # 2) supervised epochs; a micro-batch's loss is its token sum over the minibatch's token count
+    # 2) supervised epochs (sft_epoch: token mean over each global minibatch)
     rows, t_begin = [], time.time()
-    a_params = adapter_params(ctx.pm, "actor")
-    data = fit_context(data, cfg.max_context)
+    if not kept + demos:
+        ctx.say("rft: nothing to imitate; the actor is kept as the warm-up left it")
     for epoch in range(start, cfg.rft_epochs):
         t0 = time.time()
-        if not data:
-            ctx.say("rft: nothing to imitate; the actor is kept as the warm-up left it")
-        order = list(range(len(data)))
-        random.Random(cfg.seed + epoch).shuffle(order)
-        losses, n_mb = [], max(1, min(cfg.minibatches, len(order))) if order else 0
-        ctx.pm.set_adapter("actor")
-        for mb in range(n_mb):
-            idx = order[mb::n_mb]
-            n_tok = all_sum(torch.tensor(float(sum(sum(data[i]["loss_mask"][1:]) for i in idx)), device=ctx.device)).clamp(min=1)
-            total = torch.zeros((), device=ctx.device)
-            for j in range(0, len(idx), cfg.micro_batch):
-                ids, attn, act = collate([data[i] for i in idx[j:j + cfg.micro_batch]], ctx.device)
-                nll, _ = sft_loss(ctx.pm, ids, attn, act)
-                (nll / n_tok).backward()
-                total += nll.detach() / n_tok
-            optimizer_step(*opts["actor"], a_params, cfg.max_grad_norm)
-            losses.append(float(all_sum(total)))
-        row = {"loss": sum(losses) / len(losses) if losses else None, "kept": len(kept), "n": len(episodes),
+        loss = sft_epoch(ctx.pm, opts["actor"], data, cfg, ctx.device, epoch)
+        row = {"loss": loss, "kept": len(kept), "n": len(episodes),
                **{k: v for k, v in rollout_stats(episodes).items() if k != "n"}}
         rows.append(row)
         log_step(ctx, "rft", epoch, cfg.rft_epochs, row, time.time() - t0,
@@ -874,78 +1110,72 @@ def load_demos(path) -> list:
 
 
 def stage_critic(ctx: Ctx, resume: bool):
-    """Value pre-training: a fresh critic adapter + value head regressed on GAE targets (gamma 1,
-    lambda 0.95) of the RFT episodes, targets recomputed with the current critic each epoch."""
+    """Value pre-training: a fresh critic adapter + value head regressed (MSE) on Monte-Carlo returns of ALL
+    the RFT episodes (mc_returns), one epoch after another until the explained variance on held-out episodes
+    (every 5th) has not improved for cfg.critic_patience epochs (at most cfg.critic_epochs); the best epoch's
+    critic is kept. Explained variance before the first epoch and of the kept critic are logged."""
     import torch
     cfg, sd = ctx.cfg, ctx.run_dir / "critic"
     opts = new_opts(ctx, ("critic",))
     if not (resume and latest(sd)):
         load_checkpoint(ctx, "rft", adapters=("actor",), head=False)
-        reset_critic(ctx)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed + 1)
+            reset_critic(ctx)
     start = begin_stage(ctx, "critic", opts, resume)
     if start is None:
         return
-    episodes = fit_context(rft_episodes(ctx.run_dir) + load_demos(cfg.demos), cfg.max_context)
+    episodes = fit_context([e for e in rft_episodes(ctx.run_dir) + load_demos(cfg.demos) if not harness_failed(e)],
+                           cfg.max_context)
     held = [e for i, e in enumerate(episodes) if i % 5 == 4] or episodes[-1:]
     train = [e for i, e in enumerate(episodes) if i % 5 != 4] or episodes
     mine, mine_held = shard(train, ctx.rank, ctx.world), shard(held, ctx.rank, ctx.world)
     c_params = adapter_params(ctx.pm, "critic") + list(ctx.head.parameters())
-    rows, t_begin = [], time.time()
+    state = torch.load(ctx.run_dir / "critic" / latest(sd)["ckpt"] / "state.pt", weights_only=False) if start else {}
+    ev0, mse0 = held_out_ev(ctx, mine_held)
+    ev_before = state.get("ev_before", ev0)
+    score = lambda ev, mse: ev if ev is not None else -mse  # constant held-out returns: nothing to explain, use MSE
+    best, since = state.get("best", score(ev0, mse0)), state.get("since", 0)
+    snapshot = [p.detach().clone() for p in c_params]
+    ctx.say(f"critic: {len(train)} training / {len(held)} held-out episodes | held-out explained variance before: "
+            + (f"{ev_before:+.3f}" if ev_before is not None else "- (constant returns)")
+            + f" | up to {cfg.critic_epochs} epochs, stops after {cfg.critic_patience} without improvement")
+    rows, t_begin, epoch = [], time.time(), start - 1
     for epoch in range(start, cfg.critic_epochs):
         t0 = time.time()
-        # targets with the current critic
-        targets = [critic_targets(ctx, mine[i:i + cfg.micro_batch]) for i in range(0, len(mine), cfg.micro_batch)]
-        ctx.pm.set_adapter("critic")
-        order = list(range(len(targets)))
-        random.Random(cfg.seed + epoch).shuffle(order)
-        losses = []
-        n_tok = all_sum(torch.tensor(float(sum(t[3].numel() for t in targets)), device=ctx.device)).clamp(min=1)
-        n_mb = max(1, min(cfg.minibatches, len(order)))
-        for mb in range(n_mb):
-            total = torch.zeros((), device=ctx.device)
-            for k in order[mb::n_mb]:
-                ids, attn, act, ret = targets[k]
-                v = action_values(ctx.pm, ctx.head, ids, attn, act)
-                loss = 0.5 * ((v - ret) ** 2).sum() / n_tok * n_mb
-                loss.backward()
-                total += loss.detach()
-            optimizer_step(*opts["critic"], c_params, cfg.max_grad_norm)
-            losses.append(float(all_sum(total)))
-        ev = held_out_ev(ctx, mine_held)
-        row = {"vf_loss": sum(losses) / len(losses) if losses else None, "ev": ev, "n": len(episodes)}
+        loss = critic_epoch(ctx.pm, ctx.head, opts["critic"], mine, cfg, ctx.device, epoch)
+        ev, mse = held_out_ev(ctx, mine_held)
+        if score(ev, mse) > best + 1e-4:
+            best, since = score(ev, mse), 0
+            snapshot = [p.detach().clone() for p in c_params]
+        else:
+            since += 1
+        stop = since >= cfg.critic_patience or epoch + 1 == cfg.critic_epochs
+        row = {"vf_loss": loss, "ev": ev, "held_mse": mse, "n": len(episodes), "lr": opts["critic"][1].get_last_lr()[0]}
         rows.append(row)
         log_step(ctx, "critic", epoch, cfg.critic_epochs, row, time.time() - t0,
                  (time.time() - t_begin) / (epoch + 1 - start) * (cfg.critic_epochs - epoch - 1))
-        save_checkpoint(ctx, "critic", epoch, opts, done=epoch + 1 == cfg.critic_epochs)
+        if stop:
+            with torch.no_grad():
+                for p, b in zip(c_params, snapshot):
+                    p.copy_(b)
+        save_checkpoint(ctx, "critic", epoch, opts, done=stop, extra={"ev_before": ev_before, "best": best, "since": since})
+        if stop:
+            break
+    if start >= cfg.critic_epochs:
+        save_checkpoint(ctx, "critic", 0, opts, done=True)
+    ev_after, _ = held_out_ev(ctx, mine_held)
+    fmt = lambda x: "- (constant returns)" if x is None else f"{x:+.3f}"
+    ctx.say(f"critic: held-out explained variance {fmt(ev_before)} before, {fmt(ev_after)} after "
+            f"{epoch + 1} epoch(s) (the best epoch is kept)")
     ctx.pm.set_adapter("actor")
-    log_event(ctx, {"event": "stage_end", "stage": "critic", "steps": len(rows),
-                    "ev": rows[-1]["ev"] if rows else None, "vf_loss": rows[-1]["vf_loss"] if rows else None})
-
-
-def critic_targets(ctx: Ctx, eps: list):
-    """(ids, attn, act, returns (N,)): GAE(gamma, lambda) returns over model tokens with the current critic."""
-    import torch
-    ids, attn, act = collate(eps, ctx.device)
-    with torch.no_grad():
-        ctx.pm.set_adapter("critic")
-        v = action_values(ctx.pm, ctx.head, ids, attn, act)
-    counts = [int(sum(e["loss_mask"][1:])) for e in eps]
-    L = max(max(counts), 1)
-    mask, values, rewards = (torch.zeros(len(eps), L, device=ctx.device) for _ in range(3))
-    o = 0
-    for b, n in enumerate(counts):
-        mask[b, :n] = 1
-        values[b, :n] = v[o:o + n]
-        if n:
-            rewards[b, n - 1] = float(eps[b]["reward"])
-        o += n
-    _, ret = gae(rewards, values, mask, ctx.cfg.gamma, ctx.cfg.lam)
-    return ids, attn, act, ret[mask > 0]
+    log_event(ctx, {"event": "stage_end", "stage": "critic", "steps": len(rows), "ev_before": ev_before, "ev": ev_after,
+                    "vf_loss": rows[-1]["vf_loss"] if rows else None})
 
 
 def held_out_ev(ctx: Ctx, eps: list):
-    """Explained variance of the critic's values against the episodes' returns (gamma = 1: the final
-    reward at every model token), over the held-out episodes of all ranks."""
+    """(explained variance, MSE) of the critic's values against the Monte-Carlo returns, over the held-out
+    episodes of all ranks."""
     import torch
     preds, targets = [], []
     ctx.pm.set_adapter("critic")
@@ -953,12 +1183,12 @@ def held_out_ev(ctx: Ctx, eps: list):
         for i in range(0, len(eps), ctx.cfg.micro_batch):
             part = eps[i:i + ctx.cfg.micro_batch]
             ids, attn, act = collate(part, ctx.device)
-            preds += action_values(ctx.pm, ctx.head, ids, attn, act).float().cpu().tolist()
-            targets += [float(e["reward"]) for e in part for _ in range(int(sum(e["loss_mask"][1:])))]
-    pairs = gather(list(zip(preds, targets)))
-    if not pairs:
-        return None
-    return explained_variance([p for p, _ in pairs], [t for _, t in pairs])
+            preds.append(action_values(ctx.pm, ctx.head, ids, attn, act).float())
+            targets.append(mc_returns(part, ctx.cfg.gamma, ctx.device))
+    p = torch.cat(preds) if preds else torch.zeros(0, device=ctx.device)
+    t = torch.cat(targets) if targets else torch.zeros(0, device=ctx.device)
+    s = all_sum(torch.stack([_t(float(p.numel()), ctx.device), ((p - t).double() ** 2).sum()]))
+    return global_explained_variance(p, t), float(s[1] / s[0].clamp(min=1))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -992,6 +1222,13 @@ def final_eval(ctx: Ctx) -> dict | None:
     return res
 
 
+def all_rewards_minus_one(run_dir: Path, ev: dict | None) -> bool:
+    """True when every logged training step and the final evaluation had mean reward -1."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()] if (run_dir / "metrics.jsonl").is_file() else []
+    rewards = [r["reward"] for r in rows if r.get("reward") is not None] + ([ev["reward"]] if ev else [])
+    return bool(rewards) and all(x == -1 for x in rewards)
+
+
 def summary_table(run_dir: Path, ev: dict | None) -> str:
     """Reward, pass and faster rates per stage (its last rollouts) and on the held-out split."""
     ends = {}
@@ -1010,7 +1247,8 @@ def summary_table(run_dir: Path, ev: dict | None) -> str:
         if r is None:
             continue
         note = (f"kept {r.get('kept')}/{r.get('episodes')} episodes" if s == "rft" else
-                f"held-out explained variance {num(r.get('ev'), '+.3f')}" if s == "critic" else "training rollouts")
+                f"held-out explained variance {num(r.get('ev_before'), '+.3f')} -> {num(r.get('ev'), '+.3f')}" if s == "critic"
+                else "training rollouts")
         lines.append(f"{s:<10} {r.get('steps', 0):>5} {num(r.get('reward'), '+7.3f')} {num(r.get('compile'), '7.2f')} "
                      f"{num(r.get('correct'), '7.2f')} {num(r.get('faster'), '7.2f')} {num(r.get('faster_c'), '8.2f')}  {note}")
     if ev:
@@ -1034,7 +1272,8 @@ def check_model(name: str | None):
     if name in (None, agent.DEFAULT_MODEL):
         agent.default_model_path()  # raises a UsageError when the embedded model is not installed
         return
-    p = Path(name)
+    p = Path(name).expanduser()
+    missing = f"unknown model {name!r}: no such model folder or hub id"
     if str(name).endswith(".gguf"):
         if not p.is_file():
             raise env.UsageError(f"unknown model {name!r}: no such GGUF file")
@@ -1043,21 +1282,26 @@ def check_model(name: str | None):
         if not (p / "config.json").is_file():
             raise env.UsageError(f"unknown model {name!r}: the folder has no config.json")
         return
+    if p.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1:  # a path, and not there (hub ids are org/name)
+        raise env.UsageError(missing)
     import socket
     from huggingface_hub import try_to_load_from_cache
-    if isinstance(try_to_load_from_cache(name, "config.json"), str):
-        return  # in the local Hugging Face cache
+    try:
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return  # in the local Hugging Face cache
+    except ValueError:  # huggingface_hub's HFValidationError: not even a well-formed hub id
+        raise env.UsageError(missing)
     try:
         socket.getaddrinfo("huggingface.co", 443)  # offline: say so now instead of after the hub's retries
     except OSError:
-        raise env.UsageError(f"unknown model {name!r}: not a local folder, a .gguf file, or in the Hugging Face cache "
-                             "(and the hub is unreachable)")
+        raise env.UsageError(f"{missing} (not a local folder, a .gguf file, or in the Hugging Face cache, "
+                             "and the hub is unreachable)")
     try:
         from transformers import AutoConfig
         AutoConfig.from_pretrained(name)
     except Exception as e:  # noqa: BLE001  (OSError, ValueError, HTTP errors: all mean "cannot use it")
-        raise env.UsageError(f"unknown model {name!r}: not a local folder, a .gguf file, or a model on the Hugging Face "
-                             f"hub ({type(e).__name__})")
+        raise env.UsageError(f"{missing} (not a local folder, a .gguf file, or a model on the Hugging Face hub: "
+                             f"{type(e).__name__})")
 
 
 def tiny_tokenizer():
@@ -1150,7 +1394,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description="staged agentic RL for CUDA kernels (warmup -> rft -> critic -> ppo)",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n")[1])
     p.add_argument("--stage", required=True, choices=[*STAGES, "all"])
-    p.add_argument("--preset", default="default", choices=list(PRESETS))
+    p.add_argument("--preset", choices=list(PRESETS), help="default: 'default' with a GPU, 'cpu' without one")
     p.add_argument("--model", help=f"base model: HF folder/hub id, .gguf file, or {TINY!r} (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dataset", help="synth.py output folder or hub id (default with --stage all: synthesise one)")
     p.add_argument("--backend", default="auto", help="kernel scoring: auto | cuda | cpu")
@@ -1163,7 +1407,17 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def gpu_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
 def make_config(a) -> Config:
+    if a.preset is None:
+        a.preset = "default" if gpu_available() else "cpu"
+        if a.preset == "cpu":  # the first line a user sees: the default preset would take hours on a CPU
+            print("train.py: no GPU found: running the CPU-sized preset 'cpu' (the embedded 135M model, 2 tasks per step, "
+                  "1 step per stage); pass --preset default (or tiny, paper) to choose another", flush=True)
     cfg = Config(preset=a.preset, **PRESETS[a.preset])
     for field, value in (("model", a.model), ("dataset", a.dataset), ("demos", a.demos)):
         if value is not None:
@@ -1261,6 +1515,8 @@ def run(cfg: Config, a, stages: list, src: str | None) -> int:
     if acc.is_main_process:
         write_json(run_dir / "config.json", dataclasses.asdict(cfg))
     import agent
+    if acc.is_main_process:
+        print(f"model: loading {cfg.model or agent.DEFAULT_MODEL} on {device}", flush=True)
     policy = build_policy(cfg, run_dir, device, acc.is_main_process)
     barrier()
     pm, head = add_adapters(policy.model, cfg, device)
@@ -1299,6 +1555,11 @@ def run(cfg: Config, a, stages: list, src: str | None) -> int:
     ev = final_eval(ctx) if a.stage == "all" else None
     if ctx.main:
         print(summary_table(run_dir, ev))
+        if all_rewards_minus_one(run_dir, ev):
+            print(f"note: every reward in this run was -1 (no kernel was both built and correct). That is expected for "
+                  f"{'a tiny random model' if cfg.model == TINY else 'the embedded 135M model'} at preset {cfg.preset!r}: "
+                  "this run shows that every stage works end to end, not that the model learns; a model that can write "
+                  "C++/CUDA (--model) on a GPU is where rewards appear")
         print(f"done in {fmt_time(time.time() - t_start)} | checkpoints: " +
               " ".join(str(run_dir / s / latest(run_dir / s)["ckpt"]) for s in stages if latest(run_dir / s)) +
               f" | metrics: {run_dir / 'metrics.jsonl'}")

@@ -105,7 +105,7 @@ def test_scripted_episode_reaches_reward_and_trajectory_is_token_exact(tok, tmp_
     assert ep["finished"] and ep["n_turns"] == 5 and ep["malformed_calls"] == 0
     assert [t["tool"] for t in ep["turns"]] == ["write_file", "write_file", "compile", "profile", "finish"]
     assert ep["turns"][2]["verdict"]["compiled"] and ep["turns"][3]["verdict"]["correct"]
-    assert ep["verdict"] == ep["turns"][3]["verdict"]  # unchanged workspace: the last profile is the final score
+    assert ep["verdict"]["correct"] and ep["verdict"]["reward"] >= 1  # the final score is a measurement of its own
     assert ep["turns"][0]["args"]["content"] == RELU_CPP
     # mask check: exactly the masked-in tokens are the model's outputs, in order
     assert len(ep["tokens"]) == len(ep["loss_mask"])
