@@ -74,12 +74,18 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import agent
 import env
+from reward import summarize
+from tasks import load_data
 
 ROOT = Path(__file__).resolve().parent
 STAGES = ("warmup", "rft", "critic", "ppo")
 PREDECESSOR = {"warmup": None, "rft": "warmup", "critic": "rft", "ppo": "critic"}
-REQUIRED_COLUMNS = ("code",)  # what training reads; ops / data_source are only reported
 
 
 # ----------------------------------------------------------------------------------------------
@@ -168,7 +174,6 @@ def gae(rewards, values, mask, gamma=1.0, lam=0.95):
     the recursion jumps straight from one model token to the next model token, carrying the value
     across the gap, and gets advantage 0 there. The value after the last model token is 0 (terminal).
     Returns (advantages, returns), both (B, T), zero where mask == 0."""
-    import torch
     B, T = rewards.shape
     adv = torch.zeros_like(rewards)
     next_value = torch.zeros(B, dtype=rewards.dtype, device=rewards.device)  # V of the next model token
@@ -190,7 +195,6 @@ def masked_mean(x, mask):
 
 def all_sum(t):
     """Sum a tensor over ranks (identity on one process)."""
-    import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(t)
     return t
@@ -198,7 +202,6 @@ def all_sum(t):
 
 def masked_whiten(x, mask):
     """(x - mean) / std over the masked entries of the whole global batch (all ranks)."""
-    import torch
     s = all_sum(torch.stack([(x * mask).sum(), (x * x * mask).sum(), mask.sum()]).double())
     mean = s[0] / s[2].clamp(min=1)
     var = (s[1] / s[2].clamp(min=1) - mean * mean).clamp(min=0)
@@ -209,7 +212,6 @@ def policy_loss(logp, old_logp, adv, eps_low=0.2, eps_high=0.28, weight=None):
     """Per-token PPO clipped surrogate with DAPO's asymmetric clip, times an optional per-token weight
     (the truncated importance weight, see tis_weight). All (N,) over model tokens.
     Returns (loss per token, clipped per token as float)."""
-    import torch
     ratio = torch.exp(logp - old_logp)
     loss_unclipped = -adv * ratio
     loss_clipped = -adv * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
@@ -223,7 +225,6 @@ def tis_weight(train_logp, rollout_logp, cap):
     training forward's log-probs: this weight corrects for the difference, truncated so that a rare token the
     engine over-sampled cannot blow up the update (Yao et al. 2025, "truncated importance sampling").
     Tokens without a recorded rollout log-prob (NaN) get weight 1; cap <= 0 turns the weight off."""
-    import torch
     if cap <= 0:
         return torch.ones_like(train_logp)
     w = torch.exp(train_logp.detach() - rollout_logp).clamp(max=cap)
@@ -232,14 +233,12 @@ def tis_weight(train_logp, rollout_logp, cap):
 
 def value_loss(v, old_v, returns, clip=0.5):
     """Per-token clipped value loss 0.5 * max((v - R)^2, (v_clipped - R)^2). All (N,)."""
-    import torch
     v_clipped = old_v + torch.clamp(v - old_v, -clip, clip)
     return 0.5 * torch.maximum((v - returns) ** 2, (v_clipped - returns) ** 2)
 
 
 def explained_variance(pred, target):
     """1 - Var(target - pred) / Var(target); None when the target is constant (nothing to explain)."""
-    import torch
     pred, target = torch.as_tensor(pred, dtype=torch.float64), torch.as_tensor(target, dtype=torch.float64)
     var = target.var(unbiased=False)
     if target.numel() < 2 or var < 1e-12:
@@ -249,7 +248,6 @@ def explained_variance(pred, target):
 
 def global_explained_variance(pred, target):
     """explained_variance over the tokens of all ranks, from five summed moments (no gather of tokens)."""
-    import torch
     p, t = pred.double().flatten(), target.double().flatten()
     d = t - p
     s = all_sum(torch.stack([torch.tensor(float(t.numel()), dtype=torch.float64, device=t.device),
@@ -266,7 +264,6 @@ def mismatch_stats(train_logp, rollout_logp) -> dict:
     """How far the rollout engine's log-probs are from the training forward's on the same tokens, over all
     ranks: mean and p99 of |delta log p| and the share of ratios pi_train / pi_rollout outside [0.8, 1.2]
     (None when no token carries a rollout log-prob, e.g. episodes from an API model)."""
-    import torch
     known = ~torch.isnan(rollout_logp)
     d = torch.tensor(gather((train_logp[known] - rollout_logp[known]).double().cpu().tolist()), dtype=torch.float64)
     if d.numel() == 0:
@@ -374,7 +371,6 @@ def step_tasks(n_tasks: int, step: int, per_rank: int, world: int, rank: int, se
 def add_adapters(model, cfg: Config, device):
     """Wrap the HF causal LM with peft: adapter "actor" (active) and "critic"; return (peft model, head)."""
     import peft
-    import torch
     lora = lambda: peft.LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
                                    target_modules="all-linear", task_type="CAUSAL_LM")
     with torch.random.fork_rng(devices=[]):  # LoRA A matrices follow --seed, without touching the caller's RNG
@@ -387,7 +383,6 @@ def add_adapters(model, cfg: Config, device):
     torch.nn.init.zeros_(head.weight)  # starts at V = 0: no made-up values before pre-training
     torch.nn.init.zeros_(head.bias)
     # every rank seeds the same way; broadcasting rank 0's adapters guards against any other difference
-    import torch.distributed as dist
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         with torch.no_grad():
             for p in [p for n, p in pm.named_parameters() if "lora_" in n] + list(head.parameters()):
@@ -409,7 +404,6 @@ def action_logprobs(pm, ids, attn, act, temperature=1.0):
     the rollouts sampled from (temperature <= 0, greedy: T = 1). act: (B, T) bool, True where token t was
     written by the model (t >= 1). Only those positions go through lm_head: prompts and tool output are
     usually most of the sequence and would cost (B, T, vocab) memory for nothing. Returns (N,), (N,)."""
-    import torch
     h = hidden_states(pm, ids, attn)[:, :-1]  # (B, T-1, H): the state before token t+1
     sel = act[:, 1:]  # (B, T-1)
     logits = pm.get_base_model().get_output_embeddings()(h[sel]).float()  # (N, V)
@@ -429,7 +423,6 @@ def action_values(pm, head, ids, attn, act):
 
 def collate(seqs, device):
     """Right-pad a list of {"tokens", "loss_mask"} into ids (B, T), attn (B, T), act (B, T) bool."""
-    import torch
     T = max(len(s["tokens"]) for s in seqs)
     ids = torch.zeros(len(seqs), T, dtype=torch.long)
     attn = torch.zeros(len(seqs), T, dtype=torch.long)
@@ -448,8 +441,6 @@ def sync_grads(params):
     is divided by the token count of the whole global minibatch (all_sum), so the sum over ranks is the
     single-process token mean; DDP's average would be 1/world of it. A rank with no tokens in a minibatch
     contributes zeros and still receives the others' gradient (the ranks' weights stay identical)."""
-    import torch
-    import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
@@ -462,14 +453,12 @@ def sync_grads(params):
 
 
 def make_optimizer(params, lr, warmup):
-    import torch
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (warmup + 1)))
     return opt, sched
 
 
 def optimizer_step(opt, sched, params, max_norm):
-    import torch
     sync_grads(params)
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     opt.step()
@@ -494,7 +483,6 @@ def minibatches(n_local: int, n_mb_wanted: int, seed: int, step: int, epoch: int
 
 
 def _t(x, device="cpu"):
-    import torch
     return torch.tensor(x, dtype=torch.float64, device=device)
 
 
@@ -511,7 +499,6 @@ def targets(seqs, flat_v, flat_kl, cfg: Config, device):
     critic's own errors; VC-PPO / VAPO's decoupled lambdas). flat_v: (N,) values of the model tokens in
     row-major order; flat_kl: (N,) log pi - log pi_ref, or None (no KL penalty).
     Returns (advantages (N,), returns (N,), act (B, T) bool)."""
-    import torch
     B, T = len(seqs), max([len(s["tokens"]) for s in seqs] + [2])
     act = torch.zeros(B, T, dtype=torch.bool, device=device)  # (B, T) model tokens (t >= 1)
     for b, sq in enumerate(seqs):
@@ -533,7 +520,6 @@ def ppo_update(pm, head, opts, seqs, cfg: Config, device, step: int = 0) -> dict
     """seqs: this rank's rollouts, {"tokens", "loss_mask", "reward", optional "logprobs"}. opts: {"actor":
     (opt, sched), "critic": (opt, sched)}. Rewards sit on the last model token; with cfg.kl_coef > 0 every
     model token also pays kl_coef * (log pi - log pi_ref). Returns mean losses and statistics."""
-    import torch
     B = len(seqs)
     # 1) no-grad pass over micro-batches: old log-probs (the training forward), reference log-probs (adapter
     #    off), old values. Flattened (N,) in row-major order of the model tokens of the whole batch.
@@ -621,7 +607,6 @@ def sft_loss(pm, ids, attn, act):
 def sft_epoch(pm, opt, data: list, cfg: Config, device, epoch: int) -> float | None:
     """One RFT epoch over this rank's episodes: cfg.minibatches optimizer steps of next-token loss, each
     the token mean over the whole global minibatch. Returns the mean loss (None without data anywhere)."""
-    import torch
     a_params, losses = adapter_params(pm, "actor"), []
     pm.set_adapter("actor")
     for idx in minibatches(len(data), cfg.minibatches, cfg.seed, 0, epoch, device):
@@ -644,7 +629,6 @@ def mc_returns(eps: list, gamma: float, device):
     model token, gamma^(tokens left) * R; gamma = 1 gives R everywhere. No critic in the target, so the
     targets are right from the first step (lambda = 0.95 targets from a zero critic give a token d tokens
     before the end only R * 0.95^d: nothing for tokens thousands of tokens before the end)."""
-    import torch
     out = []
     for e in eps:
         n = int(sum(e["loss_mask"][1:]))
@@ -656,7 +640,6 @@ def mc_returns(eps: list, gamma: float, device):
 def critic_epoch(pm, head, opt, data: list, cfg: Config, device, epoch: int) -> float | None:
     """One pre-training epoch of the critic (its LoRA adapter and the value head): MSE to Monte-Carlo returns,
     token mean over each global minibatch. Returns the mean loss."""
-    import torch
     c_params, losses = adapter_params(pm, "critic") + list(head.parameters()), []
     pm.set_adapter("critic")
     for idx in minibatches(len(data), cfg.minibatches, cfg.seed, 1, epoch, device):
@@ -681,13 +664,11 @@ def critic_epoch(pm, head, opt, data: list, cfg: Config, device, epoch: int) -> 
 # Distributed helpers (accelerate launches; plain `python train.py` is world size 1)
 # ----------------------------------------------------------------------------------------------
 def dist_on():
-    import torch.distributed as dist
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def barrier():
     if dist_on():
-        import torch.distributed as dist
         dist.barrier()
 
 
@@ -695,7 +676,6 @@ def gather(items: list) -> list:
     """Concatenate a list from every rank, in rank order (every rank gets the whole list)."""
     if not dist_on():
         return list(items)
-    import torch.distributed as dist
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, list(items))
     return [x for part in out for x in part]
@@ -732,7 +712,6 @@ class Ctx:
 
     def say(self, text):
         if self.main:
-            from tqdm import tqdm
             tqdm.write(text)
             sys.stdout.flush()
 
@@ -759,7 +738,6 @@ def stage_done(run_dir: Path, stage: str) -> bool:
 def save_checkpoint(ctx: Ctx, stage: str, step: int, opts: dict, done: bool, extra: dict | None = None):
     """ckpt-NNNNNN/{actor,critic}/ (PEFT adapters), value_head.pt, state.pt; then latest.json points at it.
     Rank 0 writes (the ranks' weights and optimiser states are identical: gradients are all-reduced)."""
-    import torch
     sd = ctx.run_dir / stage
     check_in_sync(ctx)
     if ctx.main:
@@ -784,7 +762,6 @@ def check_in_sync(ctx: Ctx):
     before rank 0's checkpoint silently stands for diverged ranks."""
     if not dist_on():
         return
-    import torch
     with torch.no_grad():
         s = float(sum(p.double().sum() for n, p in ctx.pm.named_parameters() if "lora_" in n)
                   + sum(p.double().sum() for p in ctx.head.parameters()))
@@ -796,7 +773,6 @@ def check_in_sync(ctx: Ctx):
 def load_checkpoint(ctx: Ctx, stage: str, adapters=("actor", "critic"), head=True, opts=None) -> dict:
     """Load adapters (and the value head, and optimiser/scheduler states) of a stage's latest checkpoint."""
     import peft
-    import torch
     info = latest(ctx.run_dir / stage)
     ck = ctx.run_dir / stage / info["ckpt"]
     for name in adapters:
@@ -814,7 +790,6 @@ def load_checkpoint(ctx: Ctx, stage: str, adapters=("actor", "critic"), head=Tru
 
 def reset_critic(ctx: Ctx):
     """A fresh critic: LoRA "critic" back to peft's initialisation (B = 0) and a zero value head."""
-    import torch
     for n, p in ctx.pm.named_parameters():
         if ".critic." in n and "lora_" in n:
             with torch.no_grad():
@@ -844,7 +819,6 @@ def begin_stage(ctx: Ctx, stage: str, opts: dict, resume: bool) -> int | None:
 def cached(path: Path, make):
     """Scored rollouts are saved before they are trained on; a resumed run reads them back instead of
     generating and scoring again (scoring kernels is the expensive part)."""
-    import agent
     if path.is_file():
         return agent.load_episodes(path), True
     eps = make()
@@ -934,9 +908,7 @@ def log_event(ctx: Ctx, rec: dict):
 def single_turn_rollouts(ctx: Ctx, tasks: list) -> list:
     """Warm-up rollouts: prompt = SKILL.md + task, one answer with fenced files, scored by env.py.
     Returned in the episode format of agent.py (prompt tokens mask 0, answer tokens mask 1)."""
-    import agent
     from concurrent.futures import ThreadPoolExecutor
-    from tqdm import tqdm
     cfg, tok = ctx.cfg, ctx.policy.tokenizer
     ctx.pm.set_adapter("actor")
     prompts = [agent.single_turn_prompt(t, tok, ctx.backend) for t in tasks]
@@ -963,7 +935,6 @@ def single_turn_rollouts(ctx: Ctx, tasks: list) -> list:
 
 
 def agent_rollouts(ctx: Ctx, tasks: list, out_dir: Path) -> list:
-    import agent
     ctx.pm.set_adapter("actor")
     eps = agent.run_episodes(ctx.policy, tasks, backend=ctx.backend, max_turns=ctx.cfg.max_turns,
                              max_context=ctx.cfg.max_context, out_dir=str(out_dir), max_new_tokens=ctx.cfg.max_new_tokens,
@@ -1010,7 +981,6 @@ def ppo_stage(ctx: Ctx, stage: str, n_steps: int, resume: bool):
     for step in range(start, n_steps):
         t0, ctx.gen_s = time.time(), 0.0
         tasks = [ctx.train[i] for i in step_tasks(len(ctx.train), step, cfg.tasks_per_step, ctx.world, ctx.rank, cfg.seed)]
-        import torch
         torch.manual_seed(cfg.seed * 7919 + step * 101 + ctx.rank)  # sampling: reproducible per (step, rank)
         path = ctx.run_dir / stage / "rollouts" / f"step-{step:06d}-rank{ctx.rank}.jsonl"
         if stage == "warmup":
@@ -1048,8 +1018,6 @@ def stage_end(ctx: Ctx, stage: str, rows: list, **extra):
 def stage_rft(ctx: Ctx, resume: bool):
     """Roll out the warmed-up actor's multi-turn episodes, keep the clean successful ones, and fine-tune the
     actor on them with next-token loss over model tokens only."""
-    import torch
-    from tqdm import tqdm
     cfg, sd = ctx.cfg, ctx.run_dir / "rft"
     opts = new_opts(ctx, ("actor",), actor_lr=cfg.rft_lr)
     if not (resume and latest(sd)):
@@ -1094,7 +1062,6 @@ def stage_rft(ctx: Ctx, resume: bool):
 
 def rft_episodes(run_dir: Path) -> list:
     """Every rank's RFT episodes, in a fixed order (so all ranks see the same list)."""
-    import agent
     eps = []
     for f in sorted((run_dir / "rft" / "rollouts").glob("chunk-*.jsonl")):
         eps += agent.load_episodes(f)
@@ -1103,7 +1070,6 @@ def rft_episodes(run_dir: Path) -> list:
 
 def load_demos(path) -> list:
     """Hand-written episodes (agent.save_episodes format) added to RFT's kept set (the overfit sanity)."""
-    import agent
     if not path:
         return []
     return [{**e, "reward": e.get("reward", 1)} for e in agent.load_episodes(path)]
@@ -1114,7 +1080,6 @@ def stage_critic(ctx: Ctx, resume: bool):
     the RFT episodes (mc_returns), one epoch after another until the explained variance on held-out episodes
     (every 5th) has not improved for cfg.critic_patience epochs (at most cfg.critic_epochs); the best epoch's
     critic is kept. Explained variance before the first epoch and of the kept critic are logged."""
-    import torch
     cfg, sd = ctx.cfg, ctx.run_dir / "critic"
     opts = new_opts(ctx, ("critic",))
     if not (resume and latest(sd)):
@@ -1176,7 +1141,6 @@ def stage_critic(ctx: Ctx, resume: bool):
 def held_out_ev(ctx: Ctx, eps: list):
     """(explained variance, MSE) of the critic's values against the Monte-Carlo returns, over the held-out
     episodes of all ranks."""
-    import torch
     preds, targets = [], []
     ctx.pm.set_adapter("critic")
     with torch.no_grad():
@@ -1196,8 +1160,7 @@ def held_out_ev(ctx: Ctx, eps: list):
 # ----------------------------------------------------------------------------------------------
 def final_eval(ctx: Ctx) -> dict | None:
     """Greedy agent episodes of the final actor on the held-out split, scored by env.py; metrics from
-    evaluate.summarize (the same definitions as evaluate.py). Cached per rank, so a resumed run does not redo it."""
-    import evaluate
+    reward.summarize (the same definitions as evaluate.py). Cached per rank, so a resumed run does not redo it."""
     tasks = ctx.test[:ctx.cfg.eval_tasks]
     if not tasks:
         ctx.say("eval: the dataset has no held-out tasks; skipped")
@@ -1206,16 +1169,14 @@ def final_eval(ctx: Ctx) -> dict | None:
     out = ctx.run_dir / "eval"
     path = out / f"rank{ctx.rank}.jsonl"
     if mine:
-        import agent
         ctx.pm.set_adapter("actor")
         cached(path, lambda: agent.run_episodes(ctx.policy, mine, backend=ctx.backend, max_turns=ctx.cfg.max_turns,
                                                 max_context=ctx.cfg.max_context, out_dir=str(out / f"agent-rank{ctx.rank}"),
                                                 max_new_tokens=ctx.cfg.max_new_tokens, temperature=0.0, progress=ctx.main))
     barrier()
-    import agent
     eps = [e for f in sorted(out.glob("rank*.jsonl")) for e in agent.load_episodes(f)]
     rows = [{"verdict": e.get("verdict") or {}, "n_turns": e.get("n_turns"), "n_tokens": len(e["tokens"])} for e in eps]
-    res = evaluate.summarize(rows)
+    res = summarize(rows)
     res["reward"] = sum(e["reward"] for e in eps) / max(len(eps), 1)
     res["compile"] = sum(bool((e.get("verdict") or {}).get("compiled")) for e in eps) / max(len(eps), 1)
     log_event(ctx, {"event": "eval", **res})
@@ -1266,7 +1227,6 @@ TINY = "tiny-random"
 
 def check_model(name: str | None):
     """Cheap existence check (config only, no weights), so a typo fails in a second, not after a load."""
-    import agent
     if name == TINY:
         return
     if name in (None, agent.DEFAULT_MODEL):
@@ -1307,7 +1267,6 @@ def check_model(name: str | None):
 def tiny_tokenizer():
     """The embedded model's tokenizer (and chat template), converted from GGUF once and cached (the GGUF
     conversion takes ~20 s, the cached copy ~2 s)."""
-    import agent
     from transformers import AutoTokenizer
     cache = env.CACHE_DIR / "tokenizer-smollm2-135m-instruct"
     if not (cache / "tokenizer.json").is_file():
@@ -1325,8 +1284,6 @@ def tiny_tokenizer():
 def build_policy(cfg: Config, run_dir: Path, device: str, main_rank: bool):
     """agent.HFPolicy around the base model. "tiny-random" is a 2-layer Llama with the embedded model's
     tokenizer, initialised from cfg.seed and saved to run_dir/base (so adapters have a base to load onto)."""
-    import agent
-    import torch
     if cfg.model != TINY:
         return agent.load_policy("hf", model=cfg.model, device=device, max_context=cfg.max_context)
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -1346,35 +1303,6 @@ def build_policy(cfg: Config, run_dir: Path, device: str, main_rank: bool):
             tok.save_pretrained(str(tmp))
             os.replace(tmp, base)
     return agent.HFPolicy(lm, tok, max_context=cfg.max_context)
-
-
-def load_split(src: str, split: str) -> list:
-    """Tasks of one split as evaluate.py's task dicts; a missing column is a one-line error."""
-    import synth
-    state = Path(src) / split / "state.json"
-    if state.is_file() and not json.loads(state.read_text()).get("_data_files"):
-        return []  # a saved split with no rows (datasets cannot even load those back)
-    ds = synth.load_tasks(src, split)
-    cols = list(ds.column_names) if hasattr(ds, "column_names") else sorted({k for r in ds for k in r})
-    missing = [c for c in REQUIRED_COLUMNS if c not in cols]
-    if missing:
-        raise env.UsageError(f"dataset {src} is missing column(s) {', '.join(missing)} in split {split!r} "
-                             f"(has: {', '.join(cols) or 'none'}; training needs: {', '.join(REQUIRED_COLUMNS)})")
-    return [{"task_id": f"{split}/{i:05d}", "level": str(r.get("data_source") or "synth"), "name": f"{i:05d}", "num": i,
-             "code": r["code"], "ops": r.get("ops")} for i, r in enumerate(ds)]
-
-
-def load_data(src: str, need_train: bool) -> tuple[list, list]:
-    train = load_split(src, "train")
-    try:
-        test = load_split(src, "test")
-    except env.UsageError as e:
-        if "no split" not in str(e):
-            raise
-        test = []
-    if need_train and not train:
-        raise env.UsageError(f"dataset {src} is empty: no tasks in its train split")
-    return train, test
 
 
 def synthesise(cfg: Config, run_dir: Path, backend: str):
@@ -1408,7 +1336,6 @@ def parse_args(argv=None):
 
 
 def gpu_available() -> bool:
-    import torch
     return torch.cuda.is_available()
 
 
@@ -1485,7 +1412,6 @@ def main(argv=None) -> int:
 
 
 def run(cfg: Config, a, stages: list, src: str | None) -> int:
-    import torch
     from accelerate import Accelerator
     t_start = time.time()
     cuda = torch.cuda.is_available()
@@ -1514,7 +1440,6 @@ def run(cfg: Config, a, stages: list, src: str | None) -> int:
     cfg.dataset = cfg.dataset or src
     if acc.is_main_process:
         write_json(run_dir / "config.json", dataclasses.asdict(cfg))
-    import agent
     if acc.is_main_process:
         print(f"model: loading {cfg.model or agent.DEFAULT_MODEL} on {device}", flush=True)
     policy = build_policy(cfg, run_dir, device, acc.is_main_process)
