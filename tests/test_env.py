@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import env
+import scan
 import sandbox
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -613,3 +614,62 @@ def test_compare_scales():
     assert env.compare(ref * 1.001, ref, 1e-2, 1e-2, "x") is None
     noise = torch.randn(1000) * 1e-8  # outputs that are float noise around zero: any noise of that size is fine
     assert env.compare(torch.randn(1000) * 1e-8, noise, 1e-2, 1e-2, "x") is None
+
+
+# ------------------------------------------------------------------ red team
+# Holes found by attacking the allow-list of model_new.py. Each source passed scan.check_python before the fix;
+# the first one was shown end to end: `exec` switched the dispatch monitor off and `(x * s).relu()` got reward 1.
+def red_team_source(header, methods, body):
+    return "\n".join(["import torch", "import torch.nn as nn", "import cuda_extension", header, "", "",
+                      "class ModelNew(nn.Module):", "    def __init__(self, dim):", "        super().__init__()",
+                      "        self.scale = nn.Parameter(torch.empty(dim))", "", *methods,
+                      "    def forward(self, x):", *[f"        {line}" for line in body.split("\n")], ""])
+
+
+EXEC_OFF_MONITOR = ("ns = {'x': x, 's': self.scale}\n"
+                    "exec('from torch.utils._python_dispatch import _disable_current_modes\\n'\n"
+                    "     'with _disable_current_modes():\\n    out = (x * s).relu()', ns)\n"
+                    "return ns['out']")
+RED_TEAM_PY = {
+    # a name bound in one scope (a method called `exec`, an argument called `getattr`) made the builtin of that
+    # name "defined" in every other scope
+    "builtin_shadowed_by_a_method": ("", ["    def exec(self):", "        pass", ""], EXEC_OFF_MONITOR),
+    "builtin_shadowed_by_an_argument": ("", ["    def helper(self, getattr):", "        pass", ""],
+                                        "return getattr(torch, 'sys').modules['builtins'].exec('pass')"),
+    "builtin_shadowed_in_a_comprehension": ("", [], "[open for open in range(1)]\nreturn open('/etc/hostname').read()"),
+    # generator and frame attributes have no underscore: f_builtins is the builtins dict
+    "generator_frame_builtins": ("", [], "b = (i for i in range(1)).gi_frame.f_builtins\nb['exec']('pass')\nreturn x"),
+    # `from M import X` names were not checked: torch.sys, torch.os
+    "from_torch_import_sys": ("from torch import sys", [], "sys.modules['builtins'].exec('pass')\nreturn x"),
+    "from_torch_import_underscore": ("from torch import _C", [], "return x"),
+    # attribute chains from allowed modules other than `torch` were not checked
+    "functional_importlib": ("", [], "nn.functional.importlib.import_module('os').system('true')\nreturn x"),
+    "typing_sys": ("import typing", [], "typing.sys.modules['builtins'].exec('pass')\nreturn x"),
+    "typing_get_type_hints_evals": ("import typing", ["    def helper(self, a: \"exec('pass')\"):", "        pass", ""],
+                                    "typing.get_type_hints(self.helper)\nreturn x"),
+    "nn_parallel_threads": ("", [], "return nn.parallel.parallel_apply([self], [(x,)])[0]"),
+    "module_alias_then_chain": ("", [], "m = nn.functional\nreturn m.importlib.import_module('os')"),
+    "torch_nn_chain": ("", [], "return torch.nn.modules.module.inspect.currentframe()"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RED_TEAM_PY))
+def test_red_team_python_allow_list(name):
+    header, methods, body = RED_TEAM_PY[name]
+    assert scan.check_python(red_team_source(header, methods, body)), name
+
+
+def test_red_team_honest_python_still_allowed():
+    src = red_team_source("import typing\nimport torch.nn.functional as F\nfrom torch import nn as tnn",
+                          ["    def helper(self, input: typing.Optional[torch.Tensor] = None) -> typing.List[int]:",
+                           "        return [d for d in range(2)]", ""],
+                          "y = torch.empty_like(x, dtype=torch.float32)\nn = sum(s for s in x.shape)\n"
+                          "s = torch.cuda.is_available()\nreturn cuda_extension.relu_scale(x, self.scale)")
+    assert scan.check_python(src) == []
+
+
+def test_red_team_exec_switching_the_monitor_off_is_refused(tmp_path):
+    """End to end: before the fix this was reward 1, correct, with (x * s).relu() computed by PyTorch."""
+    src = red_team_source("", ["    def exec(self):", "        pass", ""], EXEC_OFF_MONITOR)
+    v = env.evaluate(make_ws(tmp_path, "relu", src), backend="cpu", stage="verify")
+    assert v.reward == -1 and any("exec" in x for x in v.violations), v.summary()
