@@ -281,7 +281,7 @@ class Build:
 
 
 _TOOLCHAIN: dict = {}
-SCAN_VERSION = "2"  # part of every object's cache key: an object built under an older scan is never reused
+SCAN_VERSION = "3"  # part of every object's cache key: an object built under an older scan is never reused
 
 
 def toolchain(backend: str) -> dict:
@@ -563,15 +563,18 @@ ALLOWED_OPS = frozenset({  # aten ops that allocate, view or describe; everythin
     "zero_", "view", "_unsafe_view", "_reshape_alias", "as_strided", "t", "transpose", "permute", "unsqueeze",
     "squeeze", "expand", "slice", "select", "split", "split_with_sizes", "unbind", "chunk", "narrow", "alias",
     "detach", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size", "stride", "dim", "is_contiguous",
-    "resize_", "_local_scalar_dense", "lift_fresh", "view_as_real", "view_as_complex", "record_stream",
+    "resize_", "lift_fresh", "view_as_real", "view_as_complex", "record_stream",
     "is_same_size", "equal_size", "fill_", "full", "full_like", "ones", "ones_like", "new_full", "new_ones",
 })
+# Not allowed: _local_scalar_dense (.item(), float(t)): a value read into Python can be computed on there and written
+# back with fill_, element by element.
 # While the candidate's module loads and ModelNew is built: also random initialisation and copies (parameters
 # are created, then overwritten by load_state_dict and moved to the device).
 INIT_OPS = ALLOWED_OPS | {"normal_", "uniform_", "randn", "rand", "randint", "random_", "bernoulli_", "copy_", "_to_copy",
                           "arange", "kaiming_uniform_", "lift_fresh_copy", "clone", "_has_compatible_shallow_copy_type",
                           "set_", "bernoulli", "exponential_", "geometric_", "log_normal_", "cauchy_",
-                          "mul_", "add_", "clamp_", "erfinv_"}  # (in place: what nn.init.trunc_normal_ does)
+                          "mul_", "add_", "clamp_", "erfinv_",  # (in place: what nn.init.trunc_normal_ does)
+                          "_local_scalar_dense"}
 
 
 # Trusted in-process timing (synth.py's filter, evaluate.py's reference table); verdicts use the pipe clock.

@@ -89,11 +89,17 @@ def check_python(source: str) -> list[str]:
         elif bound in aliases:
             bad(node, f"the name {bound} is an imported module's; choose another name")
     _check_module_attributes(tree, aliases, bad)
-    for node in tree.body:  # the top level: docstring, imports, constants, classes
+    for node in ast.walk(tree):  # every class, nested ones too (a class in forward was not checked)
         if isinstance(node, ast.ClassDef):
             bases = [ast.unparse(b) for b in node.bases]
             if node.keywords or node.decorator_list or not bases or any(b not in ("nn.Module", "torch.nn.Module") for b in bases):
                 bad(node, f"class {node.name} must derive from nn.Module only (no decorators, metaclasses or other bases)")
+        elif isinstance(node, ast.FunctionDef) and node.name.startswith("__") and node.name != "__init__":
+            bad(node, f"the method {node.name} is not allowed (__del__, __getattr__, __torch_function__... run "
+                      "where nothing watches them)")
+    for node in tree.body:  # the top level: docstring, imports, constants, classes
+        if isinstance(node, ast.ClassDef):
+            pass
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [("." * node.level) + (node.module or "")]
             for m in mods:
@@ -211,6 +217,8 @@ BANNED_TOKENS = {
     "fcntl", "socket", "connect", "sendfile", "splice", "pipe", "pipe2", "getenv", "secure_getenv", "setenv", "putenv",
     "environ", "__environ", "ifstream", "ofstream", "fstream", "filebuf", "unlink", "rename", "mkdir", "rmdir", "chdir",
     "chmod", "chown", "symlink", "link", "truncate", "ftruncate", "memfd_create", "shm_open", "filesystem", "tmpfile",
+    "dprintf", "vdprintf", "mkstemp", "mkostemp", "mkstemps", "mkostemps", "mkdtemp", "tmpnam", "tempnam",
+    "posix_openpt", "renameat", "renameat2", "unsetenv", "clearenv",  # (<cstdio>/<cstdlib> under _GNU_SOURCE)
     # Python from C++, the dispatcher's thread-local state
     "import", "exec", "eval", "globals", "builtins", "attr", "getattr", "setattr", "hasattr", "delattr",
     "reinterpret_borrow", "reinterpret_steal", "ExcludeDispatchKeyGuard", "IncludeDispatchKeyGuard",
@@ -218,6 +226,11 @@ BANNED_TOKENS = {
     "AutoDispatchBelowADInplaceOrView", "AutoDispatchSkipFunctionalize", "DispatchKeySet", "DispatchKey",
     "TorchDispatchModeTLS", "PythonTLSSnapshot", "ThreadLocalState", "ThreadLocalStateGuard", "tls_local_dispatch_key_set",
     "tls_set_dispatch_key_excluded", "tls_set_dispatch_key_included", "_force_tls_local_dispatch_key_set",
+    "ForceDispatchKeyGuard", "LocalDispatchKeySet", "PODLocalDispatchKeySet", "DisablePythonDispatcher",
+    "PythonDispatcherTLS", "RestorePythonTLSSnapshot", "MaybeSetTLSOnEntryGuard",
+    # symbol renaming: a declaration under another name that links to a closed door (`#pragma redefine_extname
+    # my_open open`, `__attribute__((weakref("open")))`: the real name is a string or a pragma)
+    "redefine_extname", "weakref", "__weakref__", "alias", "__alias__", "ifunc", "__ifunc__", "symver", "__symver__",
 }
 BANNED_TOKEN_RE = re.compile(r"^(_?Py[A-Z]?\w*_\w+|pthread_\w+|__NR_\w+|_Py\w+|THP\w+)$")  # C API, threads, syscalls
 # Calls torch::X / at::X that allocate or describe tensors; anything else computes.
@@ -246,7 +259,7 @@ def split_preprocessed(text: str, is_user) -> tuple[list[str], list[tuple[str, s
                 includes.append((current, path))
             current = path
             continue
-        if current is not None and is_user(current) and not line.startswith("#pragma"):
+        if current is not None and is_user(current):  # #pragma lines too: `#pragma redefine_extname` renames symbols
             user_lines.append(line)
     tokens = []
     for m in TOKEN_RE.finditer("\n".join(user_lines)):

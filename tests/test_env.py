@@ -649,6 +649,10 @@ RED_TEAM_PY = {
                                     "typing.get_type_hints(self.helper)\nreturn x"),
     "nn_parallel_threads": ("", [], "return nn.parallel.parallel_apply([self], [(x,)])[0]"),
     "module_alias_then_chain": ("", [], "m = nn.functional\nreturn m.importlib.import_module('os')"),
+    # classes inside a method were not checked (bases, metaclass), nor dunder method names anywhere: __del__ runs
+    # whenever the garbage collector gets to it, outside the monitor and the clock
+    "nested_tensor_subclass": ("", [], "class Lazy(torch.Tensor):\n    pass\nreturn Lazy(x)"),
+    "dunder_del_method": ("", ["    def __del__(self):", "        pass", ""], "return x"),
     "torch_nn_chain": ("", [], "return torch.nn.modules.module.inspect.currentframe()"),
 }
 
@@ -673,3 +677,38 @@ def test_red_team_exec_switching_the_monitor_off_is_refused(tmp_path):
     src = red_team_source("", ["    def exec(self):", "        pass", ""], EXEC_OFF_MONITOR)
     v = env.evaluate(make_ws(tmp_path, "relu", src), backend="cpu", stage="verify")
     assert v.reward == -1 and any("exec" in x for x in v.violations), v.summary()
+
+
+def test_red_team_python_arithmetic_on_item_values(tmp_path):
+    """.item() read each value into Python, Python added them, fill_ wrote the sum back: only allowed ops ran
+    (select, _local_scalar_dense, fill_), and the verdict was reward 1 for an answer no kernel computed."""
+    src = "\n".join(["import torch", "import torch.nn as nn", "import cuda_extension", "", "",
+                     "class ModelNew(nn.Module):", "    def __init__(self):", "        super().__init__()", "",
+                     "    def forward(self, a, b):", "        out = torch.empty_like(a)",
+                     "        for i in range(a.shape[0]):", "            out[i].fill_(a[i].item() + b[i].item())",
+                     "        return out", ""])
+    v = env.evaluate(make_ws(tmp_path, "add", src), backend="cpu", stage="verify")
+    assert v.reward == -1 and "aten._local_scalar_dense" in " ".join(v.violations), v.summary()
+
+
+RED_TEAM_CPP = {
+    # a libc function declared under another name: the real name is in a pragma (dropped before the scan) or a string
+    "pragma_redefine_extname": "#pragma redefine_extname my_open open\nextern \"C\" int my_open(const char*, int, ...);\n"
+                               "int f() { return my_open(\"/etc/passwd\", 0); }",
+    "pragma_operator_redefine_extname": "_Pragma(\"redefine_extname my_sys system\")\nextern \"C\" int my_sys(const char*);\n"
+                                        "int f() { return my_sys(\"id\"); }",
+    "weakref_attribute": "static int my_open(const char*, int, ...) __attribute__((weakref(\"open\")));\n"
+                         "int f() { return my_open(\"/etc/passwd\", 0); }",
+    # fd-level I/O that <cstdio>/<cstdlib> declare under _GNU_SOURCE: write to any fd (the reply pipe), make files
+    "dprintf_to_a_pipe": "#include <cstdio>\nint f() { return dprintf(4, \"forged\"); }",
+    "mkstemp_then_dprintf": "#include <cstdlib>\nint f() { char p[] = \"xXXXXXX\"; return mkstemp(p); }",
+    # the dispatch key state, by a guard not on the list: hides Tensor methods from the monitor
+    "force_dispatch_key_guard": "namespace c10 { namespace impl { struct ForceDispatchKeyGuard { ForceDispatchKeyGuard(int, int) {} }; } }\n"
+                                "void f() { c10::impl::ForceDispatchKeyGuard g(0, 0); }",
+}
+
+
+@pytest.mark.parametrize("name", sorted(RED_TEAM_CPP))
+def test_red_team_scan_symbol_renaming_and_dispatch_state(name):
+    b = env.build({"kernels/x.cpp": RED_TEAM_CPP[name] + "\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}\n"}, "cpu")
+    assert not b.ok and b.violations and b.rebuilt == [], b.log
