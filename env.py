@@ -922,6 +922,9 @@ def evaluate(workspace, backend: str = "auto", reference: str | None = None, cfg
     if not (ws / "model_new.py").is_file():
         v.error = "model_new.py is missing"
         return done()
+    if (ws / "model_new.py").is_symlink() or (ws / "model.py").is_symlink():  # (its target would be read, and quoted)
+        v.error = "model_new.py and model.py must be files in the workspace, not symbolic links"
+        return done()
     try:
         files, notes = collect(ws, backend)
     except (ValueError, UnicodeDecodeError) as e:

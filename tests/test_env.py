@@ -712,3 +712,33 @@ RED_TEAM_CPP = {
 def test_red_team_scan_symbol_renaming_and_dispatch_state(name):
     b = env.build({"kernels/x.cpp": RED_TEAM_CPP[name] + "\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}\n"}, "cpu")
     assert not b.ok and b.violations and b.rebuilt == [], b.log
+
+
+# The agent's bash tool and the files the trusted parent reads or writes after it.
+def test_red_team_bash_symlinked_reference_is_not_written_through(tmp_path):
+    """bash replaced model.py by a link to a host file; restoring the reference wrote the task's code INTO that host
+    file, as the parent's user (root). The link must be removed instead."""
+    import agent
+    victim = tmp_path / "host" / "victim.txt"
+    victim.parent.mkdir()
+    victim.write_text("HOST FILE\n")
+    ws = env.new_workspace(tmp_path / "ws", RELU, "cpu")
+    for tool, args in (("bash", {"command": f"ln -sf {victim} model.py"}), ("compile", {})):
+        agent.run_tool(tool, args, ws, RELU, "cpu", agent.AgentConfig())
+        assert victim.read_text() == "HOST FILE\n"
+        assert not (ws / "model.py").is_symlink() and (ws / "model.py").read_text() == RELU
+        if tool == "bash":
+            (ws / "model.py").unlink()
+            (ws / "model.py").symlink_to(victim)  # (as bash leaves it for the next tool)
+
+
+def test_red_team_symlinked_model_new_is_not_read(tmp_path):
+    """A model_new.py that links to a host file: the scan quoted the file's words in the verdict."""
+    secret = tmp_path / "host" / "notes.txt"
+    secret.parent.mkdir()
+    secret.write_text("HostSecretWord\n")
+    ws = make_ws(tmp_path, "relu", "x")
+    (ws / "model_new.py").unlink()
+    (ws / "model_new.py").symlink_to(secret)
+    v = env.evaluate(ws, backend="cpu", reference=RELU)
+    assert v.reward == -1 and "HostSecretWord" not in v.summary() and "symbolic link" in (v.error or ""), v.summary()
