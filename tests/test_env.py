@@ -742,3 +742,27 @@ def test_red_team_symlinked_model_new_is_not_read(tmp_path):
     (ws / "model_new.py").symlink_to(secret)
     v = env.evaluate(ws, backend="cpu", reference=RELU)
     assert v.reward == -1 and "HostSecretWord" not in v.summary() and "symbolic link" in (v.error or ""), v.summary()
+
+
+@pytest.mark.xfail(strict=True, reason="timed_runs goes on past the distinct input sets (up to 200 runs while under "
+                   "min_timed_s), cycling through n_timed=20 sets: a kernel that keys a cache on a few input elements "
+                   "computes 20 times (up to ~12 ms each, far slower than eager) and serves >= 90% of the runs from the "
+                   "cache, so the median is a cache hit and the reward 3. Fix: never time more runs than distinct sets "
+                   "(stop at len(seeds), or have the reference prepare up to 200 sets within input_budget_mb); the "
+                   "docstring's 'content-keyed cache' limitation is not only for large inputs")
+def test_red_team_fast_runs_never_repeat_an_input_set(monkeypatch):
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(env, "_clock", lambda: next(ticks) * 1e-6)  # a fast kernel: 1 us per clock reading
+    loads = []
+
+    class Recorder:
+        def ask(self, obj):
+            if obj["op"] == "load":
+                loads.append(obj["seed"])
+            return {}, []
+
+    seeds = list(range(100, 120))
+    times = env.timed_runs(Recorder(), seeds, env.Config())
+    timed_loads = loads[1:]  # (the first load is the warm-up's)
+    assert len(times) > len(seeds), "precondition: a fast kernel gets more runs than n_timed"
+    assert len(timed_loads) == len(set(timed_loads)), f"{len(timed_loads)} timed runs over {len(set(timed_loads))} input sets"
