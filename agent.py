@@ -135,8 +135,13 @@ def workspace_key(ws: Path) -> str:
     for d in (ws, ws / "kernels"):
         if d.is_dir():
             for f in sorted(d.iterdir()):
-                if f.is_file() and (f.suffix in env.SOURCE_EXT | env.HEADER_EXT or f.name == "model_new.py"):
-                    h.update(str(f.relative_to(ws)).encode() + b"\0" + f.read_bytes() + b"\0")
+                # Never through a link (bash can point one at /proc/kcore or a host file) and never a huge file
+                # (evaluate refuses both anyway): this runs in the trainer, unsandboxed.
+                if f.is_symlink() or not f.is_file() or not (f.suffix in env.SOURCE_EXT | env.HEADER_EXT or f.name == "model_new.py"):
+                    continue
+                size = f.stat().st_size
+                data = f.read_bytes() if size <= 1 << 20 else f"{size} {f.stat().st_mtime_ns}".encode()
+                h.update(str(f.relative_to(ws)).encode() + b"\0" + data + b"\0")
     return h.hexdigest()
 
 

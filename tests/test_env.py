@@ -766,3 +766,16 @@ def test_red_team_fast_runs_never_repeat_an_input_set(monkeypatch):
     timed_loads = loads[1:]  # (the first load is the warm-up's)
     assert len(times) > len(seeds), "precondition: a fast kernel gets more runs than n_timed"
     assert len(timed_loads) == len(set(timed_loads)), f"{len(timed_loads)} timed runs over {len(set(timed_loads))} input sets"
+
+
+def test_red_team_workspace_key_reads_no_link(tmp_path):
+    """agent.workspace_key (in the trainer, unsandboxed) read every source through links that bash can make:
+    a link to /proc/kcore or to a huge host file hangs the trainer; a link to a host file reads it as root."""
+    import agent
+    ws = env.new_workspace(tmp_path / "ws", RELU, "cpu")
+    host = tmp_path / "host.txt"
+    host.write_text("one")
+    (ws / "kernels" / "x.cpp").symlink_to(host)
+    key = agent.workspace_key(ws)
+    host.write_text("two")
+    assert agent.workspace_key(ws) == key
