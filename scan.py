@@ -145,6 +145,10 @@ def _resolve(obj, attr: str, bad, node):
     if isinstance(obj, types.ModuleType) and obj.__name__ == "typing" and attr not in TYPING_ATTRS:
         bad(node, f"typing.{attr} is not allowed (typing is for annotations: {', '.join(sorted(TYPING_ATTRS))})")
         return _MISSING
+    name = obj.__name__ if isinstance(obj, types.ModuleType) else None
+    if (name == "torch" and attr not in TORCH_ATTRS) or (name == "torch.cuda" and attr not in TORCH_CUDA_ATTRS):
+        bad(node, f"{name}.{attr} is not allowed in model_new.py (reached through another module too)")
+        return _MISSING
     value = getattr(obj, attr, _MISSING)
     if isinstance(value, types.ModuleType) and value.__name__ not in ATTRIBUTE_MODULES | ALLOWED_IMPORTS:
         bad(node, f"{attr} is the module {value.__name__}, which model_new.py may not reach")

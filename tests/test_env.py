@@ -653,6 +653,9 @@ RED_TEAM_PY = {
     # whenever the garbage collector gets to it, outside the monitor and the clock
     "nested_tensor_subclass": ("", [], "class Lazy(torch.Tensor):\n    pass\nreturn Lazy(x)"),
     "dunder_del_method": ("", ["    def __del__(self):", "        pass", ""], "return x"),
+    # torch's own allow-list held only for the name `torch`, not for torch reached through nn.functional.torch
+    "torch_through_functional": ("", [], "nn.functional.torch.ops.load_library('/tmp/x.so')\nreturn x"),
+    "torch_cuda_through_init": ("", [], "return nn.init.torch.cuda.set_sync_debug_mode(0)"),
     "torch_nn_chain": ("", [], "return torch.nn.modules.module.inspect.currentframe()"),
 }
 
