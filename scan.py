@@ -236,6 +236,7 @@ BANNED_TOKENS = {
     # my_open open`, `__attribute__((weakref("open")))`: the real name is a string or a pragma)
     "redefine_extname", "weakref", "__weakref__", "alias", "__alias__", "ifunc", "__ifunc__", "symver", "__symver__",
 }
+LIBC_ALIAS_RE = re.compile(r"^_+(libc_)?")
 BANNED_TOKEN_RE = re.compile(r"^(_?Py[A-Z]?\w*_\w+|pthread_\w+|__NR_\w+|_Py\w+|THP\w+)$")  # C API, threads, syscalls
 # Calls torch::X / at::X that allocate or describe tensors; anything else computes.
 CPP_ALLOWED_TORCH = {"empty", "empty_like", "empty_strided", "zeros", "zeros_like", "ones", "ones_like", "full",
@@ -302,7 +303,8 @@ def check_tokens(path: str, tokens: list[str]) -> list[str]:
     """Violations among the user tokens of one source (the PYBIND11_MODULE expansion already removed)."""
     out = []
     for i, t in enumerate(tokens):
-        if t in BANNED_TOKENS or BANNED_TOKEN_RE.match(t):
+        # (glibc exports its doors under other names too: __open, __read, __write, __fork, __libc_system)
+        if t in BANNED_TOKENS or BANNED_TOKEN_RE.match(t) or (t[0] == "_" and LIBC_ALIAS_RE.sub("", t) in BANNED_TOKENS):
             out.append(f"{path}: `{t}` is not allowed in kernel sources (processes, threads, signals, files, the "
                        "environment, dynamic loading, inline assembly in host code, Python from C++ and dispatcher "
                        "state are closed doors; rename a variable that only shares the name)")

@@ -705,6 +705,10 @@ RED_TEAM_CPP = {
     # fd-level I/O that <cstdio>/<cstdlib> declare under _GNU_SOURCE: write to any fd (the reply pipe), make files
     "dprintf_to_a_pipe": "#include <cstdio>\nint f() { return dprintf(4, \"forged\"); }",
     "mkstemp_then_dprintf": "#include <cstdlib>\nint f() { char p[] = \"xXXXXXX\"; return mkstemp(p); }",
+    # glibc's exported aliases of the doors
+    "libc_alias_open_write": "extern \"C\" int __open(const char*, int, ...); extern \"C\" long __write(int, const void*, unsigned long);\n"
+                             "int f() { return __write(__open(\"/etc/passwd\", 0), \"x\", 1); }",
+    "libc_alias_system": "extern \"C\" int __libc_system(const char*);\nint f() { return __libc_system(\"id\"); }",
     # the dispatch key state, by a guard not on the list: hides Tensor methods from the monitor
     "force_dispatch_key_guard": "namespace c10 { namespace impl { struct ForceDispatchKeyGuard { ForceDispatchKeyGuard(int, int) {} }; } }\n"
                                 "void f() { c10::impl::ForceDispatchKeyGuard g(0, 0); }",
