@@ -230,6 +230,7 @@ BANNED_TOKENS = {
     "AutoDispatchBelowADInplaceOrView", "AutoDispatchSkipFunctionalize", "DispatchKeySet", "DispatchKey",
     "TorchDispatchModeTLS", "PythonTLSSnapshot", "ThreadLocalState", "ThreadLocalStateGuard", "tls_local_dispatch_key_set",
     "tls_set_dispatch_key_excluded", "tls_set_dispatch_key_included", "_force_tls_local_dispatch_key_set",
+    "ThreadPool", "TaskThreadPool", "TaskThreadPoolBase", "PTThreadPool", "intraop_launch", "launch_no_thread_state",
     "ForceDispatchKeyGuard", "LocalDispatchKeySet", "PODLocalDispatchKeySet", "DisablePythonDispatcher",
     "PythonDispatcherTLS", "RestorePythonTLSSnapshot", "MaybeSetTLSOnEntryGuard",
     # symbol renaming: a declaration under another name that links to a closed door (`#pragma redefine_extname
@@ -308,6 +309,8 @@ def check_tokens(path: str, tokens: list[str]) -> list[str]:
             out.append(f"{path}: `{t}` is not allowed in kernel sources (processes, threads, signals, files, the "
                        "environment, dynamic loading, inline assembly in host code, Python from C++ and dispatcher "
                        "state are closed doors; rename a variable that only shares the name)")
+        elif t == "namespace" and i + 1 < len(tokens) and tokens[i + 1] in ROOT_NAMESPACES:  # inside, at::X is just X
+            out.append(f"{path}: `namespace {tokens[i + 1]}` is not allowed; qualify the names you use")
         elif t == "namespace" and i + 2 < len(tokens) and tokens[i + 2] == "=":
             out.append(f"{path}: namespace aliases are not allowed (`namespace {tokens[i + 1]} = ...`)")
         elif t == "using" and i + 2 < len(tokens) and tokens[i + 1] == "namespace" and tokens[i + 2] in ROOT_NAMESPACES:

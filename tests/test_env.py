@@ -705,6 +705,9 @@ RED_TEAM_CPP = {
     # fd-level I/O that <cstdio>/<cstdlib> declare under _GNU_SOURCE: write to any fd (the reply pipe), make files
     "dprintf_to_a_pipe": "#include <cstdio>\nint f() { return dprintf(4, \"forged\"); }",
     "mkstemp_then_dprintf": "#include <cstdlib>\nint f() { char p[] = \"xXXXXXX\"; return mkstemp(p); }",
+    # inside a re-opened `namespace at`, at::launch (a thread the monitor cannot see) is plain `launch`
+    "reopened_namespace_at": "namespace at { void launch(int); }\nnamespace at { void g() { launch(0); } }",
+    "c10_thread_pool": "namespace c10x { struct ThreadPool { ThreadPool(int) {} }; }\nvoid f() { c10x::ThreadPool p(2); }",
     # glibc's exported aliases of the doors
     "libc_alias_open_write": "extern \"C\" int __open(const char*, int, ...); extern \"C\" long __write(int, const void*, unsigned long);\n"
                              "int f() { return __write(__open(\"/etc/passwd\", 0), \"x\", 1); }",
