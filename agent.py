@@ -117,14 +117,33 @@ def confine(ws: Path, path) -> Path:
     return p
 
 
+def restore_reference(ws: Path, task_code: str) -> bool:
+    """Puts the task back as ws/model.py if it is not there as a plain file; True if it was changed. A model.py that
+    the bash tool replaced by a symbolic link is removed, never written through (that wrote a host file as root)."""
+    p = ws / "model.py"
+    if not p.is_symlink() and p.is_file() and p.read_text(errors="replace") == task_code:
+        return False
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    else:
+        p.unlink(missing_ok=True)
+    p.write_text(task_code)
+    return True
+
+
 def workspace_key(ws: Path) -> str:
     """Content hash of what env.evaluate scores (model_new.py and sources), to reuse a verdict."""
     h = hashlib.sha256()
     for d in (ws, ws / "kernels"):
         if d.is_dir():
             for f in sorted(d.iterdir()):
-                if f.is_file() and (f.suffix in env.SOURCE_EXT | env.HEADER_EXT or f.name == "model_new.py"):
-                    h.update(str(f.relative_to(ws)).encode() + b"\0" + f.read_bytes() + b"\0")
+                # Never through a link (bash can point one at /proc/kcore or a host file) and never a huge file
+                # (evaluate refuses both anyway): this runs in the trainer, unsandboxed.
+                if f.is_symlink() or not f.is_file() or not (f.suffix in env.SOURCE_EXT | env.HEADER_EXT or f.name == "model_new.py"):
+                    continue
+                size = f.stat().st_size
+                data = f.read_bytes() if size <= 1 << 20 else f"{size} {f.stat().st_mtime_ns}".encode()
+                h.update(str(f.relative_to(ws)).encode() + b"\0" + data + b"\0")
     return h.hexdigest()
 
 
@@ -137,8 +156,7 @@ def run_tool(name: str, args: dict, ws: Path, task_code: str, backend: str, cfg:
             r = env.run_sandboxed(["/bin/bash", "-c", args["command"]], ws, cfg.bash_timeout, mem_gb=8.0,
                                   output_limit=cfg.obs_chars, kind=env.resolve_backend(backend))
             out = (r.stdout + (("\n[stderr]\n" + r.stderr) if r.stderr.strip() else "")).strip()
-            if (ws / "model.py").read_text() != task_code:  # bash can write anything in the workspace
-                (ws / "model.py").write_text(task_code)
+            if restore_reference(ws, task_code):  # bash can write anything in the workspace
                 out += "\n[model.py is read-only: your change was reverted]"
             if r.timed_out:
                 return f"error: command timed out after {cfg.bash_timeout:.0f}s and was killed\n{out}", None, False
@@ -175,8 +193,7 @@ def run_tool(name: str, args: dict, ws: Path, task_code: str, backend: str, cfg:
             p.write_text(text.replace(old, new, 1))
             return f"edited {p.relative_to(ws)}", None, True
         if name in ("compile", "verify", "profile"):
-            if (ws / "model.py").read_text() != task_code:
-                (ws / "model.py").write_text(task_code)
+            restore_reference(ws, task_code)
             v = env.evaluate(ws, backend, reference=task_code, stage=name, timeout=cfg.eval_timeout)
             if name == "compile" and v.compiled:
                 obs = f"compiled OK ({v.seconds:.1f}s)" + "".join(f"\nhint: {h}" for h in v.hints)

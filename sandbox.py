@@ -284,7 +284,7 @@ def run_sandboxed(argv: list[str], cwd: str | Path, timeout: float, *, writable=
             resource.setrlimit(resource.RLIMIT_AS, (mem_limit, mem_limit))
         if cpu_s:
             resource.setrlimit(resource.RLIMIT_CPU, (int(cpu_s), int(cpu_s) + 5))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 30, 4 << 30))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 30, 1 << 30))  # stdout/stderr land in files on the host's /tmp
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         if os.geteuid() != 0:
             resource.setrlimit(resource.RLIMIT_NPROC, (max_tasks * 4, max_tasks * 4))

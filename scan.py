@@ -21,7 +21,10 @@ token pasting, digraphs, line continuations and computed includes are already re
 from __future__ import annotations
 
 import ast
+import builtins
+import importlib
 import re
+import types
 
 # ---------------------------------------------------------------------------------------------- Python
 ALLOWED_IMPORTS = {"torch", "torch.nn", "torch.nn.functional", "math", "typing", "cuda_extension", "__future__"}
@@ -44,6 +47,15 @@ ALLOWED_NODES = (
     ast.ListComp, ast.GeneratorExp, ast.comprehension, ast.JoinedStr, ast.FormattedValue, ast.Load, ast.Store, ast.Del,
     ast.operator, ast.unaryop, ast.boolop, ast.cmpop, ast.expr_context,
 )
+# Modules whose attributes model_new.py may name (looked up here, at scan time: `nn.functional.importlib`,
+# `typing.sys` or `nn.parallel` reach other modules, threads or eval); typing only for annotations.
+ATTRIBUTE_MODULES = {"torch", "torch.nn", "torch.nn.functional", "torch.nn.init", "torch.cuda", "math"}
+TYPING_ATTRS = {"Any", "List", "Tuple", "Dict", "Optional", "Union", "Sequence", "Callable", "Iterable", "Iterator",
+                "Mapping", "Set", "FrozenSet", "Type", "Literal", "Final", "ClassVar", "TYPE_CHECKING"}
+# A builtin outside the allow-list may not be bound either: `def exec(self)` in one method would otherwise make
+# the builtin `exec` an "own definition" in every other. (`input` is a common argument name, and harmless.)
+UNBINDABLE = set(dir(builtins)) - ALLOWED_BUILTINS - {"input"}
+FRAME_ATTR_RE = re.compile(r"^(gi|cr|ag|f|tb|co)_")  # generator/frame/traceback/code internals: f_builtins, gi_frame
 BANNED_METHODS = {"numpy", "tolist", "as_subclass", "untyped_storage", "storage", "set_", "register_forward_hook",
                   "register_forward_pre_hook", "register_full_backward_hook", "apply_", "map_", "share_memory_"}
 
@@ -68,11 +80,26 @@ def check_python(source: str) -> list[str]:
             defined.add(node.id)
     torch_names = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
                    if a.name == "torch"} | {"torch"}
-    for node in tree.body:  # the top level: docstring, imports, constants, classes
+    aliases = _module_aliases(tree, bad)  # name -> the object an import binds it to
+    for node in ast.walk(tree):
+        bound = node.name if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else node.arg if isinstance(node, ast.arg) \
+            else node.id if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)) else None
+        if bound in UNBINDABLE:
+            bad(node, f"the name {bound} is a builtin that model_new.py may not use; choose another name")
+        elif bound in aliases:
+            bad(node, f"the name {bound} is an imported module's; choose another name")
+    _check_module_attributes(tree, aliases, bad)
+    for node in ast.walk(tree):  # every class, nested ones too (a class in forward was not checked)
         if isinstance(node, ast.ClassDef):
             bases = [ast.unparse(b) for b in node.bases]
             if node.keywords or node.decorator_list or not bases or any(b not in ("nn.Module", "torch.nn.Module") for b in bases):
                 bad(node, f"class {node.name} must derive from nn.Module only (no decorators, metaclasses or other bases)")
+        elif isinstance(node, ast.FunctionDef) and node.name.startswith("__") and node.name != "__init__":
+            bad(node, f"the method {node.name} is not allowed (__del__, __getattr__, __torch_function__... run "
+                      "where nothing watches them)")
+    for node in tree.body:  # the top level: docstring, imports, constants, classes
+        if isinstance(node, ast.ClassDef):
+            pass
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [("." * node.level) + (node.module or "")]
             for m in mods:
@@ -98,7 +125,7 @@ def check_python(source: str) -> list[str]:
                 continue  # super().__init__(...) is the one dunder a module needs
             if node.attr.startswith("_"):
                 bad(node, f".{node.attr} is not allowed (no attribute that starts with an underscore)")
-            elif node.attr in BANNED_METHODS:
+            elif node.attr in BANNED_METHODS or FRAME_ATTR_RE.match(node.attr):
                 bad(node, f".{node.attr} is not allowed")
             elif isinstance(node.value, ast.Name) and node.value.id in torch_names and node.attr not in TORCH_ATTRS:
                 bad(node, f"torch.{node.attr} is not allowed in model_new.py (allowed: allocation, dtypes, torch.nn); "
@@ -108,6 +135,64 @@ def check_python(source: str) -> list[str]:
         elif isinstance(node, ast.Constant) and isinstance(node.value, bytes):
             bad(node, "bytes literals are not allowed")
     return list(dict.fromkeys(out))
+
+
+_MISSING = object()
+
+
+def _resolve(obj, attr: str, bad, node):
+    """obj.attr for a trusted module object, or _MISSING with a violation when the step leaves the allow-list."""
+    if isinstance(obj, types.ModuleType) and obj.__name__ == "typing" and attr not in TYPING_ATTRS:
+        bad(node, f"typing.{attr} is not allowed (typing is for annotations: {', '.join(sorted(TYPING_ATTRS))})")
+        return _MISSING
+    name = obj.__name__ if isinstance(obj, types.ModuleType) else None
+    if (name == "torch" and attr not in TORCH_ATTRS) or (name == "torch.cuda" and attr not in TORCH_CUDA_ATTRS):
+        bad(node, f"{name}.{attr} is not allowed in model_new.py (reached through another module too)")
+        return _MISSING
+    value = getattr(obj, attr, _MISSING)
+    if isinstance(value, types.ModuleType) and value.__name__ not in ATTRIBUTE_MODULES | ALLOWED_IMPORTS:
+        bad(node, f"{attr} is the module {value.__name__}, which model_new.py may not reach")
+        return _MISSING
+    return value
+
+
+def _module_aliases(tree, bad) -> dict:
+    """{name: module} for every name an import binds to a module, resolved by importing the (allowed, trusted) module
+    now; `from M import X` must name an allowed X."""
+    aliases = {}
+    trusted = ALLOWED_IMPORTS - {"cuda_extension", "__future__"}
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in trusted:
+                    name = a.asname or a.name.split(".")[0]
+                    aliases[name] = importlib.import_module(a.name if a.asname else name)
+        elif isinstance(node, ast.ImportFrom) and node.module in trusted and not node.level:
+            mod = importlib.import_module(node.module)
+            for a in node.names:
+                if a.name == "*" or a.name.startswith("_") or (node.module == "torch" and a.name not in TORCH_ATTRS):
+                    bad(node, f"from {node.module} import {a.name} is not allowed")
+                    continue
+                value = _resolve(mod, a.name, bad, node)
+                if value is not _MISSING:
+                    aliases[a.asname or a.name] = value
+    return {k: v for k, v in aliases.items() if isinstance(v, types.ModuleType)}
+
+
+def _check_module_attributes(tree, aliases: dict, bad):
+    """Every attribute chain that starts at an imported module is looked up now: it may not step into another module
+    (importlib, sys, the threads of nn.parallel), and a module may only be used to name its attributes (no
+    `m = nn.functional`, through which an unchecked chain could continue)."""
+    parent = {c: n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Name) and node.id in aliases and isinstance(node.ctx, ast.Load)):
+            continue
+        obj, cur = aliases[node.id], node
+        while isinstance(parent.get(cur), ast.Attribute) and parent[cur].value is cur and obj is not _MISSING:
+            cur = parent[cur]
+            obj = _resolve(obj, cur.attr, bad, cur)
+        if isinstance(obj, types.ModuleType) and not (isinstance(parent.get(cur), ast.Attribute) and parent[cur].value is cur):
+            bad(cur, "a module may only be used to name its attributes (not assigned, passed or returned)")
 
 
 # ---------------------------------------------------------------------------------------------- C++ / CUDA
@@ -136,6 +221,8 @@ BANNED_TOKENS = {
     "fcntl", "socket", "connect", "sendfile", "splice", "pipe", "pipe2", "getenv", "secure_getenv", "setenv", "putenv",
     "environ", "__environ", "ifstream", "ofstream", "fstream", "filebuf", "unlink", "rename", "mkdir", "rmdir", "chdir",
     "chmod", "chown", "symlink", "link", "truncate", "ftruncate", "memfd_create", "shm_open", "filesystem", "tmpfile",
+    "dprintf", "vdprintf", "mkstemp", "mkostemp", "mkstemps", "mkostemps", "mkdtemp", "tmpnam", "tempnam",
+    "posix_openpt", "renameat", "renameat2", "unsetenv", "clearenv",  # (<cstdio>/<cstdlib> under _GNU_SOURCE)
     # Python from C++, the dispatcher's thread-local state
     "import", "exec", "eval", "globals", "builtins", "attr", "getattr", "setattr", "hasattr", "delattr",
     "reinterpret_borrow", "reinterpret_steal", "ExcludeDispatchKeyGuard", "IncludeDispatchKeyGuard",
@@ -143,7 +230,14 @@ BANNED_TOKENS = {
     "AutoDispatchBelowADInplaceOrView", "AutoDispatchSkipFunctionalize", "DispatchKeySet", "DispatchKey",
     "TorchDispatchModeTLS", "PythonTLSSnapshot", "ThreadLocalState", "ThreadLocalStateGuard", "tls_local_dispatch_key_set",
     "tls_set_dispatch_key_excluded", "tls_set_dispatch_key_included", "_force_tls_local_dispatch_key_set",
+    "ThreadPool", "TaskThreadPool", "TaskThreadPoolBase", "PTThreadPool", "intraop_launch", "launch_no_thread_state",
+    "ForceDispatchKeyGuard", "LocalDispatchKeySet", "PODLocalDispatchKeySet", "DisablePythonDispatcher",
+    "PythonDispatcherTLS", "RestorePythonTLSSnapshot", "MaybeSetTLSOnEntryGuard",
+    # symbol renaming: a declaration under another name that links to a closed door (`#pragma redefine_extname
+    # my_open open`, `__attribute__((weakref("open")))`: the real name is a string or a pragma)
+    "redefine_extname", "weakref", "__weakref__", "alias", "__alias__", "ifunc", "__ifunc__", "symver", "__symver__",
 }
+LIBC_ALIAS_RE = re.compile(r"^_+(libc_)?")
 BANNED_TOKEN_RE = re.compile(r"^(_?Py[A-Z]?\w*_\w+|pthread_\w+|__NR_\w+|_Py\w+|THP\w+)$")  # C API, threads, syscalls
 # Calls torch::X / at::X that allocate or describe tensors; anything else computes.
 CPP_ALLOWED_TORCH = {"empty", "empty_like", "empty_strided", "zeros", "zeros_like", "ones", "ones_like", "full",
@@ -171,7 +265,7 @@ def split_preprocessed(text: str, is_user) -> tuple[list[str], list[tuple[str, s
                 includes.append((current, path))
             current = path
             continue
-        if current is not None and is_user(current) and not line.startswith("#pragma"):
+        if current is not None and is_user(current):  # #pragma lines too: `#pragma redefine_extname` renames symbols
             user_lines.append(line)
     tokens = []
     for m in TOKEN_RE.finditer("\n".join(user_lines)):
@@ -210,10 +304,13 @@ def check_tokens(path: str, tokens: list[str]) -> list[str]:
     """Violations among the user tokens of one source (the PYBIND11_MODULE expansion already removed)."""
     out = []
     for i, t in enumerate(tokens):
-        if t in BANNED_TOKENS or BANNED_TOKEN_RE.match(t):
+        # (glibc exports its doors under other names too: __open, __read, __write, __fork, __libc_system)
+        if t in BANNED_TOKENS or BANNED_TOKEN_RE.match(t) or (t[0] == "_" and LIBC_ALIAS_RE.sub("", t) in BANNED_TOKENS):
             out.append(f"{path}: `{t}` is not allowed in kernel sources (processes, threads, signals, files, the "
                        "environment, dynamic loading, inline assembly in host code, Python from C++ and dispatcher "
                        "state are closed doors; rename a variable that only shares the name)")
+        elif t == "namespace" and i + 1 < len(tokens) and tokens[i + 1] in ROOT_NAMESPACES:  # inside, at::X is just X
+            out.append(f"{path}: `namespace {tokens[i + 1]}` is not allowed; qualify the names you use")
         elif t == "namespace" and i + 2 < len(tokens) and tokens[i + 2] == "=":
             out.append(f"{path}: namespace aliases are not allowed (`namespace {tokens[i + 1]} = ...`)")
         elif t == "using" and i + 2 < len(tokens) and tokens[i + 1] == "namespace" and tokens[i + 2] in ROOT_NAMESPACES:

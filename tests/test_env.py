@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import env
+import scan
 import sandbox
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -635,3 +636,174 @@ def test_replies_cannot_exhaust_the_parent():
         nested = {"seq": [nested]}
     with pytest.raises(ValueError):
         env.unpack(nested, [])
+
+
+# ------------------------------------------------------------------ red team
+# Holes found by attacking the allow-list of model_new.py. Each source passed scan.check_python before the fix;
+# the first one was shown end to end: `exec` switched the dispatch monitor off and `(x * s).relu()` got reward 1.
+def red_team_source(header, methods, body):
+    return "\n".join(["import torch", "import torch.nn as nn", "import cuda_extension", header, "", "",
+                      "class ModelNew(nn.Module):", "    def __init__(self, dim):", "        super().__init__()",
+                      "        self.scale = nn.Parameter(torch.empty(dim))", "", *methods,
+                      "    def forward(self, x):", *[f"        {line}" for line in body.split("\n")], ""])
+
+
+EXEC_OFF_MONITOR = ("ns = {'x': x, 's': self.scale}\n"
+                    "exec('from torch.utils._python_dispatch import _disable_current_modes\\n'\n"
+                    "     'with _disable_current_modes():\\n    out = (x * s).relu()', ns)\n"
+                    "return ns['out']")
+RED_TEAM_PY = {
+    # a name bound in one scope (a method called `exec`, an argument called `getattr`) made the builtin of that
+    # name "defined" in every other scope
+    "builtin_shadowed_by_a_method": ("", ["    def exec(self):", "        pass", ""], EXEC_OFF_MONITOR),
+    "builtin_shadowed_by_an_argument": ("", ["    def helper(self, getattr):", "        pass", ""],
+                                        "return getattr(torch, 'sys').modules['builtins'].exec('pass')"),
+    "builtin_shadowed_in_a_comprehension": ("", [], "[open for open in range(1)]\nreturn open('/etc/hostname').read()"),
+    # generator and frame attributes have no underscore: f_builtins is the builtins dict
+    "generator_frame_builtins": ("", [], "b = (i for i in range(1)).gi_frame.f_builtins\nb['exec']('pass')\nreturn x"),
+    # `from M import X` names were not checked: torch.sys, torch.os
+    "from_torch_import_sys": ("from torch import sys", [], "sys.modules['builtins'].exec('pass')\nreturn x"),
+    "from_torch_import_underscore": ("from torch import _C", [], "return x"),
+    # attribute chains from allowed modules other than `torch` were not checked
+    "functional_importlib": ("", [], "nn.functional.importlib.import_module('os').system('true')\nreturn x"),
+    "typing_sys": ("import typing", [], "typing.sys.modules['builtins'].exec('pass')\nreturn x"),
+    "typing_get_type_hints_evals": ("import typing", ["    def helper(self, a: \"exec('pass')\"):", "        pass", ""],
+                                    "typing.get_type_hints(self.helper)\nreturn x"),
+    "nn_parallel_threads": ("", [], "return nn.parallel.parallel_apply([self], [(x,)])[0]"),
+    "module_alias_then_chain": ("", [], "m = nn.functional\nreturn m.importlib.import_module('os')"),
+    # classes inside a method were not checked (bases, metaclass), nor dunder method names anywhere: __del__ runs
+    # whenever the garbage collector gets to it, outside the monitor and the clock
+    "nested_tensor_subclass": ("", [], "class Lazy(torch.Tensor):\n    pass\nreturn Lazy(x)"),
+    "dunder_del_method": ("", ["    def __del__(self):", "        pass", ""], "return x"),
+    # torch's own allow-list held only for the name `torch`, not for torch reached through nn.functional.torch
+    "torch_through_functional": ("", [], "nn.functional.torch.ops.load_library('/tmp/x.so')\nreturn x"),
+    "torch_cuda_through_init": ("", [], "return nn.init.torch.cuda.set_sync_debug_mode(0)"),
+    "torch_nn_chain": ("", [], "return torch.nn.modules.module.inspect.currentframe()"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RED_TEAM_PY))
+def test_red_team_python_allow_list(name):
+    header, methods, body = RED_TEAM_PY[name]
+    assert scan.check_python(red_team_source(header, methods, body)), name
+
+
+def test_red_team_honest_python_still_allowed():
+    src = red_team_source("import typing\nimport torch.nn.functional as F\nfrom torch import nn as tnn",
+                          ["    def helper(self, input: typing.Optional[torch.Tensor] = None) -> typing.List[int]:",
+                           "        return [d for d in range(2)]", ""],
+                          "y = torch.empty_like(x, dtype=torch.float32)\nn = sum(s for s in x.shape)\n"
+                          "s = torch.cuda.is_available()\nreturn cuda_extension.relu_scale(x, self.scale)")
+    assert scan.check_python(src) == []
+
+
+def test_red_team_exec_switching_the_monitor_off_is_refused(tmp_path):
+    """End to end: before the fix this was reward 1, correct, with (x * s).relu() computed by PyTorch."""
+    src = red_team_source("", ["    def exec(self):", "        pass", ""], EXEC_OFF_MONITOR)
+    v = env.evaluate(make_ws(tmp_path, "relu", src), backend="cpu", stage="verify")
+    assert v.reward == -1 and any("exec" in x for x in v.violations), v.summary()
+
+
+def test_red_team_python_arithmetic_on_item_values(tmp_path):
+    """.item() read each value into Python, Python added them, fill_ wrote the sum back: only allowed ops ran
+    (select, _local_scalar_dense, fill_), and the verdict was reward 1 for an answer no kernel computed."""
+    src = "\n".join(["import torch", "import torch.nn as nn", "import cuda_extension", "", "",
+                     "class ModelNew(nn.Module):", "    def __init__(self):", "        super().__init__()", "",
+                     "    def forward(self, a, b):", "        out = torch.empty_like(a)",
+                     "        for i in range(a.shape[0]):", "            out[i].fill_(a[i].item() + b[i].item())",
+                     "        return out", ""])
+    v = env.evaluate(make_ws(tmp_path, "add", src), backend="cpu", stage="verify")
+    assert v.reward == -1 and "aten._local_scalar_dense" in " ".join(v.violations), v.summary()
+
+
+RED_TEAM_CPP = {
+    # a libc function declared under another name: the real name is in a pragma (dropped before the scan) or a string
+    "pragma_redefine_extname": "#pragma redefine_extname my_open open\nextern \"C\" int my_open(const char*, int, ...);\n"
+                               "int f() { return my_open(\"/etc/passwd\", 0); }",
+    "pragma_operator_redefine_extname": "_Pragma(\"redefine_extname my_sys system\")\nextern \"C\" int my_sys(const char*);\n"
+                                        "int f() { return my_sys(\"id\"); }",
+    "weakref_attribute": "static int my_open(const char*, int, ...) __attribute__((weakref(\"open\")));\n"
+                         "int f() { return my_open(\"/etc/passwd\", 0); }",
+    # fd-level I/O that <cstdio>/<cstdlib> declare under _GNU_SOURCE: write to any fd (the reply pipe), make files
+    "dprintf_to_a_pipe": "#include <cstdio>\nint f() { return dprintf(4, \"forged\"); }",
+    "mkstemp_then_dprintf": "#include <cstdlib>\nint f() { char p[] = \"xXXXXXX\"; return mkstemp(p); }",
+    # inside a re-opened `namespace at`, at::launch (a thread the monitor cannot see) is plain `launch`
+    "reopened_namespace_at": "namespace at { void launch(int); }\nnamespace at { void g() { launch(0); } }",
+    "c10_thread_pool": "namespace c10x { struct ThreadPool { ThreadPool(int) {} }; }\nvoid f() { c10x::ThreadPool p(2); }",
+    # glibc's exported aliases of the doors
+    "libc_alias_open_write": "extern \"C\" int __open(const char*, int, ...); extern \"C\" long __write(int, const void*, unsigned long);\n"
+                             "int f() { return __write(__open(\"/etc/passwd\", 0), \"x\", 1); }",
+    "libc_alias_system": "extern \"C\" int __libc_system(const char*);\nint f() { return __libc_system(\"id\"); }",
+    # the dispatch key state, by a guard not on the list: hides Tensor methods from the monitor
+    "force_dispatch_key_guard": "namespace c10 { namespace impl { struct ForceDispatchKeyGuard { ForceDispatchKeyGuard(int, int) {} }; } }\n"
+                                "void f() { c10::impl::ForceDispatchKeyGuard g(0, 0); }",
+}
+
+
+@pytest.mark.parametrize("name", sorted(RED_TEAM_CPP))
+def test_red_team_scan_symbol_renaming_and_dispatch_state(name):
+    b = env.build({"kernels/x.cpp": RED_TEAM_CPP[name] + "\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}\n"}, "cpu")
+    assert not b.ok and b.violations and b.rebuilt == [], b.log
+
+
+# The agent's bash tool and the files the trusted parent reads or writes after it.
+def test_red_team_bash_symlinked_reference_is_not_written_through(tmp_path):
+    """bash replaced model.py by a link to a host file; restoring the reference wrote the task's code INTO that host
+    file, as the parent's user (root). The link must be removed instead."""
+    import agent
+    victim = tmp_path / "host" / "victim.txt"
+    victim.parent.mkdir()
+    victim.write_text("HOST FILE\n")
+    ws = env.new_workspace(tmp_path / "ws", RELU, "cpu")
+    for tool, args in (("bash", {"command": f"ln -sf {victim} model.py"}), ("compile", {})):
+        agent.run_tool(tool, args, ws, RELU, "cpu", agent.AgentConfig())
+        assert victim.read_text() == "HOST FILE\n"
+        assert not (ws / "model.py").is_symlink() and (ws / "model.py").read_text() == RELU
+        if tool == "bash":
+            (ws / "model.py").unlink()
+            (ws / "model.py").symlink_to(victim)  # (as bash leaves it for the next tool)
+
+
+def test_red_team_symlinked_model_new_is_not_read(tmp_path):
+    """A model_new.py that links to a host file: the scan quoted the file's words in the verdict."""
+    secret = tmp_path / "host" / "notes.txt"
+    secret.parent.mkdir()
+    secret.write_text("HostSecretWord\n")
+    ws = make_ws(tmp_path, "relu", "x")
+    (ws / "model_new.py").unlink()
+    (ws / "model_new.py").symlink_to(secret)
+    v = env.evaluate(ws, backend="cpu", reference=RELU)
+    assert v.reward == -1 and "HostSecretWord" not in v.summary() and "symbolic link" in (v.error or ""), v.summary()
+
+
+# A kernel that keys a cache on a few input elements must never meet the same input twice while timed: with more
+# runs than distinct sets, >= 90% of the runs could be cache hits and the median a hit (reward 3, not faster).
+def test_red_team_fast_runs_never_repeat_an_input_set(monkeypatch):
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(env, "_clock", lambda: next(ticks) * 1e-6)  # a fast kernel: 1 us per clock reading
+    loads = []
+
+    class Recorder:
+        def ask(self, obj):
+            if obj["op"] == "load":
+                loads.append(obj["seed"])
+            return {}, []
+
+    seeds = list(range(100, 120))
+    times = env.timed_runs(Recorder(), seeds, env.Config())
+    timed_loads = loads[1:]  # (the first load is the warm-up's)
+    assert len(times) >= env.Config().n_timed
+    assert len(timed_loads) == len(set(timed_loads)), f"{len(timed_loads)} timed runs over {len(set(timed_loads))} input sets"
+
+
+def test_red_team_workspace_key_reads_no_link(tmp_path):
+    """agent.workspace_key (in the trainer, unsandboxed) read every source through links that bash can make:
+    a link to /proc/kcore or to a huge host file hangs the trainer; a link to a host file reads it as root."""
+    import agent
+    ws = env.new_workspace(tmp_path / "ws", RELU, "cpu")
+    host = tmp_path / "host.txt"
+    host.write_text("one")
+    (ws / "kernels" / "x.cpp").symlink_to(host)
+    key = agent.workspace_key(ws)
+    host.write_text("two")
+    assert agent.workspace_key(ws) == key
