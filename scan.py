@@ -1,21 +1,27 @@
 """scan.py: what a candidate's sources may contain. Both checks are allow-lists where one is possible.
 
 model_new.py (`check_python`): an allow-list of Python. Imports from a fixed set; module-level constants;
-classes derived from nn.Module; inside them plain statements over names, literals, calls and attributes.
-Names come from an allow-list of builtins, the file's own definitions and locals; `torch.X` only for X in
-an allow-list of constructors, dtypes and types; no attribute that starts with "_" (dunders included), so
-nothing reaches torch.sys, torch.os, torch.utils, torch._C or a function's globals; no getattr/setattr/
-globals/vars/eval/exec/open. What the allowed Python computes is judged at run time by the dispatch monitor.
+top-level classes derived from nn.Module (no nested classes, no dunder methods but __init__); inside them plain
+statements over names, literals, calls and attributes. Names come from an allow-list of builtins (the others may
+not even be bound, so a method called `exec` cannot unlock the builtin), the file's own definitions and locals.
+Every attribute chain that starts at an imported module is resolved at scan time and may not step into a module
+outside the allowed set; `torch.X` only for X in an allow-list of constructors, dtypes and types, wherever torch
+is reached; no attribute that starts with "_" or names a frame or code object (gi_, f_, co_...), so nothing
+reaches torch.sys, torch.os, torch.utils, torch._C or a function's globals; no getattr/setattr/globals/vars/
+eval/exec/open. What the allowed Python computes is judged at run time by the dispatch monitor.
 
-C++/CUDA (`check_preprocessed`): the sources are run through the compiler's own preprocessor, so macros,
+C++/CUDA (`check_tokens` on `split_preprocessed` output): the sources are run through the compiler's own preprocessor, so macros,
 token pasting, digraphs, line continuations and computed includes are already resolved, and then:
   - every file a workspace file includes must be a workspace file, a torch/pybind11/Python/CUDA toolkit
     header, or a standard header from an allow-list (no <unistd.h>, <dlfcn.h>, <thread>, "/etc/passwd");
   - the tokens that come from workspace files (strings and comments removed) may not name the doors out of
     the process or around the monitor: processes, threads, signals, memory mapping, raw syscalls and inline
     assembly in host code, dynamic loading, files and the environment, the Python C API or pybind11 beyond
-    `m.def`, dispatch-key guards. Qualified names in torch/at/c10/pybind11 must be on an allow-list, so a
-    namespace alias or `using` cannot rename a compute op (aliases of those namespaces are refused);
+    `m.def`, dispatch-key guards, thread pools. `#pragma` lines are scanned too; symbol renaming
+    (redefine_extname, weakref, alias, ifunc, symver) is refused, and a name with leading underscores or
+    `__libc_` is checked without them (glibc's `__open`, `__libc_system`). Qualified names in
+    torch/at/c10/pybind11 must be on an allow-list, so a namespace alias, `using` or a reopened `namespace at`
+    cannot rename a compute op;
   - exactly one source contains the real expansion of PYBIND11_MODULE(TORCH_EXTENSION_NAME, m).
 """
 from __future__ import annotations
