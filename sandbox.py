@@ -138,8 +138,8 @@ PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL =
 
 
 def _jail(cfg: dict, argv: list[str]):
-    """cfg: {"mount": bool, "writable": [...], "hide": [...], "uid": int | None}. Only ever changes mounts of
-    a mount namespace of its own (never the host's)."""
+    """cfg: {"mount": bool, "writable": [...], "hide": [...], "visible": [...], "uid": int | None}. Only ever
+    changes mounts of a mount namespace of its own (never the host's)."""
     libc = ctypes.CDLL(None, use_errno=True)
 
     def mount(src, tgt, fstype, flags, data=None):
@@ -151,13 +151,25 @@ def _jail(cfg: dict, argv: list[str]):
     writable = [w for w in cfg["writable"] if os.path.isdir(w)]
     if cfg["mount"]:
         mount(None, "/", None, MS_REC | MS_PRIVATE)
-        keep = {w: os.open(w, os.O_PATH | os.O_DIRECTORY) for w in writable}  # reachable after covers
+        under = lambda p, tops: any(p == t or p.startswith(t.rstrip("/") + "/") for t in tops)
+        visible = [v for v in cfg.get("visible", []) if os.path.isdir(v)]
+        keep = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in writable + visible}  # reachable after covers
         covers = []
         for d in sorted({*cfg.get("private", PRIVATE_DIRS), *cfg["hide"]}, key=len):
-            if os.path.isdir(d) and not os.path.islink(d) and not any(d.startswith(c + "/") for c in covers):
+            if os.path.isdir(d) and not os.path.islink(d) and not under(d, covers):
                 covers.append(d)  # (a folder under a covered one is hidden already)
         for d in covers:
             mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "size=1g,mode=1777")
+        rebound = []  # the code that runs here (this repository, the interpreter, site-packages), if a cover hid it
+        for v in sorted(visible, key=len):
+            if under(v, covers) and not under(v, rebound) and not under(v, cfg["hide"]):
+                os.makedirs(v, exist_ok=True)
+                mount(f"/proc/self/fd/{keep[v]}", v, None, MS_BIND | MS_REC)  # read-only: the loop below
+                rebound.append(v)
+        for h in cfg["hide"]:  # a hidden folder inside a rebound one stays hidden
+            if under(h, rebound) and os.path.isdir(h):
+                mount("tmpfs", h, "tmpfs", MS_NOSUID | MS_NODEV, "size=1g,mode=1777")
+                covers.append(h)
         for w in sorted(writable, key=len):
             os.makedirs(w, exist_ok=True)
             mount(f"/proc/self/fd/{keep[w]}", w, None, MS_BIND | MS_REC)
@@ -269,7 +281,7 @@ def run_sandboxed(argv: list[str], cwd: str | Path, timeout: float, *, writable=
     child_env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
     child_env.update(HOME=cwd, TMPDIR=cwd, LANG="C.UTF-8", PYTHONDONTWRITEBYTECODE="1", **(env or {}))
     cfg = {"mount": iso.mount, "writable": [cwd, *[str(Path(w).resolve()) for w in writable]], "uid": iso.uid,
-           "hide": [str(Path(h).resolve()) for h in ([CACHE_DIR] if hide is None else hide)]}
+           "hide": [str(Path(h).resolve()) for h in ([CACHE_DIR] if hide is None else hide)], "visible": _code_dirs()}
     cmd = [*iso.prefix, sys.executable, "-E", "-S", str(SANDBOX_PY), "_jail", json.dumps(cfg), *argv]
     groups = _cgroup(uuid.uuid4().hex, max_tasks, int(mem_gb * 2**30) if mem_gb else None)
     # RLIMIT_AS breaks CUDA's address-space reservations; a memory cgroup (where writable) is used instead.
@@ -322,6 +334,12 @@ def run_sandboxed(argv: list[str], cwd: str | Path, timeout: float, *, writable=
     if rc > 128 and "--fork" in iso.prefix:
         rc = -(rc - 128)
     return SandboxResult(rc, texts[0], texts[1], timed_out, time.monotonic() - t0)
+
+
+def _code_dirs() -> list[str]:
+    """Folders a child needs to see even when they live under /tmp: this repository, the interpreter, sys.path."""
+    dirs = [SANDBOX_PY.parent, Path(sys.prefix), Path(sys.base_prefix), *(Path(p) for p in sys.path if p)]
+    return sorted({str(d.resolve()) for d in dirs if d.is_dir()})
 
 
 def _read_limited(f, limit: int) -> str:
