@@ -146,6 +146,7 @@ class Verdict:
     warnings: list = dataclasses.field(default_factory=list)
     log: str = ""  # a short, readable excerpt (first compiler errors, child stderr tail)
     seconds: float = 0.0
+    phases: dict = dataclasses.field(default_factory=dict)  # seconds per step, in order (bench/env_bench.py's split)
 
     def to_dict(self):
         return dataclasses.asdict(self)
@@ -922,6 +923,7 @@ def evaluate(workspace, backend: str = "auto", reference: str | None = None, cfg
     if reference is None and not (ws / "model.py").is_file():
         raise UsageError(f"{ws} has no model.py")
     v = Verdict(backend=backend, stage="scan")
+    lap = _lap_timer(v.phases)
 
     def done():
         v.seconds = round(time.monotonic() - t_start, 3)
@@ -950,11 +952,13 @@ def evaluate(workspace, backend: str = "auto", reference: str | None = None, cfg
         return done()
     bad, v.hints = static_scan(files, model_new)
     v.violations += bad
+    lap("scan")
     if v.violations:
         return done()
 
     v.stage = "compile"
     b = build(files, backend, cfg.compile_timeout)
+    lap("build")
     v.compiled, v.log = b.ok, b.log
     v.violations += b.violations
     if not b.ok:
@@ -964,7 +968,7 @@ def evaluate(workspace, backend: str = "auto", reference: str | None = None, cfg
         return done()
     v.stage = "verify"
     try:
-        _check_and_time(v, ref_code, model_new, b.so_path, backend, cfg)
+        _check_and_time(v, ref_code, model_new, b.so_path, backend, cfg, lap)
     except ChildError as e:  # noqa: PERF203
         v.error = str(e)
     if v.error or v.violations:
@@ -972,7 +976,18 @@ def evaluate(workspace, backend: str = "auto", reference: str | None = None, cfg
     return done()
 
 
-def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, backend: str, cfg: Config):
+def _lap_timer(phases: dict):
+    """lap(name) records the seconds since the previous lap under `name`."""
+    last = [time.monotonic()]
+
+    def lap(name):
+        now = time.monotonic()
+        phases[name] = round(phases.get(name, 0.0) + now - last[0], 3)
+        last[0] = now
+    return lap
+
+
+def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, backend: str, cfg: Config, lap):
     """Steps 4-6 of a verdict, filling `v`. The reference child computes every output first; the candidate child
     starts only after the baselines (if any are needed) are timed, and gets nothing but its own inputs."""
     timed = cfg.stage == "profile"
@@ -1016,6 +1031,7 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
             v.error = f"the reference model.py failed: {e if isinstance(e, ChildError) else ref.why_dead()}"
             return
         ref_checks, ref_timed = ref_outs[:len(check_seeds)], ref_outs[len(check_seeds):]
+        lap("reference outputs")  # (the candidate starts meanwhile when the baselines are cached)
         if need_baselines:
             with no_candidates(backend), file_lock(gpu_lock_path(backend)):
                 times = {}
@@ -1032,11 +1048,12 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
             tmp.write_text(json.dumps(cached))
             os.replace(tmp, base_file)
         ref.close()
+        lap("baselines")
         cand = cand or start_candidate()
         # a reply may not declare more than twice the largest reference output (a candidate cannot exhaust our memory)
         cand.reply_limit = 2 * max(sum(t.numel() * t.element_size() for t in _tensors(o)) for o in ref_outs) + (1 << 20)
         try:
-            _drive_candidate(v, cand, check_seeds, ref_checks, timed_seeds, ref_timed, cfg, backend)
+            _drive_candidate(v, cand, check_seeds, ref_checks, timed_seeds, ref_timed, cfg, backend, lap)
         except (EOFError, ValueError, TypeError, KeyError, AttributeError) as e:
             dead = cand.why_dead() if not cand.thread.is_alive() or isinstance(e, EOFError) else None
             v.error = f"ModelNew {dead}" if dead else f"the candidate process sent a malformed reply ({type(e).__name__}: {e})"
@@ -1048,8 +1065,9 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
         v.reward = reward_for(True, v.runtime_ms, v.eager_ms, v.compile_ms)
 
 
-def _drive_candidate(v, cand, check_seeds, ref_checks, timed_seeds, ref_timed, cfg, backend):
+def _drive_candidate(v, cand, check_seeds, ref_checks, timed_seeds, ref_timed, cfg, backend, lap):
     obj, _ = cand.answer()  # "ready", or the error that stopped model_new.py from loading
+    lap("candidate start")
     if not isinstance(obj, dict) or obj.get("ready") is not True or not isinstance(obj.get("init_ops"), list):
         raise ValueError("no ready message")
     if obj["init_ops"]:
@@ -1084,6 +1102,7 @@ def _drive_candidate(v, cand, check_seeds, ref_checks, timed_seeds, ref_timed, c
     if len(ref_checks) > 1 and all(compare(r, ref_checks[0], 0, 0, "") is None for r in ref_checks[1:]):
         v.warnings.append("the reference output is the same for every input: this task is degenerate")
     v.correct, v.reward = True, 1
+    lap("checks")
     if not timed_seeds:
         return
     v.stage = "profile"
@@ -1107,6 +1126,7 @@ def _drive_candidate(v, cand, check_seeds, ref_checks, timed_seeds, ref_timed, c
             f"aten.{n}" for n in map(str, obj["ops"][:8])))
         return
     v.runtime_ms = median(times)
+    lap("timed runs")
 
 
 def _tensors(out):

@@ -6,7 +6,9 @@ scratch each time, as KernelBench does), side by side in one run. Prints a table
 
 Measures: cold compile of a small kernel (CUDA-Agent layout: pure kernel + torch binding), rebuild after
 editing one kernel, full verdict time with the build cached (first with baselines to time, then steady
-state), and the spread (max/min) of runtime_ms over 5 repeated verdicts of the same >= 0.5 ms kernel.
+state), the spread (max/min) of runtime_ms over 5 repeated verdicts of the same >= 0.5 ms kernel, and where a
+verdict's time goes (env.Verdict.phases: scan, build, reference outputs, baselines, candidate start, checks,
+timed runs).
 """
 import argparse
 import json
@@ -106,12 +108,12 @@ for i in range(args.repeats + 1):
     t0 = time.monotonic()
     v = env.evaluate(ws, backend=backend)
     assert v.correct, v.summary()
-    verdicts.append((time.monotonic() - t0, v.runtime_ms))
+    verdicts.append((time.monotonic() - t0, v.runtime_ms, v.phases))
     print(f"  verdict {i}: {verdicts[-1][0]:.2f} s, runtime {v.runtime_ms:.4f} ms (eager {v.eager_ms:.4f}, compile {v.compile_ms:.4f})", flush=True)
 row("full verdict, build cached, baselines timed (first)", verdicts[0][0], "s")
-steady = sorted(t for t, _ in verdicts[1:])
+steady = sorted(t for t, _, _ in verdicts[1:])
 row("full verdict, build + baselines cached (median)", steady[len(steady) // 2], "s", "<= 10 s")
-rt = [r for _, r in verdicts]
+rt = [r for _, r, _ in verdicts]
 row(f"kernel runtime_ms (median of {len(rt)} verdicts)", sorted(rt)[len(rt) // 2], "ms", ">= 0.5 ms")
 row(f"spread max/min of runtime_ms over {len(rt)} verdicts", max(rt) / min(rt), "x", "<= 1.03")
 
@@ -119,6 +121,15 @@ print(f"\n## env.py benchmark ({backend}, {env.toolchain_id_light(backend)})\n")
 print("| measure | value | target |\n|---|---|---|")
 for name, value, unit, target in rows:
     print(f"| {name.strip()} | {value:.3g} {unit} | {target} |")
+# where a verdict's time goes (env.Verdict.phases), the first verdict and the median of the steady ones
+for t, _, ph in verdicts:
+    ph["rest (child exits, cleanup)"] = t - sum(ph.values())
+names = list(dict.fromkeys(k for _, _, ph in verdicts for k in ph))
+print("\n| verdict phase | first (s) | steady median (s) |\n|---|---|---|")
+for n in names:
+    first = verdicts[0][2].get(n, 0.0)
+    later = sorted(ph.get(n, 0.0) for _, _, ph in verdicts[1:])
+    print(f"| {n} | {first:.3f} | {later[len(later) // 2]:.3f} |")
 if os.environ.get("OUT"):
     Path(os.environ["OUT"], f"env_bench_{backend}.json").write_text(json.dumps(rows, indent=1))
 shutil.rmtree(work, ignore_errors=True)
