@@ -465,8 +465,9 @@ def build(files: dict, backend: str, timeout: float = 600.0) -> Build:
             r = run_sandboxed(cmd, tmp, max(1.0, deadline - time.monotonic()), mem_gb=None, writable=[objdir])
             if r.returncode != 0:
                 return Build(False, None, "link failed:\n" + error_excerpt(r.stderr + r.stdout), time.monotonic() - t0, rebuilt)
-            shutil.copy(part, so.with_suffix(".part"))
-            os.replace(so.with_suffix(".part"), so)
+            mine = so.with_suffix(f".{uuid.uuid4().hex}.part")  # builds of the same sources may link at the same time
+            shutil.copy(part, mine)
+            os.replace(mine, so)
     return Build(True, so, "", time.monotonic() - t0, rebuilt)
 
 

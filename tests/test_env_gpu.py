@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 import env
-from test_env import CASES, PY_ATTACKS, assert_nothing_escaped, escape_probe, make_ws, model_new
+from test_env import CASES, PROBLEMS, PY_ATTACKS, assert_nothing_escaped, escape_probe, make_ws, model_new
 
 pytestmark = pytest.mark.gpu
 CUDA = {p.name: p.read_text() for p in (CASES / "cuda").glob("ops*")}
@@ -27,7 +27,7 @@ def test_honest_cuda_kernels(tmp_path, problem, body):
 
 
 @pytest.mark.parametrize("problem,body,expect", [
-    ("add", "torch.add(a, b)", "aten.add"),
+    ("add", "torch.add(a, b)", "torch.add is not allowed"),  # the static allow-list refuses it before any run
     ("add", "cuda_extension.add_by_fallback(a, b)", "aten.add"),
     ("relu", "cuda_extension.relu_scale_cached(x, self.scale)", "values differ"),
     ("relu", "torch.empty_like(x)", "values differ"),
@@ -40,11 +40,19 @@ def test_cuda_cheats_rejected(tmp_path, problem, body, expect):
 
 
 def test_side_stream_work_is_timed(tmp_path):
-    """Work on a side stream is counted: the device-wide sync waits for it (20 launches > 1)."""
-    honest = env.evaluate(ws_for(tmp_path / "a", "relu", "cuda_extension.relu_scale(x, self.scale)"), backend="cuda")
-    side = env.evaluate(ws_for(tmp_path / "b", "relu", "cuda_extension.relu_scale_side_stream(x, self.scale)"), backend="cuda")
+    """Work on a side stream is counted: the device-wide sync waits for it. On a 128 MB input one relu pass takes
+    tens of microseconds, so the side stream's 20 launches stand well above the timing floor (two pipe round
+    trips and the sample copy, ~0.5 ms on the H200), which the 1 MB example's would not."""
+    big = PROBLEMS["relu"].replace("BATCH = 64", "BATCH = 4096").replace("DIM = 4096", "DIM = 8192")
+    assert big != PROBLEMS["relu"]
+    verdicts = []
+    for d, body in (("a", "cuda_extension.relu_scale(x, self.scale)"), ("b", "cuda_extension.relu_scale_side_stream(x, self.scale)")):
+        ws = make_ws(tmp_path / d, "relu", model_new("relu", body), CUDA)
+        (ws / "model.py").write_text(big)
+        verdicts.append(env.evaluate(ws, backend="cuda"))
+    honest, side = verdicts
     assert honest.correct and side.correct, side.summary()
-    assert side.runtime_ms > 2 * honest.runtime_ms, (honest.runtime_ms, side.runtime_ms)
+    assert side.runtime_ms > 1.5 * honest.runtime_ms, (honest.runtime_ms, side.runtime_ms)
 
 
 def test_illegal_memory_access_is_contained(tmp_path):
