@@ -122,6 +122,7 @@ class Config:
     rtol: float = 1e-2
     n_checks: int = 5
     n_timed: int = 20  # timed runs, each on an input set of its own (unless the inputs exceed input_budget_mb)
+    n_audits: int = 2  # extra runs among the timed ones whose WHOLE output is checked; their time is not counted
     warmup: int = 3
     mem_gb: float = 16.0  # host memory limit of a candidate child
     stage: str = "profile"  # compile | verify | profile
@@ -828,20 +829,28 @@ class ChildError(Exception):
     """A command the child reported as failed (an exception in its code)."""
 
 
-def timed_runs(child: Child, seeds: list, cfg: Config, check=None) -> list:
+def timed_runs(child: Child, seeds: list, cfg: Config, check=None, audit=None) -> list:
     """Times fn over the input sets `seeds` in turn with the parent's clock, after `warmup` untimed runs: n_timed
     runs, and never more runs than there are sets unless fewer sets fit in input_budget_mb (a repeated set lets a
     cache keyed on its values answer without computing). check(k, sample, offset) sees each run's sampled output.
-    Milliseconds per run."""
+    With `audit`, n_audits more runs are made, and which of them are audits is drawn after each run has returned:
+    audit(k) checks that run's whole output, and its time is not counted. A kernel that skips work on some timed
+    runs, in a pattern the sample could miss, cannot know which runs are read in full. Milliseconds per run."""
     child.ask({"op": "load", "seed": seeds[0]})
     for _ in range(cfg.warmup):
         child.ask({"op": "run"})
     times = []
-    for i in range(cfg.n_timed):
+    audits = cfg.n_audits if audit is not None else 0
+    runs = cfg.n_timed + audits
+    for i in range(runs):
         k = i % len(seeds)
         child.ask({"op": "load", "seed": seeds[k]})
         t0 = _clock()
         child.ask({"op": "run"})
+        if audits and secrets.randbelow(runs - i) < audits:  # a uniformly random subset of the runs, drawn now
+            audits -= 1
+            audit(k)
+            continue
         offset = secrets.randbelow(1 << 30)  # drawn after the run returned
         obj, blobs = child.ask({"op": "sample", "offset": offset})
         times.append((_clock() - t0) * 1e3)
@@ -995,7 +1004,7 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
     rng = secrets.SystemRandom()
     seed0 = rng.randrange(2**31)
     check_seeds = [rng.randrange(2**31) for _ in range(cfg.n_checks)]
-    timed_seeds = [rng.randrange(2**31) for _ in range(max(cfg.n_timed, 2))] if timed else []
+    timed_seeds = [rng.randrange(2**31) for _ in range(max(cfg.n_timed, 2) + cfg.n_audits)] if timed else []
     base_key = hashlib.sha256(f"{ref_code}\0{backend}\0{toolchain_id_light(backend)}\0{cfg.n_timed}\0pipe-clock-1".encode()).hexdigest()[:24]
     base_file = CACHE_DIR / "baselines" / f"{base_key}.json"
     cached = json.loads(base_file.read_text()) if base_file.exists() else None
@@ -1076,30 +1085,13 @@ def _drive_candidate(v, cand, check_seeds, ref_checks, timed_seeds, ref_timed, c
             f"aten.{n}" for n in map(str, obj["init_ops"][:8])) + " (only allocation, random initialisation and copies)")
         return
     cand.ask({"op": "use", "fn": "candidate"})
-    outs = []
     for i, seed in enumerate(check_seeds):
         cand.ask({"op": "load", "seed": seed})
         cand.ask({"op": "run"})
-        obj, blobs = cand.ask({"op": "full"})
-        if not isinstance(obj, dict) or not isinstance(obj.get("ops"), list):
-            raise ValueError("bad check reply")
-        if obj["ops"]:
-            v.violations.append("PyTorch compute ops ran inside ModelNew.forward: " + ", ".join(
-                f"aten.{n}" for n in map(str, obj["ops"][:8])) + " (only allocation, views and cuda_extension may be used)")
-        if obj.get("mutated") is not False:
-            v.violations.append("ModelNew.forward mutated its inputs")
-        if obj.get("types"):
-            v.violations.append(f"output is a {obj['types'][0]}, not a plain torch.Tensor")
-        if obj.get("devices"):
-            v.error = f"output is on {obj['devices'][0]}, expected {backend}"
+        bad, v.error = _judge_full(cand, ref_checks[i], cfg, backend, f"check {i + 1}/{cfg.n_checks}")
+        v.violations += bad
         if v.violations or v.error:
             return
-        out = unpack(obj.get("out"), blobs)
-        err = compare(out, ref_checks[i], cfg.atol, cfg.rtol, f"check {i + 1}/{cfg.n_checks}")
-        if err:
-            v.error = err
-            return
-        outs.append(out)
     if len(ref_checks) > 1 and all(compare(r, ref_checks[0], 0, 0, "") is None for r in ref_checks[1:]):
         v.warnings.append("the reference output is the same for every input: this task is degenerate")
     v.correct, v.reward = True, 1
@@ -1108,16 +1100,24 @@ def _drive_candidate(v, cand, check_seeds, ref_checks, timed_seeds, ref_timed, c
         return
     v.stage = "profile"
 
+    why = "outputs are wrong when inputs change in place (cached by pointer, or work skipped?)"
+
     def check(k, sample, offset):  # every timed run's sampled output, against the reference's full output
         err = compare(sample, sample_of(ref_timed[k], offset), cfg.atol, cfg.rtol, "a timed run")
         if err:
-            raise Rejected(f"{err}: outputs are wrong when inputs change in place (cached by pointer, or work skipped?)")
+            raise Rejected(f"{err}: {why}")
+
+    def audit(k):  # a timed run read in full, with every check of the check runs
+        bad, err = _judge_full(cand, ref_timed[k], cfg, backend, "a timed run (read in full)")
+        if bad or err:
+            v.violations += bad
+            raise Rejected(f"{err}: {why}" if err else "")
 
     try:
         with file_lock(gpu_lock_path(backend)):
-            times = timed_runs(cand, timed_seeds, cfg, check)
+            times = timed_runs(cand, timed_seeds, cfg, check, audit)
     except Rejected as e:
-        v.error = str(e)
+        v.error = str(e) or None
         return
     obj, blobs = cand.ask({"op": "full"})
     if not isinstance(obj, dict) or not isinstance(obj.get("ops"), list):
@@ -1128,6 +1128,26 @@ def _drive_candidate(v, cand, check_seeds, ref_checks, timed_seeds, ref_timed, c
         return
     v.runtime_ms = median(times)
     lap("timed runs")
+
+
+def _judge_full(cand: Child, ref, cfg: Config, backend: str, what: str) -> tuple[list, str | None]:
+    """Asks for the last run's whole output and its monitor record; returns (violations, error)."""
+    obj, blobs = cand.ask({"op": "full"})
+    if not isinstance(obj, dict) or not isinstance(obj.get("ops"), list):
+        raise ValueError("bad full reply")
+    bad = []
+    if obj["ops"]:
+        bad.append(f"PyTorch compute ops ran inside ModelNew.forward ({what}): " + ", ".join(
+            f"aten.{n}" for n in map(str, obj["ops"][:8])) + " (only allocation, views and cuda_extension may be used)")
+    if obj.get("mutated") is not False:
+        bad.append("ModelNew.forward mutated its inputs")
+    if obj.get("types"):
+        bad.append(f"output is a {obj['types'][0]}, not a plain torch.Tensor")
+    if bad:
+        return bad, None
+    if obj.get("devices"):
+        return [], f"output is on {obj['devices'][0]}, expected {backend}"
+    return [], compare(unpack(obj.get("out"), blobs), ref, cfg.atol, cfg.rtol, what)
 
 
 def _tensors(out):

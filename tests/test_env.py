@@ -483,6 +483,16 @@ def test_timed_runs_are_rechecked_where_the_candidate_cannot_know(tmp_path):
     assert v.reward == -1 and "timed run" in (v.error or ""), v.summary()
 
 
+def test_every_timed_run_may_be_read_in_full(tmp_path):
+    """A kernel that, after the checks, leaves out the elements of one residue class of the sample's stride (1 in 64
+    on a 4M-element output) escapes a run's random sample 63 times in 64, and all 20 with probability 0.73. Two of
+    the timed runs, drawn after each run returned, are read in full: it fails every time."""
+    ws = make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale_skips_a_residue_after_checks(x, self.scale)"))
+    (ws / "model.py").write_text(RELU.replace("BATCH = 64", "BATCH = 1024"))
+    v = env.evaluate(ws, backend="cpu")
+    assert v.reward == -1 and "values differ" in (v.error or ""), v.summary()
+
+
 # 5. Work after the clock, 7. the scan: C/C++ checked after preprocessing, by token, with resolved includes.
 SCAN_ATTACKS = {
     "namespace_alias": "namespace T = torch; void f() { T::Tensor a; }",

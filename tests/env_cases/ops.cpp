@@ -109,6 +109,18 @@ Tensor relu_scale_strided_after_checks(Tensor x, Tensor scale) {  // after 8 cal
     return y;
 }
 
+Tensor relu_scale_skips_a_residue_after_checks(Tensor x, Tensor scale) {  // after 8 calls: one element in 64 is left out
+    static int calls = 0;
+    if (calls++ < 8) return relu_scale(x, scale);
+    auto y = torch::zeros_like(x);
+    const float *px = x.data_ptr<float>(), *ps = scale.data_ptr<float>();
+    float* py = y.data_ptr<float>();
+    const int64_t D = scale.numel(), n = x.numel(), step = std::max<int64_t>(1, n / 65536);  // env.py's sample stride
+    for (int64_t i = 0; i < n; ++i)
+        if (i % step != step - 1) py[i] = std::max(px[i] * ps[i % D], 0.f);  // a sample misses it unless its offset is step-1
+    return y;
+}
+
 Tensor add_by_fallback(Tensor a, Tensor b) { return a.add(b); }  // a PyTorch op called from C++
 
 Tensor copy_of(Tensor x) {  // an honest copy kernel (used to return precomputed answers)
@@ -145,6 +157,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("relu_scale_inplace", &relu_scale_inplace);
     m.def("add_by_fallback", &add_by_fallback);
     m.def("relu_scale_strided_after_checks", &relu_scale_strided_after_checks);
+    m.def("relu_scale_skips_a_residue_after_checks", &relu_scale_skips_a_residue_after_checks);
     m.def("copy_of", &copy_of);
     m.def("segfault", &segfault);
     m.def("spin", &spin);
