@@ -10,13 +10,14 @@ The pipeline, one readable function per stage, in order:
                each on small tensors of rank 2..5 (and on meta tensors) to learn which input ranks it
                accepts, and keep it as a seed operator if it computes something deterministic from its
                input. Runs once in a sandboxed child, cached per torch/transformers version (ops.py).
-  2. compose   sample the number of ops K from the paper's mix, chain K seeds *sequentially*, propagating
-               shapes by running on meta tensors (ops.meta_run), then double BATCH until a roofline estimate of eager
-               time (bytes moved and FLOPs counted on meta tensors, plus each seed's mined CPU cost per
-               element) reaches the target inside the time window. Emits a self-contained KernelBench-
-               format module. Deterministic per --seed. `--composer llm` lets agent.py's policy rewrite
-               each rule-composed plan (as the paper did); its answers go through the same filters.
-  3. filter    cheap filters in this process (duplicates, AST similarity > 0.9 to --kernelbench-dir),
+  2. compose   compose.compose_one: sample the number of ops K from the paper's mix, chain K seeds
+               *sequentially*, propagating shapes by running on meta tensors (ops.meta_run), then double BATCH
+               until a roofline estimate of eager time (bytes moved and FLOPs counted on meta tensors, plus each
+               seed's mined CPU cost per element) reaches the target inside the time window (ops.grow_batch).
+               Emits a self-contained KernelBench-format module. Deterministic per --seed. `--family
+               elementwise` composes with elementwise.compose_one instead. `--composer llm` lets agent.py's
+               policy rewrite each rule-composed plan (as the paper did); its answers go through the same filters.
+  3. filter    cheap filters in this process (duplicates, AST similarity > 0.9 to --kernelbench-dir: compose.py),
                then execution in --workers long-lived sandboxed children (env.run_sandboxed), fed one
                candidate at a time: eager must run, be deterministic, give finite outputs that depend on
                the input (not constant, not the input itself), eager time inside the window
@@ -46,7 +47,6 @@ import ast
 import collections
 import contextlib
 import dataclasses
-import difflib
 import fcntl
 import hashlib
 import importlib
@@ -74,11 +74,9 @@ from tqdm import tqdm
 import agent
 import elementwise
 import env
-from ops import build_op, meta_run, mine_seeds
-from tasks import FEATURES, KERNELBENCH_HUB, read_dataset
-
-PAPER_MIX = {"torch#1": 3.4, "torch#2": 84.0, "torch#3": 7.6, "torch#4": 2.8, "torch#5": 1.2, "transformers": 1.2}
-
+from compose import PAPER_MIX, compose_one, load_kernelbench, most_similar, structure_key
+from ops import mine_seeds
+from tasks import FEATURES, read_dataset
 
 @dataclasses.dataclass
 class Config:
@@ -105,104 +103,11 @@ class Config:
     mem_cap_gb: float = 0.0  # bytes one task may touch (estimated); 0 = 4 GiB on CUDA, 0.25 GiB on CPU
 
 
-DIM_NAMES = {2: ["BATCH", "DIM"], 3: ["BATCH", "SEQ_LEN", "DIM"], 4: ["BATCH", "CHANNELS", "HEIGHT", "WIDTH"],
-             5: ["BATCH", "CHANNELS", "DEPTH", "HEIGHT", "WIDTH"]}
-# Base input shapes (BATCH = 1 here; compose grows BATCH): rank -> choices for the other dims.
-BASE_DIMS = {2: [[256, 512, 1024, 2048, 4096]], 3: [[32, 64, 128, 256], [64, 128, 256, 512]],
-             4: [[3, 8, 16, 32, 64], [16, 32, 64, 128]], 5: [[3, 8, 16], [8, 16], [16, 32]]}
-RANK_WEIGHTS = {2: 0.35, 3: 0.2, 4: 0.35, 5: 0.1}
-MEM_CAP = {"cuda": 4 << 30, "cpu": 256 << 20}  # estimated bytes one task may touch (eager, all intermediates)
 
 
 # ==============================================================================================
 # 2. Compose candidates
 # ==============================================================================================
-def render(steps: list[dict], seeds_by_name: dict, shape: tuple) -> str:
-    """The KernelBench-format module for a chain of steps and an input shape."""
-    names = DIM_NAMES[len(shape)]
-    imports = ["import torch", "import torch.nn as nn"]
-    if any(st["expr"].startswith("F.") for st in steps):
-        imports.append("import torch.nn.functional as F")
-    for st in steps:
-        for imp in seeds_by_name[st["name"]].get("imports", []):
-            if imp not in imports:
-                imports.append(imp)
-    init, fwd = [], []
-    for i, st in enumerate(steps):
-        if seeds_by_name[st["name"]]["kind"] == "module":
-            init.append(f"        self.op{i} = {st['expr']}")
-            fwd.append(f"        x = self.op{i}(x)")
-        else:
-            fwd.append(f"        x = {st['expr']}")
-    consts = "\n".join(f"{n} = {v}" for n, v in zip(names, shape))
-    return (f"{chr(10).join(imports)}\n\n{consts}\n\n\n"
-            f"class Model(nn.Module):\n"
-            f"    \"\"\"{' -> '.join(st['name'] for st in steps)}\"\"\"\n\n"
-            f"    def __init__(self):\n        super().__init__()\n" + "".join(line + "\n" for line in init) +
-            f"\n    def forward(self, x):\n" + "".join(line + "\n" for line in fwd) + "        return x\n\n\n"
-            f"def get_inputs():\n    return [torch.randn({', '.join(names)})]\n\n\n"
-            f"def get_init_inputs():\n    return []\n")
-
-
-def compose_one(index: int, seeds: list[dict], seeds_by_name: dict, cfg: Config, backend: str) -> dict:
-    """Candidate number `index` of the stream (deterministic in (seed, index)). Returns a candidate dict,
-    or {"drop": reason}."""
-    rng = random.Random(f"{cfg.seed}-{index}")
-    mix = {k: v for k, v in PAPER_MIX.items() if k == "transformers" or int(k.split("#")[1]) <= cfg.max_ops}
-    source = rng.choices(list(mix), weights=list(mix.values()))[0]
-    if source == "transformers":
-        n_ops = rng.choices(range(1, cfg.max_ops + 1), weights=[PAPER_MIX[f"torch#{k}"] for k in range(1, cfg.max_ops + 1)])[0]
-    else:
-        n_ops = int(source.split("#")[1])
-    rank = rng.choices(list(RANK_WEIGHTS), weights=list(RANK_WEIGHTS.values()))[0]
-    shape = (1,) + tuple(rng.choice(c) for c in BASE_DIMS[rank])
-    torch_seeds = [s for s in seeds if s["source"] != "transformers"]
-    hf_seeds = [s for s in seeds if s["source"] == "transformers"]
-    steps, cur = [], shape
-    for i in range(n_ops):
-        pool = hf_seeds if (source == "transformers" and i == 0) else torch_seeds
-        for _ in range(30):  # a few tries to find an op that accepts the current shape
-            seed = rng.choice(pool)
-            if len(cur) not in seed["ranks"]:
-                continue
-            try:
-                expr = build_op(seed, cur, rng)
-                out, _, _ = meta_run(seeds_by_name, [{"name": seed["name"], "expr": expr}], cur)
-            except Exception:  # noqa: BLE001 - does not fit this shape: try another seed
-                continue
-            if len(out) < 2 and i < n_ops - 1:
-                continue  # a scalar (or 1-d) output ends a chain; only allowed last
-            if math.prod(out) < 1:
-                continue
-            steps.append({"name": seed["name"], "expr": expr})
-            cur = out
-            break
-        else:
-            return {"drop": "no seed fits the intermediate shape"}
-    # Size the task: double BATCH while the roofline estimate stays under the target and memory cap.
-    lo, hi = cfg.window_ms
-    target = lo * (hi / lo) ** 0.3
-    best = None
-    for k in range(0, 21):
-        sh = (2 ** k,) + shape[1:]
-        try:
-            _, est, nbytes = meta_run(seeds_by_name, steps, sh, backend)
-        except Exception:  # noqa: BLE001 - batch size changes a shape the chain depends on
-            break
-        if nbytes > (cfg.mem_cap_gb * 2**30 if cfg.mem_cap_gb else MEM_CAP[backend]) or est > hi:
-            break
-        best = (sh, est)
-        if est >= target:
-            break
-    if best is None:
-        return {"drop": "too large even at BATCH=1 (memory cap or estimated time)"}
-    shape, est = best
-    ops = [st["name"] for st in steps]
-    ds = "transformers" if any(o.startswith("transformers.") for o in ops) else f"torch#{len(ops)}"
-    return {"index": index, "ops": ops, "data_source": ds, "code": render(steps, seeds_by_name, shape),
-            "shape": list(shape), "est_ms": est}
-
-
 LLM_PROMPT = """Write a self-contained Python module in KernelBench format that applies these PyTorch operators \
 in sequence, each to the previous one's output: {ops}.
 The input is one float32 tensor of shape {shape}. Requirements: `import torch` and `import torch.nn as nn` at the top \
@@ -268,12 +173,12 @@ def load_composer_policy(cfg: Config):
 def compose(start: int, count: int, seeds: list[dict], cfg: Config, backend: str, seen: set, funnel: dict,
             policy=None) -> list[dict]:
     """Candidates number start..start+count-1, minus those that fail to compose or duplicate an earlier one."""
-    by_name = {s["name"]: s for s in seeds}
+    cap = cfg.mem_cap_gb * 2**30 if cfg.mem_cap_gb else None
     if cfg.family == "elementwise":  # elementwise.py composes; the filters below and after are the same
-        cap = int(cfg.mem_cap_gb * 2**30) if cfg.mem_cap_gb else None
-        cands = [elementwise.compose_one(i, cfg.seed, backend, cfg.window_ms, cfg.max_ops, cap) for i in range(start, start + count)]
+        cands = [elementwise.compose_one(i, cfg.seed, backend, cfg.window_ms, cfg.max_ops, int(cap) if cap else None)
+                 for i in range(start, start + count)]
     else:
-        cands = [compose_one(i, seeds, by_name, cfg, backend) for i in range(start, start + count)]
+        cands = [compose_one(i, seeds, cfg.seed, backend, cfg.window_ms, cfg.max_ops, cap) for i in range(start, start + count)]
     if policy is not None:
         plans = [c for c in cands if "drop" not in c]
         written = iter(compose_llm(plans, cfg, policy))
@@ -297,68 +202,6 @@ def compose(start: int, count: int, seeds: list[dict], cfg: Config, backend: str
 # ==============================================================================================
 # 3. Filter
 # ==============================================================================================
-def structure_key(code: str) -> str:
-    """Duplicate key: the AST with every numeric literal replaced by 0 (same ops, any sizes)."""
-    tree = ast.parse(code)
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
-            node.value = 0
-    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()
-
-
-def ast_tokens(code: str) -> list[str]:
-    """Python-AST token sequence used for similarity: node types plus attribute/function names
-    (literal values and local variable names ignored, so renaming or resizing does not hide a copy)."""
-    toks = []
-    for node in ast.walk(ast.parse(code)):
-        toks.append(type(node).__name__)
-        if isinstance(node, ast.Attribute):
-            toks.append(node.attr)
-        elif isinstance(node, ast.Name) and node.id in ("torch", "nn", "F", "Model", "super"):
-            toks.append(node.id)
-    return toks
-
-
-def load_kernelbench(path: str | None) -> list[tuple[str, list[str]]]:
-    """[(name, tokens)] for every KernelBench-format .py under `path` ("hub": the public dataset)."""
-    if not path:
-        return []
-    if path == "hub":
-        try:
-            ds = datasets.load_dataset(KERNELBENCH_HUB)
-        except Exception as e:  # noqa: BLE001
-            raise env.UsageError(f"cannot load the KernelBench dataset from the hub (offline?): {type(e).__name__}")
-        files = [(f"{split}/{r['name']}", r["code"]) for split in ds for r in ds[split]]
-    else:
-        p = Path(path)
-        if not p.is_dir():
-            raise env.UsageError(f"--kernelbench-dir {path} is not a directory")
-        files = [(str(f.relative_to(p)), f.read_text(errors="replace")) for f in sorted(p.rglob("*.py"))]
-    out = []
-    for name, code in files:
-        try:
-            out.append((name, ast_tokens(code)))
-        except SyntaxError:
-            continue
-    if not out:
-        raise env.UsageError(f"--kernelbench-dir {path} holds no parseable .py files")
-    return out
-
-
-def most_similar(code: str, kb: list[tuple[str, list[str]]], floor: float = 0.0) -> tuple[float, str]:
-    """Highest difflib ratio of AST token sequences above `floor`, else (0.0, ""). Pairs whose upper bounds
-    (real_quick_ratio: the lengths; quick_ratio: the token counts) cannot beat it are skipped: with the
-    filter's floor of 0.9, ratio() (quadratic) runs on a few pairs instead of every KernelBench file."""
-    toks, best = ast_tokens(code), (floor, "")
-    for name, other in kb:
-        sm = difflib.SequenceMatcher(None, toks, other, autojunk=False)
-        if sm.real_quick_ratio() > best[0] and sm.quick_ratio() > best[0]:
-            r = sm.ratio()
-            if r > best[0]:
-                best = (r, name)
-    return best if best[1] else (0.0, "")
-
-
 def filter_similar(cands: list[dict], kb, cfg: Config, funnel: dict) -> list[dict]:
     keep = []
     for c in cands:
