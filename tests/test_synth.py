@@ -348,7 +348,7 @@ def test_a_machine_where_nothing_runs_stops_soon_with_one_line(tmp_path, monkeyp
     line, instead of composing thousands more."""
     calls = []
     class BrokenChecker:  # what the sandboxed children answered there
-        def __init__(self, cfg, backend, stop_fd):
+        def __init__(self, cfg, backend, stop_fd, child):
             self.n, self.dead = 0, False
 
         def check(self, c):
