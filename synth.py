@@ -18,8 +18,8 @@ The pipeline, one readable function per stage, in order:
                elementwise` composes with elementwise.compose_one instead. `--composer llm` lets agent.py's
                policy rewrite each rule-composed plan (as the paper did); its answers go through the same filters.
   3. filter    cheap filters in this process (duplicates, AST similarity > 0.9 to --kernelbench-dir: compose.py),
-               then execution in --workers long-lived sandboxed children (env.run_sandboxed), fed one
-               candidate at a time: eager must run, be deterministic, give finite outputs that depend on
+               then execution in --workers long-lived sandboxed children (checker.py), fed one
+               candidate at a time (check_task): eager must run, be deterministic, give finite outputs that depend on
                the input (not constant, not the input itself), eager time inside the window
                (env.time_callable), torch.compile must run and agree with eager. A task's runs, checks and
                timing hold one lock per device; compiling and small warm-up runs are outside it, in parallel.
