@@ -74,7 +74,7 @@ import env
 from checker import Checker
 from compose import PAPER_MIX, compose_one, load_kernelbench, most_similar, structure_key
 from ops import mine_seeds
-from tasks import FEATURES, read_dataset
+from tasks import FEATURES
 
 # the execution filter's child (checker.Checker starts one per worker, in a sandbox): _filter_child below
 CHILD = [sys.executable, "-E", "-B", str(Path(__file__).resolve()), "_filter"]
@@ -625,9 +625,6 @@ def save(rows: list[dict], out: Path, work: Path, cfg: Config, funnel_json: dict
     shutil.rmtree(old, ignore_errors=True)
     return len(rows) - n_test, n_test
 
-
-# train.py reads datasets through this name (tasks.load_split does the same with tasks.read_dataset)
-load_tasks = read_dataset
 
 
 # ==============================================================================================
