@@ -105,11 +105,38 @@ class Config:
     mem_cap_gb: float = 0.0  # bytes one task may touch (estimated); 0 = 4 GiB on CUDA, 0.25 GiB on CPU
 
 
-
-
 # ==============================================================================================
 # 2. Compose candidates
 # ==============================================================================================
+def compose(start: int, count: int, seeds: list[dict], cfg: Config, backend: str, seen: set, funnel: dict,
+            policy=None) -> list[dict]:
+    """Candidates number start..start+count-1, minus those that fail to compose or duplicate an earlier one."""
+    cap = cfg.mem_cap_gb * 2**30 if cfg.mem_cap_gb else None
+    if cfg.family == "elementwise":  # elementwise.py composes; the filters below and after are the same
+        cands = [elementwise.compose_one(i, cfg.seed, backend, cfg.window_ms, cfg.max_ops, int(cap) if cap else None)
+                 for i in range(start, start + count)]
+    else:
+        cands = [compose_one(i, seeds, cfg.seed, backend, cfg.window_ms, cfg.max_ops, cap) for i in range(start, start + count)]
+    if policy is not None:
+        plans = [c for c in cands if "drop" not in c]
+        written = iter(compose_llm(plans, cfg, policy))
+        cands = [c if "drop" in c else next(written) for c in cands]
+    out = []
+    for c in cands:
+        funnel["compose"]["in"] += 1
+        if "drop" in c:
+            funnel["compose"]["drops"][c["drop"]] += 1
+            continue
+        key = structure_key(c["code"])
+        if key in seen:  # same ops and structure as an earlier candidate (sizes may differ)
+            funnel["compose"]["drops"]["duplicate of an earlier candidate"] += 1
+            continue
+        seen.add(key)
+        funnel["compose"]["out"] += 1
+        out.append(c)
+    return out
+
+
 LLM_PROMPT = """Write a self-contained Python module in KernelBench format that applies these PyTorch operators \
 in sequence, each to the previous one's output: {ops}.
 The input is one float32 tensor of shape {shape}. Requirements: `import torch` and `import torch.nn as nn` at the top \
@@ -170,35 +197,6 @@ def load_composer_policy(cfg: Config):
         raise env.UsageError(f"--composer llm: {e}")
     except Exception as e:  # noqa: BLE001
         raise env.UsageError(f"--composer llm needs agent.py's model backends, which failed: {type(e).__name__}: {str(e)[:200]}")
-
-
-def compose(start: int, count: int, seeds: list[dict], cfg: Config, backend: str, seen: set, funnel: dict,
-            policy=None) -> list[dict]:
-    """Candidates number start..start+count-1, minus those that fail to compose or duplicate an earlier one."""
-    cap = cfg.mem_cap_gb * 2**30 if cfg.mem_cap_gb else None
-    if cfg.family == "elementwise":  # elementwise.py composes; the filters below and after are the same
-        cands = [elementwise.compose_one(i, cfg.seed, backend, cfg.window_ms, cfg.max_ops, int(cap) if cap else None)
-                 for i in range(start, start + count)]
-    else:
-        cands = [compose_one(i, seeds, cfg.seed, backend, cfg.window_ms, cfg.max_ops, cap) for i in range(start, start + count)]
-    if policy is not None:
-        plans = [c for c in cands if "drop" not in c]
-        written = iter(compose_llm(plans, cfg, policy))
-        cands = [c if "drop" in c else next(written) for c in cands]
-    out = []
-    for c in cands:
-        funnel["compose"]["in"] += 1
-        if "drop" in c:
-            funnel["compose"]["drops"][c["drop"]] += 1
-            continue
-        key = structure_key(c["code"])
-        if key in seen:  # same ops and structure as an earlier candidate (sizes may differ)
-            funnel["compose"]["drops"]["duplicate of an earlier candidate"] += 1
-            continue
-        seen.add(key)
-        funnel["compose"]["out"] += 1
-        out.append(c)
-    return out
 
 
 # ==============================================================================================
@@ -598,7 +596,7 @@ def report(funnel: dict, div: dict, n_seeds: int, kept: int, n_train: int, n_tes
 
 
 # ==============================================================================================
-# Output: save and load
+# Output: save
 # ==============================================================================================
 def save(rows: list[dict], out: Path, work: Path, cfg: Config, funnel_json: dict, records: list | None = None):
     """Split, save under work/, then swap into `out` (an interrupted run never leaves a half-written DIR).
