@@ -74,7 +74,6 @@ class AgentConfig:
 # ----------------------------------------------------------------------------------------------
 # A turn ends at its tool call
 # ----------------------------------------------------------------------------------------------
-
 def cut_after_call(tokenizer, out: list, stop_ids=()) -> int:
     """How many of a turn's generated tokens to keep: up to the token that completes the first </tool_call>,
     and the end-of-turn token when only whitespace comes before it (all tokens when there is no call). What a
