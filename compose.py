@@ -66,7 +66,7 @@ def render(steps: list[dict], seeds_by_name: dict, shape: tuple) -> str:
 
 
 def compose_one(index: int, seeds: list[dict], seed: int = 0, backend: str = "cpu", window_ms=(0.1, 10.0),
-                max_ops: int = 5, mem_cap: int | None = None) -> dict:
+                max_ops: int = 5, mem_cap: float | None = None) -> dict:
     """Candidate number `index` of the stream (deterministic in (seed, index)): {"index", "ops", "data_source",
     "code", "shape", "est_ms"} or {"drop": reason}. mem_cap: bytes one task may touch (None: MEM_CAP)."""
     seeds_by_name = {s["name"]: s for s in seeds}
@@ -85,19 +85,19 @@ def compose_one(index: int, seeds: list[dict], seed: int = 0, backend: str = "cp
     for i in range(n_ops):
         pool = hf_seeds if (source == "transformers" and i == 0) else torch_seeds
         for _ in range(30):  # a few tries to find an op that accepts the current shape
-            seed = rng.choice(pool)
-            if len(cur) not in seed["ranks"]:
+            op = rng.choice(pool)  # (a seed operator; `seed` is the random seed)
+            if len(cur) not in op["ranks"]:
                 continue
             try:
-                expr = build_op(seed, cur, rng)
-                out, _, _ = meta_run(seeds_by_name, [{"name": seed["name"], "expr": expr}], cur)
+                expr = build_op(op, cur, rng)
+                out, _, _ = meta_run(seeds_by_name, [{"name": op["name"], "expr": expr}], cur)
             except Exception:  # noqa: BLE001 - does not fit this shape: try another seed
                 continue
             if len(out) < 2 and i < n_ops - 1:
                 continue  # a scalar (or 1-d) output ends a chain; only allowed last
             if math.prod(out) < 1:
                 continue
-            steps.append({"name": seed["name"], "expr": expr})
+            steps.append({"name": op["name"], "expr": expr})
             cur = out
             break
         else:
