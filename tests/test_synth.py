@@ -37,7 +37,7 @@ def run_cli(*args, timeout=600):
 
 @pytest.fixture(scope="module")
 def seeds():
-    return synth.mine_seeds(verbose=False)
+    return ops.mine_seeds(verbose=False)
 
 
 @pytest.fixture(scope="module")
