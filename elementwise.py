@@ -33,6 +33,11 @@ import random
 import re
 import textwrap
 
+import torch
+import torch.nn.functional as F
+
+from ops import MEM_CAP, ROOFLINE, grow_batch
+
 # ----------------------------------------------------------------------------------------------
 # 1. The op table. {a}, {b}: scalar constants (sampled from "consts"); {p}: a per-feature parameter of DIM values.
 # torch: the line of Model.forward (x in, x out); c: the same math in C on float v (d: the feature index).
@@ -95,8 +100,7 @@ N_OPS_WEIGHTS = {1: 0.15, 2: 0.3, 3: 0.25, 4: 0.15, 5: 0.15}
 P_REDUCTION = 0.5  # share of chains with a reduction
 DIMS = [64, 128, 256, 512, 1024, 2048, 4096]  # the last dimension (a multiple of 4: float4 loads); 16, 32 on retries
 SEQ_LENS = [16, 32, 64, 128]
-ROOFLINE_CUDA = (3.0e12, 8e-6)  # bytes/s and per-kernel overhead (s), as synth.py's ROOFLINE["cuda"]
-MEM_CAP = {"cuda": 4 << 30, "cpu": 256 << 20}  # bytes of input + eager intermediates, as synth.py's MEM_CAP
+ROOFLINE_CUDA = (ROOFLINE["cuda"][0], ROOFLINE["cuda"][2])  # bytes/s and per-kernel overhead (s), as the paper family
 ATOL = RTOL = 1e-2  # env.py's tolerances
 
 
@@ -179,7 +183,6 @@ def estimate_ms(steps: list[dict], shape: tuple, backend: str) -> tuple[float, i
 def degenerate(out, keeps_last_dim: bool) -> str | None:
     """Why a constant answer would pass env.py's check on this output, or None. The constant is the row's
     median (a row-constant kernel must fail too) or, for reduced outputs, the global median."""
-    import torch
     if not bool(torch.isfinite(out).all()):
         return "non-finite output"
     if out.numel() < 2:
@@ -195,8 +198,6 @@ def run_chain(code: str, shape: tuple, seed: int = 0, ablate: tuple | None = Non
     """Run a rendered task on CPU at `shape` (trusted code: this module wrote it). ablate=(k, "skip"): leave out
     step k; (k, "const"): replace step k's output by its row median. The parameters stay the same (the model is
     built as it is; its forward is replayed line by line)."""
-    import torch
-    import torch.nn.functional as F
     ns = {}
     exec(compile(code, "<elementwise task>", "exec"), ns)
     torch.manual_seed(seed)
@@ -233,7 +234,7 @@ def every_op_matters(code: str, shape: tuple, out) -> str | None:
 def compose_one(index: int, seed: int = 0, backend: str = "cpu", window_ms=(0.1, 10.0), max_ops: int = 5,
                 mem_cap: int | None = None) -> dict:
     """Candidate number `index` (deterministic in (seed, index)): {"index", "ops", "data_source", "code", "shape",
-    "est_ms"} or {"drop": reason}. The same shape as synth.compose_one's candidates, for synth.py's filters."""
+    "est_ms"} or {"drop": reason}. The same shape as compose.compose_one's candidates, for synth.py's filters."""
     rng = random.Random(f"elementwise-{seed}-{index}")
     ks = [k for k in N_OPS_WEIGHTS if k <= max_ops]
     n_ops = rng.choices(ks, weights=[N_OPS_WEIGHTS[k] for k in ks])[0]
@@ -256,19 +257,9 @@ def compose_one(index: int, seed: int = 0, backend: str = "cpu", window_ms=(0.1,
             break
     else:
         return {"drop": why}
-    # size: double BATCH until the estimate reaches the window's target (as synth.py), under the memory cap
-    lo, hi = window_ms
-    target = lo * (hi / lo) ** 0.3
-    cap = mem_cap or MEM_CAP[backend]
-    best = None
-    for k in range(0, 26):
-        shape = (2 ** k,) + lead + (dim,)
-        est, held = estimate_ms(steps, shape, backend)
-        if held > cap or est > hi:
-            break
-        best = (shape, est)
-        if est >= target:
-            break
+    # size: double BATCH until the estimate reaches the window's target, under the memory cap (as compose.py)
+    best = grow_batch(lambda sh: estimate_ms(steps, sh, backend), (1,) + lead + (dim,), window_ms,
+                      mem_cap or MEM_CAP[backend], max_doublings=25)
     if best is None:
         return {"drop": "too large even at BATCH=1 (memory cap or estimated time)"}
     shape, est = best

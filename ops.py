@@ -3,11 +3,13 @@ torch.special / torch.linalg / torch.nn.functional functions and transformers' a
 each on small tensors of rank 2..5 and on meta tensors (in a sandboxed child, cached per torch/transformers
 version); a seed is kept if it computes something deterministic from its input. ARG_RULES, a short table, gives
 constructor arguments that introspection cannot guess. meta_run runs a chain of ops on meta tensors: its output
-shape and a roofline estimate of its eager time (bytes and FLOPs counted, plus each seed's mined CPU cost).
+shape and a roofline estimate of its eager time (bytes and FLOPs counted, plus each seed's mined CPU cost);
+grow_batch sizes a task with such an estimate (compose.py's and elementwise.py's families).
 
     seeds = mine_seeds()                                   # [{"name", "source", "kind", "ranks", "ns_per_elem", ...}]
     expr = build_op(seed, (8, 64), random.Random(0))       # e.g. "nn.Linear(in_features=64, out_features=256)"
     shape, est_ms, nbytes = meta_run(by_name, [{"name": seed["name"], "expr": expr}], (8, 64), "cuda")
+    shape, est_ms = grow_batch(lambda sh: meta_run(by_name, steps, sh, "cuda")[1:], (1, 64), (1.0, 100.0), MEM_CAP["cuda"])
 """
 from __future__ import annotations
 
@@ -81,6 +83,7 @@ CANON_SHAPES = {2: (4, 8), 3: (2, 4, 8), 4: (2, 4, 8, 8), 5: (2, 4, 4, 8, 8)}  #
 # Roofline constants for the eager-time estimate used to size tasks: bytes/s, FLOP/s, per-op overhead (s).
 ROOFLINE = {"cuda": (3.0e12, 4.0e13, 8e-6), "cpu": (4.0e9, 2.0e10, 1e-5)}
 GPU_SPEEDUP = 1000.0  # an H200 vs one CPU core on compute-bound elementwise math (fp32 FLOP/s ratio, roughly)
+MEM_CAP = {"cuda": 4 << 30, "cpu": 256 << 20}  # estimated bytes one task may touch (eager, all intermediates)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -386,6 +389,29 @@ def meta_run(seeds_by_name: dict, steps: list[dict], shape: tuple, backend: str 
         return tuple(x.shape), None, None
     nbytes = math.prod(shape) * 4 + cost.alloc
     return tuple(x.shape), est * 1e3, nbytes
+
+
+
+def grow_batch(estimate, shape: tuple, window_ms, cap: float, max_doublings: int = 20):
+    """Size a task: BATCH (shape[0]) = 1, 2, 4, ... while estimate(shape) -> (est. ms, bytes) stays within `cap`
+    bytes and the window's top, up to the first size whose estimate reaches lo * (hi / lo) ** 0.3 (low in the
+    window: the estimate is rough, and synth.py's filter measures). An estimate that raises ends the growth (a
+    batch size the chain cannot take). Returns (shape, est. ms), or None when not even BATCH = 1 fits."""
+    lo, hi = window_ms
+    target = lo * (hi / lo) ** 0.3
+    best = None
+    for k in range(max_doublings + 1):
+        sh = (2 ** k,) + tuple(shape[1:])
+        try:
+            est, nbytes = estimate(sh)
+        except Exception:  # noqa: BLE001
+            break
+        if nbytes > cap or est > hi:
+            break
+        best = (sh, est)
+        if est >= target:
+            break
+    return best
 
 
 if __name__ == "__main__":

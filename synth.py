@@ -10,15 +10,16 @@ The pipeline, one readable function per stage, in order:
                each on small tensors of rank 2..5 (and on meta tensors) to learn which input ranks it
                accepts, and keep it as a seed operator if it computes something deterministic from its
                input. Runs once in a sandboxed child, cached per torch/transformers version (ops.py).
-  2. compose   sample the number of ops K from the paper's mix, chain K seeds *sequentially*, propagating
-               shapes by running on meta tensors (ops.meta_run), then double BATCH until a roofline estimate of eager
-               time (bytes moved and FLOPs counted on meta tensors, plus each seed's mined CPU cost per
-               element) reaches the target inside the time window. Emits a self-contained KernelBench-
-               format module. Deterministic per --seed. `--composer llm` lets agent.py's policy rewrite
-               each rule-composed plan (as the paper did); its answers go through the same filters.
-  3. filter    cheap filters in this process (duplicates, AST similarity > 0.9 to --kernelbench-dir),
-               then execution in --workers long-lived sandboxed children (env.run_sandboxed), fed one
-               candidate at a time: eager must run, be deterministic, give finite outputs that depend on
+  2. compose   compose.compose_one: sample the number of ops K from the paper's mix, chain K seeds
+               *sequentially*, propagating shapes by running on meta tensors (ops.meta_run), then double BATCH
+               until a roofline estimate of eager time (bytes moved and FLOPs counted on meta tensors, plus each
+               seed's mined CPU cost per element) reaches the target inside the time window (ops.grow_batch).
+               Emits a self-contained KernelBench-format module. Deterministic per --seed. `--family
+               elementwise` composes with elementwise.compose_one instead. `--composer llm` lets agent.py's
+               policy rewrite each rule-composed plan (as the paper did); its answers go through the same filters.
+  3. filter    cheap filters in this process (duplicates, AST similarity > 0.9 to --kernelbench-dir: compose.py),
+               then execution in --workers long-lived sandboxed children (checker.py), fed one
+               candidate at a time (check_task): eager must run, be deterministic, give finite outputs that depend on
                the input (not constant, not the input itself), eager time inside the window
                (env.time_callable), torch.compile must run and agree with eager. A task's runs, checks and
                timing hold one lock per device; compiling and small warm-up runs are outside it, in parallel.
@@ -46,7 +47,6 @@ import ast
 import collections
 import contextlib
 import dataclasses
-import difflib
 import fcntl
 import hashlib
 import importlib
@@ -55,11 +55,8 @@ import json
 import math
 import os
 import random
-import select
 import shutil
-import signal
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -74,10 +71,13 @@ from tqdm import tqdm
 import agent
 import elementwise
 import env
-from ops import build_op, meta_run, mine_seeds
-from tasks import FEATURES, KERNELBENCH_HUB, read_dataset
+from checker import Checker
+from compose import PAPER_MIX, compose_one, load_kernelbench, most_similar, structure_key
+from ops import mine_seeds
+from tasks import FEATURES
 
-PAPER_MIX = {"torch#1": 3.4, "torch#2": 84.0, "torch#3": 7.6, "torch#4": 2.8, "torch#5": 1.2, "transformers": 1.2}
+# the execution filter's child (checker.Checker starts one per worker, in a sandbox): _filter_child below
+CHILD = [sys.executable, "-E", "-B", str(Path(__file__).resolve()), "_filter"]
 
 
 @dataclasses.dataclass
@@ -105,102 +105,36 @@ class Config:
     mem_cap_gb: float = 0.0  # bytes one task may touch (estimated); 0 = 4 GiB on CUDA, 0.25 GiB on CPU
 
 
-DIM_NAMES = {2: ["BATCH", "DIM"], 3: ["BATCH", "SEQ_LEN", "DIM"], 4: ["BATCH", "CHANNELS", "HEIGHT", "WIDTH"],
-             5: ["BATCH", "CHANNELS", "DEPTH", "HEIGHT", "WIDTH"]}
-# Base input shapes (BATCH = 1 here; compose grows BATCH): rank -> choices for the other dims.
-BASE_DIMS = {2: [[256, 512, 1024, 2048, 4096]], 3: [[32, 64, 128, 256], [64, 128, 256, 512]],
-             4: [[3, 8, 16, 32, 64], [16, 32, 64, 128]], 5: [[3, 8, 16], [8, 16], [16, 32]]}
-RANK_WEIGHTS = {2: 0.35, 3: 0.2, 4: 0.35, 5: 0.1}
-MEM_CAP = {"cuda": 4 << 30, "cpu": 256 << 20}  # estimated bytes one task may touch (eager, all intermediates)
-
-
 # ==============================================================================================
 # 2. Compose candidates
 # ==============================================================================================
-def render(steps: list[dict], seeds_by_name: dict, shape: tuple) -> str:
-    """The KernelBench-format module for a chain of steps and an input shape."""
-    names = DIM_NAMES[len(shape)]
-    imports = ["import torch", "import torch.nn as nn"]
-    if any(st["expr"].startswith("F.") for st in steps):
-        imports.append("import torch.nn.functional as F")
-    for st in steps:
-        for imp in seeds_by_name[st["name"]].get("imports", []):
-            if imp not in imports:
-                imports.append(imp)
-    init, fwd = [], []
-    for i, st in enumerate(steps):
-        if seeds_by_name[st["name"]]["kind"] == "module":
-            init.append(f"        self.op{i} = {st['expr']}")
-            fwd.append(f"        x = self.op{i}(x)")
-        else:
-            fwd.append(f"        x = {st['expr']}")
-    consts = "\n".join(f"{n} = {v}" for n, v in zip(names, shape))
-    return (f"{chr(10).join(imports)}\n\n{consts}\n\n\n"
-            f"class Model(nn.Module):\n"
-            f"    \"\"\"{' -> '.join(st['name'] for st in steps)}\"\"\"\n\n"
-            f"    def __init__(self):\n        super().__init__()\n" + "".join(line + "\n" for line in init) +
-            f"\n    def forward(self, x):\n" + "".join(line + "\n" for line in fwd) + "        return x\n\n\n"
-            f"def get_inputs():\n    return [torch.randn({', '.join(names)})]\n\n\n"
-            f"def get_init_inputs():\n    return []\n")
-
-
-def compose_one(index: int, seeds: list[dict], seeds_by_name: dict, cfg: Config, backend: str) -> dict:
-    """Candidate number `index` of the stream (deterministic in (seed, index)). Returns a candidate dict,
-    or {"drop": reason}."""
-    rng = random.Random(f"{cfg.seed}-{index}")
-    mix = {k: v for k, v in PAPER_MIX.items() if k == "transformers" or int(k.split("#")[1]) <= cfg.max_ops}
-    source = rng.choices(list(mix), weights=list(mix.values()))[0]
-    if source == "transformers":
-        n_ops = rng.choices(range(1, cfg.max_ops + 1), weights=[PAPER_MIX[f"torch#{k}"] for k in range(1, cfg.max_ops + 1)])[0]
+def compose(start: int, count: int, seeds: list[dict], cfg: Config, backend: str, seen: set, funnel: dict,
+            policy=None) -> list[dict]:
+    """Candidates number start..start+count-1, minus those that fail to compose or duplicate an earlier one."""
+    cap = cfg.mem_cap_gb * 2**30 if cfg.mem_cap_gb else None
+    if cfg.family == "elementwise":  # elementwise.py composes; the filters below and after are the same
+        cands = [elementwise.compose_one(i, cfg.seed, backend, cfg.window_ms, cfg.max_ops, int(cap) if cap else None)
+                 for i in range(start, start + count)]
     else:
-        n_ops = int(source.split("#")[1])
-    rank = rng.choices(list(RANK_WEIGHTS), weights=list(RANK_WEIGHTS.values()))[0]
-    shape = (1,) + tuple(rng.choice(c) for c in BASE_DIMS[rank])
-    torch_seeds = [s for s in seeds if s["source"] != "transformers"]
-    hf_seeds = [s for s in seeds if s["source"] == "transformers"]
-    steps, cur = [], shape
-    for i in range(n_ops):
-        pool = hf_seeds if (source == "transformers" and i == 0) else torch_seeds
-        for _ in range(30):  # a few tries to find an op that accepts the current shape
-            seed = rng.choice(pool)
-            if len(cur) not in seed["ranks"]:
-                continue
-            try:
-                expr = build_op(seed, cur, rng)
-                out, _, _ = meta_run(seeds_by_name, [{"name": seed["name"], "expr": expr}], cur)
-            except Exception:  # noqa: BLE001 - does not fit this shape: try another seed
-                continue
-            if len(out) < 2 and i < n_ops - 1:
-                continue  # a scalar (or 1-d) output ends a chain; only allowed last
-            if math.prod(out) < 1:
-                continue
-            steps.append({"name": seed["name"], "expr": expr})
-            cur = out
-            break
-        else:
-            return {"drop": "no seed fits the intermediate shape"}
-    # Size the task: double BATCH while the roofline estimate stays under the target and memory cap.
-    lo, hi = cfg.window_ms
-    target = lo * (hi / lo) ** 0.3
-    best = None
-    for k in range(0, 21):
-        sh = (2 ** k,) + shape[1:]
-        try:
-            _, est, nbytes = meta_run(seeds_by_name, steps, sh, backend)
-        except Exception:  # noqa: BLE001 - batch size changes a shape the chain depends on
-            break
-        if nbytes > (cfg.mem_cap_gb * 2**30 if cfg.mem_cap_gb else MEM_CAP[backend]) or est > hi:
-            break
-        best = (sh, est)
-        if est >= target:
-            break
-    if best is None:
-        return {"drop": "too large even at BATCH=1 (memory cap or estimated time)"}
-    shape, est = best
-    ops = [st["name"] for st in steps]
-    ds = "transformers" if any(o.startswith("transformers.") for o in ops) else f"torch#{len(ops)}"
-    return {"index": index, "ops": ops, "data_source": ds, "code": render(steps, seeds_by_name, shape),
-            "shape": list(shape), "est_ms": est}
+        cands = [compose_one(i, seeds, cfg.seed, backend, cfg.window_ms, cfg.max_ops, cap) for i in range(start, start + count)]
+    if policy is not None:
+        plans = [c for c in cands if "drop" not in c]
+        written = iter(compose_llm(plans, cfg, policy))
+        cands = [c if "drop" in c else next(written) for c in cands]
+    out = []
+    for c in cands:
+        funnel["compose"]["in"] += 1
+        if "drop" in c:
+            funnel["compose"]["drops"][c["drop"]] += 1
+            continue
+        key = structure_key(c["code"])
+        if key in seen:  # same ops and structure as an earlier candidate (sizes may differ)
+            funnel["compose"]["drops"]["duplicate of an earlier candidate"] += 1
+            continue
+        seen.add(key)
+        funnel["compose"]["out"] += 1
+        out.append(c)
+    return out
 
 
 LLM_PROMPT = """Write a self-contained Python module in KernelBench format that applies these PyTorch operators \
@@ -265,100 +199,9 @@ def load_composer_policy(cfg: Config):
         raise env.UsageError(f"--composer llm needs agent.py's model backends, which failed: {type(e).__name__}: {str(e)[:200]}")
 
 
-def compose(start: int, count: int, seeds: list[dict], cfg: Config, backend: str, seen: set, funnel: dict,
-            policy=None) -> list[dict]:
-    """Candidates number start..start+count-1, minus those that fail to compose or duplicate an earlier one."""
-    by_name = {s["name"]: s for s in seeds}
-    if cfg.family == "elementwise":  # elementwise.py composes; the filters below and after are the same
-        cap = int(cfg.mem_cap_gb * 2**30) if cfg.mem_cap_gb else None
-        cands = [elementwise.compose_one(i, cfg.seed, backend, cfg.window_ms, cfg.max_ops, cap) for i in range(start, start + count)]
-    else:
-        cands = [compose_one(i, seeds, by_name, cfg, backend) for i in range(start, start + count)]
-    if policy is not None:
-        plans = [c for c in cands if "drop" not in c]
-        written = iter(compose_llm(plans, cfg, policy))
-        cands = [c if "drop" in c else next(written) for c in cands]
-    out = []
-    for c in cands:
-        funnel["compose"]["in"] += 1
-        if "drop" in c:
-            funnel["compose"]["drops"][c["drop"]] += 1
-            continue
-        key = structure_key(c["code"])
-        if key in seen:  # same ops and structure as an earlier candidate (sizes may differ)
-            funnel["compose"]["drops"]["duplicate of an earlier candidate"] += 1
-            continue
-        seen.add(key)
-        funnel["compose"]["out"] += 1
-        out.append(c)
-    return out
-
-
 # ==============================================================================================
 # 3. Filter
 # ==============================================================================================
-def structure_key(code: str) -> str:
-    """Duplicate key: the AST with every numeric literal replaced by 0 (same ops, any sizes)."""
-    tree = ast.parse(code)
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
-            node.value = 0
-    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()
-
-
-def ast_tokens(code: str) -> list[str]:
-    """Python-AST token sequence used for similarity: node types plus attribute/function names
-    (literal values and local variable names ignored, so renaming or resizing does not hide a copy)."""
-    toks = []
-    for node in ast.walk(ast.parse(code)):
-        toks.append(type(node).__name__)
-        if isinstance(node, ast.Attribute):
-            toks.append(node.attr)
-        elif isinstance(node, ast.Name) and node.id in ("torch", "nn", "F", "Model", "super"):
-            toks.append(node.id)
-    return toks
-
-
-def load_kernelbench(path: str | None) -> list[tuple[str, list[str]]]:
-    """[(name, tokens)] for every KernelBench-format .py under `path` ("hub": the public dataset)."""
-    if not path:
-        return []
-    if path == "hub":
-        try:
-            ds = datasets.load_dataset(KERNELBENCH_HUB)
-        except Exception as e:  # noqa: BLE001
-            raise env.UsageError(f"cannot load the KernelBench dataset from the hub (offline?): {type(e).__name__}")
-        files = [(f"{split}/{r['name']}", r["code"]) for split in ds for r in ds[split]]
-    else:
-        p = Path(path)
-        if not p.is_dir():
-            raise env.UsageError(f"--kernelbench-dir {path} is not a directory")
-        files = [(str(f.relative_to(p)), f.read_text(errors="replace")) for f in sorted(p.rglob("*.py"))]
-    out = []
-    for name, code in files:
-        try:
-            out.append((name, ast_tokens(code)))
-        except SyntaxError:
-            continue
-    if not out:
-        raise env.UsageError(f"--kernelbench-dir {path} holds no parseable .py files")
-    return out
-
-
-def most_similar(code: str, kb: list[tuple[str, list[str]]], floor: float = 0.0) -> tuple[float, str]:
-    """Highest difflib ratio of AST token sequences above `floor`, else (0.0, ""). Pairs whose upper bounds
-    (real_quick_ratio: the lengths; quick_ratio: the token counts) cannot beat it are skipped: with the
-    filter's floor of 0.9, ratio() (quadratic) runs on a few pairs instead of every KernelBench file."""
-    toks, best = ast_tokens(code), (floor, "")
-    for name, other in kb:
-        sm = difflib.SequenceMatcher(None, toks, other, autojunk=False)
-        if sm.real_quick_ratio() > best[0] and sm.quick_ratio() > best[0]:
-            r = sm.ratio()
-            if r > best[0]:
-                best = (r, name)
-    return best if best[1] else (0.0, "")
-
-
 def filter_similar(cands: list[dict], kb, cfg: Config, funnel: dict) -> list[dict]:
     keep = []
     for c in cands:
@@ -453,13 +296,13 @@ def filter_by_execution(stream, cfg: Config, backend: str, resume_file: Path | N
         checker = None
         try:
             while (c := take()) is not None:
-                checker = checker or Checker(cfg, backend, stop_r)
+                checker = checker or Checker(cfg, backend, stop_r, CHILD)
                 r = checker.check(c)
                 if not r["kept"] and r["drop"].startswith("child process") and "timed out" not in r["drop"]:
                     # the child died on it: maybe of something an earlier candidate left behind (a thread, a
                     # memory limit). A fresh child tries once more; a crash that is the candidate's comes back.
                     checker.close()
-                    checker = Checker(cfg, backend, stop_r)
+                    checker = Checker(cfg, backend, stop_r, CHILD)
                     r = checker.check(c)
                 if stopping.is_set():
                     return  # killed by us: nothing to blame on the candidate
@@ -509,129 +352,6 @@ def machine_broken(results: list[dict]) -> bool:
     tasks (e.g. a machine where the sandboxed children cannot start CUDA)."""
     return bool(results) and all(not r["kept"] and _reason_class(r["drop"]) in ("eager failed", "child process")
                                  for r in results)
-
-
-class Checker:
-    """One sandboxed child (env.run_sandboxed) that checks candidates one at a time, for as long as it is given
-    some: the parent writes a candidate as one JSON line into a pipe, the child answers with one JSON line on
-    another. Importing torch, setting up CUDA and inductor cost a child seconds, so one child serves many
-    candidates. A crash ends it, and so does a hang: the parent kills its process group (a signal from inside
-    would not do: in a PID namespace the child is init, which ignores the default actions, and a Python-level
-    handler waits for a stuck C call). Either way the candidate it was checking gets the blame (after a retry
-    in a fresh child, see filter_by_execution)."""
-    MAX_TASKS = 64  # candidates per child before a fresh one
-
-    def __init__(self, cfg: Config, backend: str, stop_fd: int):
-        self.n, self.buf, self.sandbox, self.pid = 0, b"", None, None
-        self.dir = tempfile.mkdtemp(prefix="synth-", dir=env.CACHE_DIR)
-        lock = env.gpu_lock_path(backend)
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        self.lock_fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
-        (cand_r, self.cand_w), (self.res_r, res_w) = os.pipe(), os.pipe()
-        self.fds = [self.lock_fd, cand_r, self.cand_w, self.res_r, res_w]
-        self.child_fds = [self.lock_fd, cand_r, res_w]  # ours are closed once the child has them (started)
-        extra, caches = env.compile_caches()  # shared by all children: each graph and jiterator kernel compiles once
-        if cfg.composer == "llm":  # code an LLM wrote does not get to write caches that env.py's reference loads
-            extra = {k: str(Path(self.dir, Path(v).name)) for k, v in extra.items()}
-            caches = []
-        # CPU: one thread per child (workers use the cores; OpenMP teams on a busy machine make timings erratic).
-        threads = 1 if backend == "cpu" else max(1, (os.cpu_count() or 1) // max(1, cfg.workers))
-        extra.update(OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        # no inductor compile-worker pool per child: the workers already compile in parallel, and 12 children
-        # each starting a pool of one process per core (each importing torch) would swamp the CPUs
-        extra["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
-        self.timeout = cfg.task_timeout_s or (60 if backend == "cuda" else 150)
-        self.lock_limit = min(15.0, self.timeout / 2)  # a legitimate task holds the lock for a second or three
-        spec = {"dir": str(Path(self.dir).resolve()), "backend": backend, "window_ms": list(cfg.window_ms),
-                "n_timed": cfg.n_timed, "min_timed_s": cfg.min_timed_s, "threads": threads,
-                "lock_fd": self.lock_fd, "stop_fd": stop_fd, "in_fd": cand_r, "out_fd": res_w, "created": time.time()}
-        Path(self.dir, "spec.json").write_text(json.dumps(spec))
-        argv = [sys.executable, "-E", "-B", str(Path(__file__).resolve()), "_filter", str(Path(self.dir, "spec.json").resolve())]
-        # (the wall-clock limit only backs up check()'s per-candidate one: importing torch, then MAX_TASKS candidates)
-        kw = dict(timeout=300 + self.timeout * self.MAX_TASKS, writable=caches, mem_gb=16.0, env=extra,
-                  pass_fds=[self.lock_fd, stop_fd, cand_r, res_w], kind=backend,  # kind: CUDA-safe namespaces
-                  started=self._started)
-
-        def run():
-            self.sandbox = env.run_sandboxed(argv, self.dir, **kw)
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-
-    def _started(self, pid: int):
-        """The child runs, with its copies of the pipe ends and the lock: drop ours, so that the lock goes with
-        the child (a flock belongs to the open file, which we would otherwise keep open)."""
-        self.pid = pid
-        for fd in self.child_fds:
-            os.close(fd)
-            self.fds.remove(fd)
-
-    def check(self, cand: dict) -> dict:
-        """The child's verdict on `cand`, or a drop saying why the child died on it. Two deadlines: `timeout` s
-        of work on the candidate, not counting the wait for the device lock (the other workers' turns), and
-        `lock_limit` s under the lock at a time (every worker waits meanwhile). The child tells its lock state
-        on the same pipe as its answers: {"state": "wait" | "hold" | "run"} lines."""
-        os.write(self.cand_w, (json.dumps(cand) + "\n").encode())
-        self.n += 1
-        limit = self.timeout + (120 if self.n == 1 else 0)  # a child's first also waits for torch and CUDA to start
-        state, since, used, killed = "run", time.monotonic(), 0.0, None  # used: seconds of work before `since`
-        held_from = None  # wall clock, for the turn of a child killed under the lock (bench/synth_diag.py)
-        while True:
-            while b"\n" in self.buf:
-                line, self.buf = self.buf.split(b"\n", 1)
-                try:
-                    msg = json.loads(line)
-                except ValueError:
-                    continue  # not ours (the child writes nothing else here)
-                if "state" not in msg:
-                    if killed:  # answered just as it was killed: wait until it is gone, so it is not reused
-                        self.thread.join()
-                    return msg
-                now = time.monotonic()
-                used += now - since if state != "wait" else 0.0
-                state, since = msg["state"], now
-                held_from = time.time() if state == "hold" else None
-            alive = self.thread.is_alive()  # (read before the pipe: an answer written just before dying counts)
-            if select.select([self.res_r], [], [], 0.2 if alive else 0)[0]:
-                chunk = os.read(self.res_r, 1 << 16)
-                if chunk:
-                    self.buf += chunk
-                    continue
-                self.thread.join()  # end of the pipe: the child is gone; run_sandboxed is reaping it
-                alive = False
-            if not alive:
-                r = self.sandbox
-                # its last words about this candidate (the child marks where each one starts in stderr)
-                said = r.stderr.split(f"synth: checking {cand['key']}\n")[-1].strip() if r else ""
-                tail = said.splitlines()[-1][:200] if said else ""
-                why = (r.crash if r else None) or f"exited with code {r.returncode if r else '?'}"
-                held = [[held_from, held_from, time.time()]] if held_from else []  # it died holding the lock
-                return {"key": cand["key"], "kept": False, "drop": killed or f"child process {why}" +
-                        (f": {tail}" if tail else ""), "turns": held, "t": {"locked": held[0][2] - held_from if held else 0.0}}
-            now = time.monotonic()
-            if killed is None and self.pid:
-                if state == "hold" and now - since > self.lock_limit:  # everyone waits: end it
-                    killed = f"too slow: over {self.lock_limit:g} s under the device lock (its child was killed)"
-                elif state != "wait" and used + now - since > limit:
-                    killed = f"child process timed out: its checks took over {self.timeout} s"
-                if killed:
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(self.pid, signal.SIGKILL)
-
-    @property
-    def dead(self) -> bool:
-        return not self.thread.is_alive()
-
-    def close(self):
-        os.close(self.cand_w)  # EOF: the child exits
-        self.fds.remove(self.cand_w)
-        self.thread.join(10)
-        if self.thread.is_alive() and self.pid:  # stuck (in a C call, or after a Ctrl-C): end it
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.pid, signal.SIGKILL)
-            self.thread.join()
-        for fd in self.fds:
-            os.close(fd)
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -876,7 +596,7 @@ def report(funnel: dict, div: dict, n_seeds: int, kept: int, n_train: int, n_tes
 
 
 # ==============================================================================================
-# Output: save and load
+# Output: save
 # ==============================================================================================
 def save(rows: list[dict], out: Path, work: Path, cfg: Config, funnel_json: dict, records: list | None = None):
     """Split, save under work/, then swap into `out` (an interrupted run never leaves a half-written DIR).
@@ -903,9 +623,6 @@ def save(rows: list[dict], out: Path, work: Path, cfg: Config, funnel_json: dict
     shutil.rmtree(old, ignore_errors=True)
     return len(rows) - n_test, n_test
 
-
-# train.py reads datasets through this name (tasks.load_split does the same with tasks.read_dataset)
-load_tasks = read_dataset
 
 
 # ==============================================================================================

@@ -120,3 +120,21 @@ def test_row_estimate_quality_compares_kept_tasks_only():
                {"kept": False, "row_est_ms": 900.0, "eager_ms": 900.0, "drop": "too slow: eager about 900 ms"},
                {"kept": True, "eager_ms": 5.0}]  # (no estimate: a forward that needs the whole batch)
     assert synth_diag.row_estimate_quality(checked) == {"n": 2, "median_ratio": 2.0, "p95_ratio": 2.0, "max_ratio": 2.0}
+
+
+def test_import_graph_libraries_import_no_script():
+    """bench/import_graph.py reads who imports whom; the house rule it shows: library modules import no script
+    (env.py, the scorer every part shares, aside), and no module imports train.py, evaluate.py or synth.py."""
+    graph = {}
+    for line in bench("import_graph.py").splitlines():
+        name, n, _, deps = line.split(None, 3)
+        graph[name] = {d.split()[0] for d in deps.split(", ")} - {"-"}
+        assert int(n) > 0
+    assert {"synth.py", "compose.py", "ops.py", "tools.py", "agent.py"} <= set(graph), graph
+    assert {"compose", "ops", "checker"} <= graph["synth.py"] and "tools" in graph["agent.py"]
+    scripts = {"synth", "agent", "train", "evaluate", "teacher"}
+    libraries = {"engine", "tools", "tasks", "ops", "compose", "checker", "elementwise", "reward", "sandbox", "scan"}
+    for name, deps in graph.items():
+        if name[:-3] in libraries:
+            assert not deps & scripts, (name, deps)
+        assert not deps & {"train", "evaluate", "synth"}, (name, deps)

@@ -15,7 +15,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import compose  # noqa: E402
 import env  # noqa: E402
+import ops  # noqa: E402
 import synth  # noqa: E402
 import tasks  # noqa: E402
 
@@ -35,7 +37,7 @@ def run_cli(*args, timeout=600):
 
 @pytest.fixture(scope="module")
 def seeds():
-    return synth.mine_seeds(verbose=False)
+    return ops.mine_seeds(verbose=False)
 
 
 @pytest.fixture(scope="module")
@@ -66,12 +68,10 @@ def test_mining_finds_hundreds_of_seeds_from_every_source(seeds):
 
 # ---------------------------------------------------------------------------------------------- compose
 def test_compose_is_deterministic_follows_the_mix_and_emits_kernelbench_format(seeds):
-    by = {s["name"]: s for s in seeds}
-    cfg = synth.Config(window_ms=(0.1, 10.0), seed=3)
-    a = [synth.compose_one(i, seeds, by, cfg, "cpu") for i in range(30)]
-    b = [synth.compose_one(i, seeds, by, cfg, "cpu") for i in range(30)]
+    a = [compose.compose_one(i, seeds, 3, "cpu", (0.1, 10.0)) for i in range(30)]
+    b = [compose.compose_one(i, seeds, 3, "cpu", (0.1, 10.0)) for i in range(30)]
     assert a == b  # same seed, same candidates; another seed, other candidates
-    assert a != [synth.compose_one(i, seeds, by, synth.Config(window_ms=(0.1, 10.0), seed=4), "cpu") for i in range(30)]
+    assert a != [compose.compose_one(i, seeds, 4, "cpu", (0.1, 10.0)) for i in range(30)]
     ok = [c for c in a if "drop" not in c]
     assert len(ok) >= 20
     assert sum(c["data_source"] == "torch#2" for c in ok) > 0.6 * len(ok)  # the paper's mix: 84% torch#2
@@ -84,8 +84,23 @@ def test_compose_is_deterministic_follows_the_mix_and_emits_kernelbench_format(s
             out = mod.Model(*mod.get_init_inputs())(*[torch.empty(c["shape"], device="meta")])
         assert isinstance(out, torch.Tensor)
     # --max-ops bounds the chain length
-    cfg2 = synth.Config(window_ms=(0.1, 10.0), max_ops=1)
-    assert all(len(c["ops"]) == 1 for c in (synth.compose_one(i, seeds, by, cfg2, "cpu") for i in range(10)) if "drop" not in c)
+    one_op = (compose.compose_one(i, seeds, 0, "cpu", (0.1, 10.0), max_ops=1) for i in range(10))
+    assert all(len(c["ops"]) == 1 for c in one_op if "drop" not in c)
+
+
+def test_grow_batch_doubles_to_the_target_under_the_caps():
+    """ops.grow_batch, which sizes both families: 1 ms per row, window 1-100 ms (target 1 * 100 ** 0.3 = 3.98 ms)."""
+    per_row = lambda sh: (float(sh[0]), sh[0] * 10)  # (ms, bytes)
+    assert ops.grow_batch(per_row, (1, 7), (1.0, 100.0), cap=1e9) == ((4, 7), 4.0)  # first size >= the target
+    assert ops.grow_batch(per_row, (1, 7), (1.0, 100.0), cap=25) == ((2, 7), 2.0)  # 4 rows would hold 40 bytes
+    assert ops.grow_batch(per_row, (1, 7), (1.0, 100.0), cap=1e9, max_doublings=1) == ((2, 7), 2.0)
+    assert ops.grow_batch(lambda sh: (200.0, 1), (1, 7), (1.0, 100.0), cap=1e9) is None  # over the window at BATCH=1
+
+    def rejects_4(sh):  # a batch size the chain cannot take ends the growth
+        if sh[0] == 4:
+            raise RuntimeError("shape")
+        return per_row(sh)
+    assert ops.grow_batch(rejects_4, (1, 7), (1.0, 100.0), cap=1e9) == ((2, 7), 2.0)
 
 
 def test_duplicates_are_dropped(seeds):
@@ -97,13 +112,12 @@ def test_duplicates_are_dropped(seeds):
     assert funnel["compose"]["drops"]["duplicate of an earlier candidate"] == len(first)
     # same ops, different sizes: still a duplicate
     code = first[0]["code"]
-    assert synth.structure_key(code) == synth.structure_key(code.replace(f"BATCH = {first[0]['shape'][0]}", "BATCH = 12345"))
+    assert compose.structure_key(code) == compose.structure_key(code.replace(f"BATCH = {first[0]['shape'][0]}", "BATCH = 12345"))
 
 
 def test_llm_composer_keeps_kernelbench_answers_and_drops_the_rest(seeds):
     """compose_llm's checks of LLM answers, with a scripted policy (the real one is agent.py's, tested there)."""
-    by = {s["name"]: s for s in seeds}
-    plans = [c for c in (synth.compose_one(i, seeds, by, synth.Config(window_ms=(0.1, 10.0)), "cpu") for i in range(6))
+    plans = [c for c in (compose.compose_one(i, seeds, 0, "cpu", (0.1, 10.0)) for i in range(6))
              if "drop" not in c][:3]
 
     class Tok:
@@ -192,22 +206,21 @@ def test_each_execution_filter_drops_its_crafted_bad_task(tmp_path):
 
 
 def test_kernelbench_near_duplicate_is_dropped_and_others_kept(seeds):
-    kb = synth.load_kernelbench(str(KB))
+    kb = compose.load_kernelbench(str(KB))
     copy = (KB / "19_ReLU.py").read_text()
     near = copy.replace("batch_size", "N").replace("dim", "D").replace("16384", "512").replace("(x", "(inp") \
         .replace("relu(x)", "relu(inp)").replace('"""Applies', '"""Computes')
     assert near != copy
-    by = {s["name"]: s for s in seeds}
-    gen = [c for c in (synth.compose_one(i, seeds, by, synth.Config(window_ms=(0.1, 10.0)), "cpu") for i in range(10))
+    gen = [c for c in (compose.compose_one(i, seeds, 0, "cpu", (0.1, 10.0)) for i in range(10))
            if "drop" not in c]
     funnel = synth.new_funnel()
     kept = synth.filter_similar([{"code": near}] + gen, kb, synth.Config(), funnel)
     assert len(kept) == len(gen) and funnel["similarity"]["out"] == len(gen)
-    assert synth.most_similar(near, kb)[1] == "19_ReLU.py"
+    assert compose.most_similar(near, kb)[1] == "19_ReLU.py"
     # the filter's floor skips pairs that cannot beat it: the same answer above it, (0.0, "") below it
-    sim, name = synth.most_similar(near, kb, 0.9)
-    assert name == "19_ReLU.py" and sim == synth.most_similar(near, kb)[0] > 0.9
-    assert all(synth.most_similar(c["code"], kb, 0.9) == (0.0, "") for c in gen)
+    sim, name = compose.most_similar(near, kb, 0.9)
+    assert name == "19_ReLU.py" and sim == compose.most_similar(near, kb)[0] > 0.9
+    assert all(compose.most_similar(c["code"], kb, 0.9) == (0.0, "") for c in gen)
 
 
 # ---------------------------------------------------------------------------------------------- end to end
@@ -335,7 +348,7 @@ def test_a_machine_where_nothing_runs_stops_soon_with_one_line(tmp_path, monkeyp
     line, instead of composing thousands more."""
     calls = []
     class BrokenChecker:  # what the sandboxed children answered there
-        def __init__(self, cfg, backend, stop_fd):
+        def __init__(self, cfg, backend, stop_fd, child):
             self.n, self.dead = 0, False
 
         def check(self, c):
