@@ -31,10 +31,12 @@ What one verdict does, in order
                out[o::step] of every output, o drawn after the run returned). Fresh inputs are copied
                into the same buffers and the L2 flushed before each run, outside the clock. Every
                sample is compared with the reference, so pointer-keyed caches, work skipped after the
-               checks, and work deferred past the run are caught or timed. Median of 20 runs, each on
-               inputs of its own. One timed section per device at a time (a lock this process holds). Baselines are timed
-               while no candidate lives on the device, cached per reference with their spread, and
-               measured again (up to 3 times) while noisy.
+               checks, and work deferred past the run are caught or timed. Two more runs, which ones
+               drawn after each run returned, are read in full and not timed (work skipped in a pattern
+               a sample can miss). Median of 20 runs, each on inputs of its own. One timed section
+               per device at a time (a lock this process holds). Baselines are timed while no
+               candidate lives on the device, cached per reference with their spread, and measured
+               again (up to 3 times) while noisy.
   6. reward    the paper's milestones: -1 incorrect; 3 if >5% faster than eager AND compile;
                2 if >5% faster than eager only; 1 otherwise (correct).
 
