@@ -162,7 +162,7 @@ class Config:
 PRESETS = {
     # CI on a 2-core CPU: a 2-layer random model, 16-token turns, 2 tasks per step, a couple of steps; the teacher
     # works one training task (its build is cached after the first run), one held-out task.
-    "tiny": dict(model="tiny-random", synth_tasks=4, eval_tasks=1, sft_tasks=1, sft_epochs=1, sft_batch=1, sft_lr=1e-3,
+    "tiny": dict(model="tiny-random", synth_tasks=4, eval_tasks=1, sft_tasks=1, sft_epochs=2, sft_batch=1, sft_lr=1e-3,
                  tasks_per_step=2, max_new_tokens=16, max_turns=2, max_context=4096, warmup_steps=2, rft_tasks=2,
                  rft_epochs=1, critic_epochs=1, ppo_steps=2, lora_r=4, lora_alpha=8, minibatches=1, micro_batch=2,
                  actor_lr=1e-3, critic_lr=1e-3, rft_lr=1e-3, lr_warmup=0),
@@ -963,7 +963,7 @@ def stage_note(run_dir: Path, stage: str) -> str:
     num = lambda x: "-" if x is None else f"{x:+.3f}"
     if stage == "sft":
         losses = [r["loss"] for r in steps if r.get("loss") is not None]
-        return (f"{end.get('demos', 0)} demos of {end.get('episodes', 0)} teacher episodes on {end.get('tasks', 0)} tasks"
+        return (f"demonstrations {end.get('demos', 0)} of {end.get('episodes', 0)} teacher episodes ({end.get('tasks', 0)} tasks)"
                 + (f"; loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else ""))
     if stage == "rft":
         return f"kept {end.get('kept')} of {end.get('episodes')} own episodes"
@@ -1004,9 +1004,9 @@ def stage_chart(rows: list, path: Path) -> bool:
     ax2.plot(list(x), [r["reward"] for r in rows], "k.-", label="mean reward")
     ax2.set_ylim(-1.1, 3.1)
     ax2.set_ylabel("mean reward (-1 .. 3)")
-    fig.legend(loc="upper left", fontsize=8)
     ax.set_title("held-out evaluation after each stage")
-    fig.tight_layout()
+    fig.legend(loc="lower center", ncol=4, fontsize=8)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
