@@ -115,9 +115,9 @@ class Config:
     # sft: teacher demonstrations on the training tasks
     sft_tasks: int = 64  # training tasks the teacher works (0: all)
     sft_samples: int = 1  # teacher episodes per task (each draws its own plan of kernel variants)
-    sft_epochs: int = 3
-    sft_lr: float = 2e-4
-    sft_batch: int = 8  # demonstrations per optimizer step
+    sft_epochs: int = 8  # the teacher's fixed texts (binding, header) must be reproduced token for token: many steps
+    sft_lr: float = 5e-4  # LoRA on a 135M model; the paper's stages use lower rates on a 230B model
+    sft_batch: int = 4  # demonstrations per optimizer step (64 demonstrations: 16 steps per epoch)
     teacher_url: str | None = None  # an OpenAI-compatible /v1 endpoint writes the demonstrations instead
     teacher_model: str | None = None
     # rollouts

@@ -439,6 +439,30 @@ def test_stage_all_tiny_with_kill_and_resume(tmp_path, elem_dataset):
     assert (ck / "value_head.pt").is_file() and (ck / "critic" / "adapter_config.json").is_file()
 
 
+@pytest.mark.slow
+def test_ablations_skip_rft_and_skip_critic(tmp_path, relu_dataset):
+    """The paper's ablations in small (tiny preset, no teacher): --skip rft (the critic rolls out its own
+    episodes to pre-train on; PPO takes the pre-trained critic) and --skip critic (PPO starts from a fresh
+    critic). Each ends with its table: base, then one row per stage that ran."""
+    common = ["--stage", "all", "--preset", "tiny", "--backend", "cpu", "--dataset", str(relu_dataset),
+              "--set", "warmup_steps=1", "--set", "ppo_steps=1"]
+    r = run_cli([*common, "--run-dir", str(tmp_path / "no-rft"), "--skip", "sft,rft"], timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "stages warmup -> critic -> ppo (skipped: sft, rft)" in r.stdout.splitlines()[0]
+    assert sorted(p.name for p in (tmp_path / "no-rft" / "critic" / "rollouts").iterdir()) == ["chunk-000000-rank0.jsonl"]
+    assert not (tmp_path / "no-rft" / "rft").exists()
+    table = r.stdout[r.stdout.index("held-out evaluation (greedy"):].splitlines()
+    assert [x.split()[0] for x in table[3:7]] == ["base", "warmup", "critic", "ppo"], table
+    assert "actor as after warmup" in table[5], table
+    r = run_cli([*common, "--run-dir", str(tmp_path / "no-critic"), "--skip", "sft", "--skip", "critic"], timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    table = r.stdout[r.stdout.index("held-out evaluation (greedy"):].splitlines()
+    assert [x.split()[0] for x in table[3:7]] == ["base", "warmup", "rft", "ppo"], table
+    ppo = [json.loads(x) for x in (tmp_path / "no-critic" / "metrics.jsonl").read_text().splitlines()]
+    ppo = [x for x in ppo if x.get("stage") == "ppo" and "event" not in x]
+    assert ppo[0]["v_mean"] == 0.0  # a fresh critic: zero value head
+
+
 # ----------------------------------------------------------------------------------------------
 # Two ranks through accelerate on CPU (gloo)
 # ----------------------------------------------------------------------------------------------
