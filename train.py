@@ -255,8 +255,16 @@ def run(cfg: Config, a, stages: list, order: list, src: str | None) -> int:
     if stages[0] == order[0]:  # a run from the start: the base model's row first
         heldout_eval(ctx, "base")
     for s in stages:
-        {"sft": stage_sft, "warmup": lambda c, r: ppo_stage(c, "warmup", cfg.warmup_steps, r), "rft": stage_rft,
-         "critic": stage_critic, "ppo": lambda c, r: ppo_stage(c, "ppo", cfg.ppo_steps, r)}[s](ctx, a.resume)
+        if s == "sft":
+            stage_sft(ctx, a.resume)
+        elif s == "warmup":
+            ppo_stage(ctx, "warmup", cfg.warmup_steps, a.resume)
+        elif s == "rft":
+            stage_rft(ctx, a.resume)
+        elif s == "critic":
+            stage_critic(ctx, a.resume)
+        else:
+            ppo_stage(ctx, "ppo", cfg.ppo_steps, a.resume)
         heldout_eval(ctx, s)
     if ctx.main:
         rows = read_rows(run_dir)
@@ -695,33 +703,37 @@ def stage_sft(ctx: Ctx, resume: bool):
 
 def teacher_demos(ctx: Ctx) -> tuple[list, int]:
     """(demonstrations, teacher episodes). RUN/demos.jsonl when it exists (a rerun reuses it: scoring is the
-    expensive part); otherwise each rank's teacher works its share of the training tasks (teacher.make_demos:
-    episodes scored by env.py, only reward >= 1 kept) and rank 0 writes the union."""
+    expensive part); otherwise each rank's teacher works its share of the training tasks in chunks of
+    tasks_per_step (teacher.make_demos: episodes scored by env.py, only reward >= 1 kept; each chunk is kept in
+    RUN/sft/teacher/rankR/chunk-N/, so a killed run loses one chunk at most) and rank 0 writes the union."""
     cfg, path = ctx.cfg, ctx.run_dir / "demos.jsonl"
     parts = ctx.run_dir / "sft" / "teacher"
     if not path.is_file():
         who = f"{cfg.teacher_model} at {cfg.teacher_url}" if cfg.teacher_url else "the scripted teacher (teacher.py)"
         ctx.say(f"sft: {who} works {len(ctx.teacher_tasks)} training task(s) x {cfg.sft_samples} episode(s) "
                 f"(the {len(ctx.heldout)} held-out tasks are never shown to it); env.py scores each, reward >= 1 kept")
-        out = parts / f"rank{ctx.rank}"
-        mine = shard(ctx.teacher_tasks, ctx.rank, ctx.world)
-        if mine and not (out / "demos.jsonl").is_file():
+        mine, n = shard(ctx.teacher_tasks, ctx.rank, ctx.world), max(1, cfg.tasks_per_step)
+        policy = None
+        for c in tqdm(range(0, len(mine), n), desc="sft teacher", unit="chunk", disable=not ctx.main or len(mine) <= n):
+            out = parts / f"rank{ctx.rank}" / f"chunk-{c // n:04d}"
+            if (out / "demos.jsonl").is_file():
+                continue
             (out / "trajectories.jsonl").unlink(missing_ok=True)  # an interrupted run's partial episodes
-            policy = teacher.load_teacher(ctx.backend, url=cfg.teacher_url, teacher_model=cfg.teacher_model,
-                                          seed=cfg.seed, tokenizer=ctx.policy.tokenizer)
-            teacher.make_demos(policy, mine, ctx.backend, out, samples=cfg.sft_samples, progress=ctx.main,
+            policy = policy or teacher.load_teacher(ctx.backend, url=cfg.teacher_url, teacher_model=cfg.teacher_model,
+                                                    seed=cfg.seed, tokenizer=ctx.policy.tokenizer)
+            teacher.make_demos(policy, mine[c:c + n], ctx.backend, out, samples=cfg.sft_samples, progress=ctx.main,
                                tool_workers=cfg.tool_workers)
         barrier()
         if ctx.main:
-            demos = [e for f in sorted(parts.glob("rank*/demos.jsonl")) for e in agent.load_episodes(f)]
+            demos = [e for f in sorted(parts.glob("rank*/chunk-*/demos.jsonl")) for e in agent.load_episodes(f)]
             agent.save_episodes(path.with_name(path.name + ".tmp"), demos)
             os.replace(path.with_name(path.name + ".tmp"), path)
-            eps = [e for f in sorted(parts.glob("rank*/trajectories.jsonl")) for e in agent.load_episodes(f)]
+            eps = [e for f in sorted(parts.glob("rank*/chunk-*/trajectories.jsonl")) for e in agent.load_episodes(f)]
             ctx.say(f"sft: teacher | {teacher.summary(eps)} | written to {path}")
         barrier()
     else:
         ctx.say(f"sft: reusing the demonstrations in {path}")
-    n_eps = sum(len(agent.load_episodes(f)) for f in parts.glob("rank*/trajectories.jsonl"))
+    n_eps = sum(len(agent.load_episodes(f)) for f in parts.glob("rank*/chunk-*/trajectories.jsonl"))
     return agent.load_episodes(path), n_eps
 
 
@@ -910,6 +922,7 @@ def heldout_eval(ctx: Ctx, label: str):
     by env.py; metrics from reward.summarize (evaluate.py's definitions). One row per label in RUN/stages.jsonl:
     a row already there is not recomputed (--resume). The critic stage leaves the actor as it found it, so its
     row repeats the previous row's numbers instead of scoring the same greedy kernels again."""
+    barrier()  # every rank reads the rows rank 0 has written so far
     if label in {r["stage"] for r in read_rows(ctx.run_dir)}:
         ctx.say(f"eval | after {label}: already in {ctx.run_dir / 'stages.jsonl'} (kept)")
         return

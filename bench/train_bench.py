@@ -213,7 +213,7 @@ def split(a) -> list:
     code = (ROOT / "examples" / "relu.py").read_text()
     row = {"ops": ["torch.relu"], "data_source": "torch#1", "code": code, "eager_ms": None, "compile_ms": None}
     datasets.DatasetDict({"train": datasets.Dataset.from_list([row] * 4), "test": datasets.Dataset.from_list([row])}).save_to_disk(str(data))
-    argv = ["--stage", "warmup", "--preset", a.preset, "--backend", a.backend, "--run-dir", str(run_dir),
+    argv = ["--stage", "warmup", "--skip", "sft", "--preset", a.preset, "--backend", a.backend, "--run-dir", str(run_dir),
             "--dataset", a.dataset or str(data), "--set", f"warmup_steps={a.split_steps}"]
     rc = train.main(argv)
     if rc != 0:
