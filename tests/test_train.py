@@ -476,9 +476,12 @@ def test_accelerate_two_processes_cpu(tmp_path, relu_dataset):
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.count("train | stages warmup") == 1 and "ranks 2" in r.stdout  # rank 0 prints
+    assert r.stdout.count(" | stages warmup (skipped: sft) | ") == 1 and "ranks 2" in r.stdout  # rank 0 prints
     rows = [json.loads(x) for x in (rd / "metrics.jsonl").read_text().splitlines()]
-    assert rows[0]["stage"] == "warmup" and rows[0]["n"] == 2  # one rollout per rank, gathered
+    steps = [x for x in rows if "event" not in x]
+    assert steps[0]["stage"] == "warmup" and steps[0]["n"] == 2  # one rollout per rank, gathered
+    evals = [x for x in rows if x.get("event") == "eval"]  # base and after warm-up, once (rank 0), on 1 held-out task
+    assert [(x["stage"], x["n"]) for x in evals] == [("base", 1), ("warmup", 1)], evals
     assert sorted(p.name for p in (rd / "warmup" / "rollouts").iterdir()) == ["step-000000-rank0.jsonl", "step-000000-rank1.jsonl"]
     assert json.loads((rd / "warmup" / "latest.json").read_text())["done"]
 
