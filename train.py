@@ -272,9 +272,11 @@ def run(cfg: Config, a, stages: list, order: list, src: str | None) -> int:
         print(f"chart: {run_dir / 'stages.png'}" if stage_chart(rows, run_dir / "stages.png")
               else "no chart (matplotlib is not installed: pip install matplotlib)")
         if all_rewards_minus_one(run_dir, rows):
-            print(f"note: every reward in this run was -1 (no kernel was both built and correct). That is expected for "
-                  f"{'a tiny random model' if cfg.model == TINY else 'the embedded 135M model'} at preset {cfg.preset!r}: "
-                  "this run shows that every stage works end to end, not that the model learns")
+            print("note: every reward in this run was -1 (no kernel was both built and correct). " + (
+                  f"That is expected for {'a tiny random model' if cfg.model == TINY else 'the 135M model on a CPU'} at "
+                  f"preset {cfg.preset!r}: this run shows that every stage works end to end, not that the model learns"
+                  if cfg.model == TINY or cfg.preset == "cpu" else
+                  f"Look at the sft row (demonstrations, loss) and the held-out episodes in {run_dir / 'eval'}"))
         print(f"done in {fmt_time(time.time() - t_start)} | checkpoints: " +
               " ".join(str(run_dir / s / latest(run_dir / s)["ckpt"]) for s in stages if latest(run_dir / s)) +
               f" | table: {run_dir / 'stages.jsonl'} | metrics: {run_dir / 'metrics.jsonl'}")
@@ -948,7 +950,10 @@ def heldout_eval(ctx: Ctx, label: str):
         row = {"stage": label, "n": res["n"], "pass": res["pass_rate"], "faster_eager": res["faster_eager_rate"],
                "faster_compile": res["faster_compile_rate"], "reward": sum(e["reward"] for e in eps) / max(len(eps), 1),
                "turns": res["mean_turns"], "geomean_compile": res["geomean_speedup_compile"],
+               "harness_fail": sum(harness_failed(e) for e in eps),  # counted as failures, as in evaluate.py
                "note": "the base model, before training" if label == "base" else stage_note(ctx.run_dir, label)}
+        if row["harness_fail"]:
+            row["note"] += f" ({row['harness_fail']} harness failures counted as failures)"
     row.update(stage=label, eval_s=round(time.time() - t0, 1), time=time.time())
     if ctx.main:
         with open(ctx.run_dir / "stages.jsonl", "a") as fh:
