@@ -463,6 +463,44 @@ def test_ablations_skip_rft_and_skip_critic(tmp_path, relu_dataset):
     assert ppo[0]["v_mean"] == 0.0  # a fresh critic: zero value head
 
 
+@pytest.mark.slow
+def test_sft_with_teacher_url_on_loopback_server(tmp_path, elem_dataset):
+    """--teacher-url / --teacher-model: a chat server writes the demonstrations (here it serves the scripted
+    teacher's files for the one training task of the tiny preset). The server is shown the training task only,
+    never the held-out one; its episode is scored by env.py and becomes the demonstration sft trains on."""
+    import http.server
+    import threading
+    import elementwise as E
+    import teacher
+    from tasks import load_split
+    from test_agent import FakeOpenAI, structured
+    task, held = load_split(str(elem_dataset), "train")[0], load_split(str(elem_dataset), "test")[0]
+    steps = E.parse(task["code"])
+    files = {"kernels/binding.cpp": E.binding("cpu"), "kernels/op.cpp": E.kernel_source(steps, "cpu", "rows"),
+             "model_new.py": E.model_new(task["code"], steps, "cpu")}
+    FakeOpenAI.script = [structured("write_file", i, path=p, content=c) for i, (p, c) in enumerate(files.items())] + \
+        [{"content": "Check it. " + teacher.call("", "verify").strip()}, structured("finish", 4)]
+    FakeOpenAI.requests = []
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeOpenAI)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    rd = tmp_path / "run"
+    try:
+        r = run_cli(["--stage", "sft", "--preset", "tiny", "--backend", "cpu", "--run-dir", str(rd), "--dataset", str(elem_dataset),
+                     "--teacher-url", f"http://127.0.0.1:{srv.server_port}/v1", "--teacher-model", "fake"],
+                    timeout=900, env=dict(os.environ, OPENAI_API_KEY="sk-test"))
+    finally:
+        srv.shutdown()
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "sft: fake at http://127.0.0.1:" in r.stdout and "demonstrations 1" in r.stdout, r.stdout[-3000:]
+    bodies = [json.dumps(q["body"]) for q in FakeOpenAI.requests]
+    assert len(bodies) == 5 and all(json.dumps(held["code"])[1:-1] not in b for b in bodies)
+    assert json.dumps(task["code"])[1:-1] in bodies[0]
+    demo = json.loads((rd / "demos.jsonl").read_text().splitlines()[0])
+    assert demo["task_id"] == "train/00000" and demo["reward"] >= 1 and demo["n_turns"] == 5
+    rows = [json.loads(x) for x in (rd / "stages.jsonl").read_text().splitlines()]
+    assert [x["stage"] for x in rows] == ["base", "sft"] and "demonstrations 1 of 1" in rows[1]["note"]
+
+
 # ----------------------------------------------------------------------------------------------
 # Two ranks through accelerate on CPU (gloo)
 # ----------------------------------------------------------------------------------------------
