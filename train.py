@@ -90,7 +90,7 @@ import env
 import teacher
 from reward import summarize
 from rl import (action_values, adapter_params, add_adapters, all_sum, barrier, collate, critic_epoch, dist_on, gather,
-                global_explained_variance, make_optimizer, mc_returns, ppo_update, reset_critic, sft_epoch, shard, _t)
+                global_explained_variance, make_optimizer, mc_returns, ppo_update, reset_critic, sft_epoch, shard)
 from tasks import load_data
 
 ROOT = Path(__file__).resolve().parent
@@ -912,7 +912,8 @@ def held_out_ev(ctx: Ctx, eps: list):
             targets.append(mc_returns(part, ctx.cfg.gamma, ctx.device))
     p = torch.cat(preds) if preds else torch.zeros(0, device=ctx.device)
     t = torch.cat(targets) if targets else torch.zeros(0, device=ctx.device)
-    s = all_sum(torch.stack([_t(float(p.numel()), ctx.device), ((p - t).double() ** 2).sum()]))
+    s = all_sum(torch.stack([torch.tensor(float(p.numel()), dtype=torch.float64, device=ctx.device),
+                             ((p - t).double() ** 2).sum()]))
     return global_explained_variance(p, t), float(s[1] / s[0].clamp(min=1))
 
 
