@@ -1,18 +1,28 @@
-"""train.py: the CUDA Agent recipe, scaled to one node: single-turn PPO warm-up -> rejection fine-tuning
-(RFT) -> critic pre-training -> multi-turn agentic PPO, all on LoRA adapters of one base model.
+"""train.py: the CUDA Agent recipe, scaled to one node: a supervised cold start from verified teacher
+demonstrations (sft) -> single-turn PPO warm-up -> rejection fine-tuning (RFT) -> critic pre-training ->
+multi-turn agentic PPO, all on LoRA adapters of one base model, with a held-out evaluation after every stage.
 
     # tiny: minutes on a 2-core CPU, CPU backend, a tiny randomly initialised model (this is what CI runs)
     python train.py --stage all --preset tiny --backend cpu --run-dir runs/tiny
-    # default: one H200 with the embedded SmolLM2-135M-Instruct (~7 min of stages, projected from a short H200 run: README);
+    # default: one H200 with the embedded SmolLM2-135M-Instruct on the elementwise family (docs/curriculum.md);
     # without a GPU the same command runs the CPU-sized preset "cpu" (the first line says so)
     python train.py --stage all --run-dir runs/default
+    # the paper's ablations in small: the same run without RFT, without critic pre-training
+    python train.py --stage all --run-dir runs/no-rft --skip rft
+    python train.py --stage all --run-dir runs/no-critic --skip critic
+    # a large model behind any OpenAI-compatible server writes the demonstrations instead (distillation)
+    python train.py --stage all --run-dir runs/distil --teacher-url http://localhost:8000/v1 --teacher-model Qwen/Qwen3-32B
     # one stage at a time (each needs its predecessor's checkpoint in --run-dir), resumable after kill -9
     python train.py --stage ppo --run-dir runs/default --resume
     # several GPUs (each rank rolls out and scores on its own GPU; --env-gpus K keeps K GPUs for timing)
     accelerate launch --multi_gpu --num_processes 4 train.py --stage all --run-dir runs/x4
-    # the same on a CPU-only machine (gloo): accelerate launch --multi_gpu --num_processes 2 train.py ... --backend cpu
 
 The algorithm, as differences from named baselines
+  sft     the paper starts RL from a model that already uses the tools; ours cannot, so the run creates that
+          start: a teacher (teacher.py: a scripted solver of the elementwise family, or any OpenAI-compatible
+          model) works the TRAINING tasks through the same ReAct tools, env.py scores every episode, and only
+          those at reward >= 1 become demonstrations (RUN/demos.jsonl, reused on a rerun). Plain SFT on them:
+          next-token loss on the teacher's tokens only (loss_mask), never on prompts or tool output.
   warmup  PPO as in the paper's single-turn warm-up (actor + critic, token-level GAE with gamma = 1, value
           clipping, token-mean loss) with DAPO's asymmetric clip (eps_low 0.2, eps_high 0.28) and two changes
           from VC-PPO / VAPO: decoupled lambdas (actor advantages lambda 0.95, critic targets lambda 1, i.e.
@@ -20,42 +30,40 @@ The algorithm, as differences from named baselines
           equal trains the critic only (its advantages would be the critic's errors, not information).
           Reward = env.py's milestone reward (-1/1/2/3) on the last response token. No KL penalty by default
           (--set kl_coef=...; the reference is the base with the adapter off); the KL to it is logged anyway.
-  rft     plain SFT (next-token loss on model tokens only) on the warmed-up actor's own multi-turn
-          episodes, kept only if reward > 0 and free of bad patterns, judged on behaviour: a malformed or
-          unknown tool call; the same call on an unchanged workspace twice in a row (re-profiling until the
-          noise looks good); such a call 3+ times (a loop). Each call is keyed by the workspace's content
-          before it (agent.py records a hash per turn), so compile -> edit -> compile is debugging, and kept.
+  rft     the same next-token loss on the warmed-up actor's own multi-turn episodes, kept only if reward > 0
+          and free of bad patterns, judged on behaviour: a malformed or unknown tool call; the same call on an
+          unchanged workspace twice in a row (re-profiling until the noise looks good); such a call 3+ times
+          (a loop). Each call is keyed by the workspace's content before it (agent.py records a hash per
+          turn), so compile -> edit -> compile is debugging, and kept.
   critic  a scalar value head on the base model with its own LoRA adapter, regressed (MSE) on Monte-Carlo
-          returns (gamma 1: the episode's reward at every model token) of ALL rolled-out episodes (the
-          critic must also learn what failure looks like). The paper regresses on GAE(lambda 0.95) targets;
-          computed from a zero critic those give a token d tokens before the end only R * 0.95^d, i.e.
-          nothing for the thousands of tokens of an agent episode. Epochs run until the explained variance
-          on held-out episodes has not improved for critic_patience epochs; the best epoch is kept, and the
-          explained variance before and after the stage is printed.
+          returns (gamma 1: the episode's reward at every model token) of ALL the RFT episodes (the critic
+          must also learn what failure looks like; with --skip rft it rolls out its own). The paper regresses
+          on GAE(lambda 0.95) targets; computed from a zero critic those give a token d tokens before the end
+          only R * 0.95^d, i.e. nothing for the thousands of tokens of an agent episode. Epochs run until the
+          explained variance on held-out episodes has not improved for critic_patience epochs; the best
+          epoch is kept. With --skip critic, PPO starts from a fresh critic (the paper's ablation).
   ppo     the warm-up's PPO over whole multi-turn episodes: GAE runs over the sequences' own layout, where
           tool-output tokens are gaps it skips (the value is carried across them); advantages whitened over
           the model tokens of the whole global batch.
-  rollout/training mismatch: tokens are sampled by agent.py's engine (merged LoRA, fused projections,
-          reused K/V; on a GPU bf16 and compiled layers), the PPO ratio is taken against log-probs that the
-          training forward recomputes. The two differ (CPU, embedded model: docs/recipe.md). The engine
-          records each sampled token's log-prob; every step logs mean and p99 |delta log p| and the share
-          of ratios pi_train / pi_rollout outside [0.8, 1.2], and the PPO loss is weighted per token by the
-          truncated importance weight min(pi_train / pi_rollout, tis_cap) (tis_cap 2; 0 turns it off).
+  rollout/training mismatch: tokens are sampled by the rollout engine (merged LoRA, fused projections, reused
+          K/V; on a GPU bf16 and compiled layers), the PPO ratio is taken against log-probs that the training
+          forward recomputes. Every step logs mean and p99 |delta log p| and the share of ratios outside
+          [0.8, 1.2], and weights the PPO loss per token by min(pi_train / pi_rollout, tis_cap) (truncated
+          importance sampling; tis_cap 2; 0 turns it off).
   Harness failures (the task's reference does not run, the evaluation crashed) are not the policy's -1:
   those episodes are left out of training and of the reward statistics (harness_fail counts them).
-  One base model in memory: the actor and the critic are two LoRA adapters of it ("actor", "critic"),
-  the KL reference is the same base with adapters disabled. Multi-rank: no DDP wrapper (the model
-  switches adapters and generates, which DDP dislikes); every loss is divided by the global token count
-  of its minibatch and LoRA gradients are SUMMED over ranks by hand, so N ranks compute the 1-process
-  token-mean gradient (also with uneven shares: no episode is dropped to even them out).
+  One base model in memory: the actor and the critic are two LoRA adapters of it ("actor", "critic"), the
+  KL reference is the same base with adapters disabled. Multi-rank: no DDP wrapper; losses are divided by
+  global token counts and LoRA gradients summed over ranks (rl.py), so N ranks compute the 1-process gradient.
 
-Per-step log (stdout and metrics.jsonl): rollout rates and reward, geometric-mean speedup vs torch.compile
-of the correct kernels, turns, malformed-call rate, end reasons; losses, entropy, clip fraction; the
-critic's explained variance against its targets, mean value, advantage std, KL to the reference, learning
-rate; the mismatch statistics and the mean importance weight.
+The held-out evaluation: the test split of the dataset (tasks the teacher never sees), greedy agent episodes
+scored by env.py, for the base model and after every stage; the run ends with one table (stage x pass rate,
+faster than eager, faster than torch.compile, mean reward, mean turns; docs/curriculum.md says how to read it),
+also in RUN/stages.jsonl and RUN/stages.png.
 
-Run folder (--run-dir): config.json, metrics.jsonl (one JSON line per step), tb/ (TensorBoard, if
-installed), data/ (the synthesised dataset when no --dataset), and warmup/ rft/ critic/ ppo/, each with
+Run folder (--run-dir): config.json, metrics.jsonl (one JSON line per step), stages.jsonl (the table), tb/
+(TensorBoard, if installed), data/ (the synthesised dataset when no --dataset), demos.jsonl (the teacher's
+demonstrations), eval/STAGE/ (held-out episodes), and sft/ warmup/ rft/ critic/ ppo/, each with
 ckpt-NNNNNN/{actor,critic}/ (standard PEFT adapters: PeftModel.from_pretrained(base, ".../actor")),
 value_head.pt, state.pt (optimisers, schedulers, step), latest.json (the newest complete checkpoint),
 and rollouts/ (scored rollouts, reused on --resume so no kernel is scored twice).
@@ -75,21 +83,22 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 import agent
 import env
+import teacher
 from reward import summarize
+from rl import (action_values, adapter_params, add_adapters, all_sum, barrier, collate, critic_epoch, dist_on, gather,
+                global_explained_variance, make_optimizer, mc_returns, ppo_update, reset_critic, sft_epoch, shard)
 from tasks import load_data
 
 ROOT = Path(__file__).resolve().parent
-STAGES = ("warmup", "rft", "critic", "ppo")
-PREDECESSOR = {"warmup": None, "rft": "warmup", "critic": "rft", "ppo": "critic"}
+STAGES = ("sft", "warmup", "rft", "critic", "ppo")
 
 
 # ----------------------------------------------------------------------------------------------
-# Configuration: one dataclass, three presets
+# Configuration: one dataclass, four presets
 # ----------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Config:
@@ -99,13 +108,23 @@ class Config:
     backend: str = "auto"
     run_dir: str = "runs/default"
     seed: int = 0
-    # data
-    synth_tasks: int = 64  # tasks synthesised when no --dataset is given
+    # data: synthesised when no --dataset is given; the test split (eval_tasks of them) is held out
+    synth_tasks: int = 96
+    family: str = "elementwise"  # synth.py --family: elementwise (the teacher's family) | paper (the paper's mix)
+    eval_tasks: int = 32  # held-out tasks scored after every stage (never given to the teacher)
+    # sft: teacher demonstrations on the training tasks
+    sft_tasks: int = 64  # training tasks the teacher works (0: all)
+    sft_samples: int = 1  # teacher episodes per task (each draws its own plan of kernel variants)
+    sft_epochs: int = 8  # the teacher's fixed texts (binding, header) must be reproduced token for token: many steps
+    sft_lr: float = 5e-4  # LoRA on a 135M model; the paper's stages use lower rates on a 230B model
+    sft_batch: int = 4  # demonstrations per optimizer step (64 demonstrations: 16 steps per epoch)
+    teacher_url: str | None = None  # an OpenAI-compatible /v1 endpoint writes the demonstrations instead
+    teacher_model: str | None = None
     # rollouts
     tasks_per_step: int = 16  # prompts per rank per step
-    max_new_tokens: int = 768  # per model turn
-    max_turns: int = 6
-    max_context: int = 8192
+    max_new_tokens: int = 1536  # per model turn (the teacher's longest CUDA turn is ~1,200 tokens)
+    max_turns: int = 12  # the teacher's episodes take 7-11 turns
+    max_context: int = 8192  # SmolLM2's trained context; a longer demonstration is cut (its files are written early)
     temperature: float = 1.0
     # stage lengths
     warmup_steps: int = 10
@@ -114,7 +133,6 @@ class Config:
     critic_epochs: int = 30  # at most; pre-training stops once held-out explained variance stops improving
     critic_patience: int = 3  # ... for this many epochs (the best epoch's critic is kept)
     ppo_steps: int = 10
-    eval_tasks: int = 16
     # optimisation
     lora_r: int = 16
     lora_alpha: int = 32
@@ -136,143 +154,165 @@ class Config:
     max_grad_norm: float = 1.0
     ckpt_every: int = 1  # steps between checkpoints (1: a kill -9 loses at most one step)
     env_gpus: int = 0  # GPUs kept apart for kernel timing (the last K visible ones)
+    synth_workers: int = 0  # synth.py's sandboxed children; 0 = from the machine's cores (workers())
+    tool_workers: int = 0  # tool calls (builds, verdicts) of different episodes in parallel; 0 = from the cores
     demos: str | None = None  # extra hand-written episodes (agent.save_episodes format) added to RFT
 
 
 PRESETS = {
-    # CI on a 2-core CPU: a 2-layer random model, 16-token turns, 2 tasks per step, a couple of steps.
-    "tiny": dict(model="tiny-random", synth_tasks=3, tasks_per_step=2, max_new_tokens=16, max_turns=2,
-                 max_context=4096, warmup_steps=2, rft_tasks=2, rft_epochs=1, critic_epochs=1, ppo_steps=2,
-                 eval_tasks=1, lora_r=4, lora_alpha=8, minibatches=1, micro_batch=2, actor_lr=1e-3,
-                 critic_lr=1e-3, rft_lr=1e-3, lr_warmup=0),
+    # CI on a 2-core CPU: a 2-layer random model, 16-token turns, 2 tasks per step, a couple of steps; the teacher
+    # works one training task (its build is cached after the first run), one held-out task.
+    "tiny": dict(model="tiny-random", synth_tasks=4, eval_tasks=1, sft_tasks=1, sft_epochs=2, sft_batch=1, sft_lr=1e-3,
+                 tasks_per_step=2, max_new_tokens=16, max_turns=2, max_context=4096, warmup_steps=2, rft_tasks=2,
+                 rft_epochs=1, critic_epochs=1, ppo_steps=2, lora_r=4, lora_alpha=8, minibatches=1, micro_batch=2,
+                 actor_lr=1e-3, critic_lr=1e-3, rft_lr=1e-3, lr_warmup=0),
     # A machine without a GPU (what `--stage all` picks there unless --preset is given): the embedded 135M model,
-    # 2 tasks per step, short turns. Every reward is -1 at this size: it shows the stages run, not that they learn.
-    # TODO: not yet "minutes": each update is a forward/backward of 135M over ~1.2k-token prompts (SKILL.md), which
-    # took 12 min (warm-up step) and 23 min (critic epoch) on a shared 2-core machine at load 10-70 (docs/recipe.md).
-    "cpu": dict(synth_tasks=4, tasks_per_step=2, max_new_tokens=48, max_turns=2, max_context=4096, warmup_steps=1,
-                rft_tasks=2, rft_epochs=1, critic_epochs=1, critic_patience=1, ppo_steps=1, eval_tasks=1, lora_r=4,
-                lora_alpha=8, minibatches=1, micro_batch=2, lr_warmup=0),
-    # One H200 with the embedded 135M model; meant for <= 30 minutes (not measured yet; bench/preset_time.py projects it).
+    # 2 tasks per step, short turns. It shows that the stages run end to end, not that they learn.
+    # TODO: not yet "minutes": each update is a forward/backward of 135M over thousands of tokens, which took
+    # 12 min (warm-up step) and 23 min (critic epoch) on a shared 2-core machine at load 10-70 (docs/recipe.md).
+    "cpu": dict(synth_tasks=6, eval_tasks=2, sft_tasks=2, sft_epochs=1, sft_batch=2, tasks_per_step=2, max_new_tokens=48,
+                max_turns=2, max_context=8192, warmup_steps=1, rft_tasks=2, rft_epochs=1, critic_epochs=1,
+                critic_patience=1, ppo_steps=1, lora_r=4, lora_alpha=8, minibatches=1, micro_batch=1, lr_warmup=0),
+    # One H200 with the embedded 135M model: 64 training tasks for the teacher, 32 held out.
     "default": dict(),
     # The paper's hyper-parameters (actor lr 3e-6, critic lr 6e-6, gamma 1, lambda 0.95, eps 0.2/0.28,
     # 150 PPO steps) with batch, context and turns scaled to one 8-GPU node (paper: batch 1024, 128k
-    # context, 150 turns).
-    "paper": dict(synth_tasks=6000, tasks_per_step=32, max_new_tokens=4096, max_turns=50, max_context=32768,
-                  warmup_steps=50, rft_tasks=512, rft_epochs=2, critic_epochs=30, ppo_steps=150, eval_tasks=250,
-                  lora_r=64, lora_alpha=128, actor_lr=3e-6, critic_lr=6e-6, rft_lr=1e-5, lr_warmup=5,
-                  minibatches=4, micro_batch=1),
+    # context, 150 turns), on the paper's task mix (the scripted teacher solves none of it: --teacher-url).
+    "paper": dict(synth_tasks=6000, family="paper", eval_tasks=250, sft_tasks=512, sft_epochs=2, sft_lr=5e-5,
+                  sft_batch=32, tasks_per_step=32, max_new_tokens=4096, max_turns=50, max_context=32768,
+                  warmup_steps=50, rft_tasks=512, rft_epochs=2, critic_epochs=30, ppo_steps=150, lora_r=64,
+                  lora_alpha=128, actor_lr=3e-6, critic_lr=6e-6, rft_lr=1e-5, lr_warmup=5, minibatches=4, micro_batch=1),
 }
 
 
 # ----------------------------------------------------------------------------------------------
-# The math (pure functions on tensors; unit-tested in tests/test_train.py)
+# The stage driver: base evaluation, then each stage followed by its held-out evaluation
 # ----------------------------------------------------------------------------------------------
-def gae(rewards, values, mask, gamma=1.0, lam=0.95):
-    """Generalised advantage estimation over the positions where mask == 1 only.
+def run(cfg: Config, a, stages: list, order: list, src: str | None) -> int:
+    from accelerate import Accelerator
+    t_start = time.time()
+    cuda = torch.cuda.is_available()
+    acc = Accelerator(cpu=not cuda)  # CPU: gloo across processes; GPU: NCCL
+    rank, world = acc.process_index, acc.num_processes
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    backend = env.resolve_backend(cfg.backend)
+    cores = n_cores()
+    cfg.synth_workers, cfg.tool_workers = (cfg.synth_workers or workers(cores, backend)[0],
+                                           cfg.tool_workers or workers(cores // local_world, backend)[1])
+    run_dir = Path(cfg.run_dir)
+    if acc.is_main_process:  # the first line: what the machine gives the run
+        print(f"train | {cores} cores: synthesis {cfg.synth_workers} workers, {cfg.tool_workers} tool calls in parallel "
+              f"per rank | preset {cfg.preset} | stages {' -> '.join(stages)}"
+              + (f" (skipped: {', '.join(a.skip)})" if a.skip else "") + f" | backend {backend} | run {run_dir}", flush=True)
+    device = str(acc.device) if cuda else "cpu"
+    if not cuda:  # leave cores to env.py's sandboxes (they score concurrently); tiny ops on busy cores
+        torch.set_num_threads(max(1, cores // (2 * local_world)))  # crawl with spinning threads
+    if cuda:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(torch.cuda.device_count()))).split(",")
+        plan = gpu_plan([v for v in visible if v], local_world, acc.local_process_index, cfg.env_gpus)
+        torch.cuda.init()  # our own context is on the training GPU; from here on the variable only steers children
+        os.environ["CUDA_VISIBLE_DEVICES"] = plan["env"]  # env.py's sandboxes time kernels there (and lock it)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if src is None and a.stage == "all":
+        if acc.is_main_process:
+            src = synthesise(cfg, run_dir, backend)
+        barrier()
+        src = str(run_dir / "data")
+        if not (Path(src) / "dataset_dict.json").is_file():
+            raise env.UsageError("dataset synthesis failed on rank 0")
+    train, test = load_data(src, True) if src else ([], [])
+    teacher_tasks, heldout = split_tasks(train, test, cfg)
+    cfg.dataset = cfg.dataset or src
+    if acc.is_main_process:
+        write_json(run_dir / "config.json", {**dataclasses.asdict(cfg), "skip": list(a.skip)})
+        print(f"model: loading {cfg.model or agent.DEFAULT_MODEL} on {device}", flush=True)
+    policy = build_policy(cfg, run_dir, device, acc.is_main_process)
+    barrier()
+    pm, head = add_adapters(policy.model, cfg, device)
+    policy.model = pm
+    tb = None
+    if acc.is_main_process:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            tb = SummaryWriter(str(run_dir / "tb"))
+        except ImportError:
+            pass
+    ctx = Ctx(cfg=cfg, run_dir=run_dir, rank=rank, world=world, device=device, backend=backend, policy=policy, pm=pm,
+              head=head, train=train, teacher_tasks=teacher_tasks, heldout=heldout, tb=tb, known_tools=tuple(tools.TOOL_ARGS),
+              prev={s: (order[i - 1] if i else None) for i, s in enumerate(order)})
+    generate = policy.generate
 
-    rewards, values, mask: (B, T). Positions with mask == 0 (prompt, tool output, padding) are skipped:
-    the recursion jumps straight from one model token to the next model token, carrying the value
-    across the gap, and gets advantage 0 there. The value after the last model token is 0 (terminal).
-    Returns (advantages, returns), both (B, T), zero where mask == 0."""
-    B, T = rewards.shape
-    adv = torch.zeros_like(rewards)
-    next_value = torch.zeros(B, dtype=rewards.dtype, device=rewards.device)  # V of the next model token
-    next_adv = torch.zeros_like(next_value)
-    for t in reversed(range(T)):
-        m = mask[:, t] > 0
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        a = delta + gamma * lam * next_adv
-        adv[:, t] = torch.where(m, a, torch.zeros_like(a))
-        next_value = torch.where(m, values[:, t], next_value)  # a gap keeps the carried value
-        next_adv = torch.where(m, a, next_adv)
-    returns = (adv + values) * (mask > 0)
-    return adv, returns
-
-
-def masked_mean(x, mask):
-    return (x * mask).sum() / mask.sum().clamp(min=1)
-
-
-def all_sum(t):
-    """Sum a tensor over ranks (identity on one process)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t)
-    return t
-
-
-def masked_whiten(x, mask):
-    """(x - mean) / std over the masked entries of the whole global batch (all ranks)."""
-    s = all_sum(torch.stack([(x * mask).sum(), (x * x * mask).sum(), mask.sum()]).double())
-    mean = s[0] / s[2].clamp(min=1)
-    var = (s[1] / s[2].clamp(min=1) - mean * mean).clamp(min=0)
-    return ((x - mean.to(x.dtype)) * torch.rsqrt(var.to(x.dtype) + 1e-8)) * mask
-
-
-def policy_loss(logp, old_logp, adv, eps_low=0.2, eps_high=0.28, weight=None):
-    """Per-token PPO clipped surrogate with DAPO's asymmetric clip, times an optional per-token weight
-    (the truncated importance weight, see tis_weight). All (N,) over model tokens.
-    Returns (loss per token, clipped per token as float)."""
-    ratio = torch.exp(logp - old_logp)
-    loss_unclipped = -adv * ratio
-    loss_clipped = -adv * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    loss = torch.maximum(loss_unclipped, loss_clipped)
-    return loss * weight if weight is not None else loss, (loss_clipped > loss_unclipped).float()
-
-
-def tis_weight(train_logp, rollout_logp, cap):
-    """Truncated importance weight min(pi_train / pi_rollout, cap) per token, (N,), no gradient. The tokens
-    were sampled by the rollout engine (other kernels, merged LoRA, bf16), the PPO ratio is taken against the
-    training forward's log-probs: this weight corrects for the difference, truncated so that a rare token the
-    engine over-sampled cannot blow up the update (Yao et al. 2025, "truncated importance sampling").
-    Tokens without a recorded rollout log-prob (NaN) get weight 1; cap <= 0 turns the weight off."""
-    if cap <= 0:
-        return torch.ones_like(train_logp)
-    w = torch.exp(train_logp.detach() - rollout_logp).clamp(max=cap)
-    return torch.where(torch.isnan(rollout_logp), torch.ones_like(w), w)
-
-
-def value_loss(v, old_v, returns, clip=0.5):
-    """Per-token clipped value loss 0.5 * max((v - R)^2, (v_clipped - R)^2). All (N,)."""
-    v_clipped = old_v + torch.clamp(v - old_v, -clip, clip)
-    return 0.5 * torch.maximum((v - returns) ** 2, (v_clipped - returns) ** 2)
-
-
-def explained_variance(pred, target):
-    """1 - Var(target - pred) / Var(target); None when the target is constant (nothing to explain)."""
-    pred, target = torch.as_tensor(pred, dtype=torch.float64), torch.as_tensor(target, dtype=torch.float64)
-    var = target.var(unbiased=False)
-    if target.numel() < 2 or var < 1e-12:
-        return None
-    return float(1 - (target - pred).var(unbiased=False) / var)
-
-
-def global_explained_variance(pred, target):
-    """explained_variance over the tokens of all ranks, from five summed moments (no gather of tokens)."""
-    p, t = pred.double().flatten(), target.double().flatten()
-    d = t - p
-    s = all_sum(torch.stack([torch.tensor(float(t.numel()), dtype=torch.float64, device=t.device),
-                             t.sum(), (t * t).sum(), d.sum(), (d * d).sum()]))
-    n = float(s[0])
-    if n < 2:
-        return None
-    var_t = float(s[2]) / n - (float(s[1]) / n) ** 2
-    var_d = float(s[4]) / n - (float(s[3]) / n) ** 2
-    return None if var_t < 1e-12 else 1 - var_d / var_t
-
-
-def mismatch_stats(train_logp, rollout_logp) -> dict:
-    """How far the rollout engine's log-probs are from the training forward's on the same tokens, over all
-    ranks: mean and p99 of |delta log p| and the share of ratios pi_train / pi_rollout outside [0.8, 1.2]
-    (None when no token carries a rollout log-prob, e.g. episodes from an API model)."""
-    known = ~torch.isnan(rollout_logp)
-    d = torch.tensor(gather((train_logp[known] - rollout_logp[known]).double().cpu().tolist()), dtype=torch.float64)
-    if d.numel() == 0:
-        return {"mm_mean": None, "mm_p99": None, "mm_out": None}
-    ratio = torch.exp(d)  # (N,) pi_train / pi_rollout
-    return {"mm_mean": float(d.abs().mean()), "mm_p99": float(torch.quantile(d.abs(), 0.99)),
-            "mm_out": float(((ratio < 0.8) | (ratio > 1.2)).double().mean())}
+    def timed_generate(*args, **kw):  # what the time split (generate / env / update) is measured with
+        t = time.time()
+        try:
+            return generate(*args, **kw)
+        finally:
+            ctx.gen_s += time.time() - t
+    policy.generate = timed_generate
+    n_params = sum(p.numel() for p in pm.parameters())
+    ctx.say(f"train | model {cfg.model or agent.DEFAULT_MODEL} ({n_params / 1e6:.1f}M params, LoRA r={cfg.lora_r}) | tasks "
+            f"{len(train)} train ({len(teacher_tasks)} for the teacher) / {len(heldout)} held-out | ranks {world} | device {device}")
+    if stages[0] == order[0]:  # a run from the start: the base model's row first
+        heldout_eval(ctx, "base")
+    for s in stages:
+        if s == "sft":
+            stage_sft(ctx, a.resume)
+        elif s == "warmup":
+            ppo_stage(ctx, "warmup", cfg.warmup_steps, a.resume)
+        elif s == "rft":
+            stage_rft(ctx, a.resume)
+        elif s == "critic":
+            stage_critic(ctx, a.resume)
+        else:
+            ppo_stage(ctx, "ppo", cfg.ppo_steps, a.resume)
+        heldout_eval(ctx, s)
+    if ctx.main:
+        rows = read_rows(run_dir)
+        print(stage_table(rows))
+        print(f"chart: {run_dir / 'stages.png'}" if stage_chart(rows, run_dir / "stages.png")
+              else "no chart (matplotlib is not installed: pip install matplotlib)")
+        if all_rewards_minus_one(run_dir, rows):
+            print("note: every reward in this run was -1 (no kernel was both built and correct). " + (
+                  f"That is expected for {'a tiny random model' if cfg.model == TINY else 'the 135M model on a CPU'} at "
+                  f"preset {cfg.preset!r}: this run shows that every stage works end to end, not that the model learns"
+                  if cfg.model == TINY or cfg.preset == "cpu" else
+                  f"Look at the sft row (demonstrations, loss) and the held-out episodes in {run_dir / 'eval'}"))
+        print(f"done in {fmt_time(time.time() - t_start)} | checkpoints: " +
+              " ".join(str(run_dir / s / latest(run_dir / s)["ckpt"]) for s in stages if latest(run_dir / s)) +
+              f" | table: {run_dir / 'stages.jsonl'} | metrics: {run_dir / 'metrics.jsonl'}")
+    if tb is not None:
+        tb.close()
+    barrier()
+    return 0
 
 
+def n_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # the cores this process may use (a container's share)
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def workers(cores: int, backend: str) -> tuple[int, int]:
+    """(synthesis workers, parallel tool calls) for a machine with `cores` cores. Synthesis: one sandboxed child
+    per core on a CPU (each single-threaded); on a GPU 4 cores stay with the parent and the device's timing lock
+    is the bottleneck beyond ~12 children. Tool calls (g++/nvcc builds, verdicts): half the cores, at least 2."""
+    synth = max(1, min(16, cores - 4 if backend == "cuda" else cores))
+    return synth, max(2, min(16, cores // 2))
+
+
+def split_tasks(train: list, test: list, cfg: Config) -> tuple[list, list]:
+    """(teacher's tasks, held-out tasks). The held-out tasks are the test split; the teacher gets training tasks
+    only, and never one whose code is also held out (a hand-made dataset may repeat a task across splits)."""
+    heldout = test[:cfg.eval_tasks]
+    codes = {t["code"] for t in heldout}
+    pool = [t for t in train if t["code"] not in codes]
+    return pool[:cfg.sft_tasks] if cfg.sft_tasks else pool, heldout
+
+
+# ----------------------------------------------------------------------------------------------
+# Episode filters, GPU plan, task order
+# ----------------------------------------------------------------------------------------------
 def call_keys(episode) -> list:
     """One key per tool call that says what the call did: (tool, arguments, workspace content before the call).
     The same call on unchanged files does the same thing again; the same call after an edit is new work.
@@ -365,332 +405,9 @@ def step_tasks(n_tasks: int, step: int, per_rank: int, world: int, rank: int, se
     return [perm[(s * G + rank * per_rank + j) % n_tasks] for j in range(per_rank)]
 
 
-# ----------------------------------------------------------------------------------------------
-# Model: one base, two LoRA adapters ("actor", "critic") and a value head
-# ----------------------------------------------------------------------------------------------
-def add_adapters(model, cfg: Config, device):
-    """Wrap the HF causal LM with peft: adapter "actor" (active) and "critic"; return (peft model, head)."""
-    import peft
-    lora = lambda: peft.LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
-                                   target_modules="all-linear", task_type="CAUSAL_LM")
-    with torch.random.fork_rng(devices=[]):  # LoRA A matrices follow --seed, without touching the caller's RNG
-        torch.manual_seed(cfg.seed)
-        pm = peft.get_peft_model(model, lora(), adapter_name="actor")
-        pm.add_adapter("critic", lora())
-    pm.set_adapter("actor")
-    hidden = model.config.get_text_config().hidden_size
-    head = torch.nn.Linear(hidden, 1).to(device=device, dtype=torch.float32)
-    torch.nn.init.zeros_(head.weight)  # starts at V = 0: no made-up values before pre-training
-    torch.nn.init.zeros_(head.bias)
-    # every rank seeds the same way; broadcasting rank 0's adapters guards against any other difference
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        with torch.no_grad():
-            for p in [p for n, p in pm.named_parameters() if "lora_" in n] + list(head.parameters()):
-                dist.broadcast(p.data, src=0)
-    return pm, head
-
-
-def adapter_params(pm, name):
-    return [p for n, p in pm.named_parameters() if f".{name}." in n and "lora_" in n]
-
-
-def hidden_states(pm, ids, attn):
-    """(B, T, H) last hidden states of the backbone with the currently active adapter (no lm_head)."""
-    return pm.get_base_model().base_model(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
-
-
-def action_logprobs(pm, ids, attn, act, temperature=1.0):
-    """Log-probs and entropies of the model tokens under softmax(logits / temperature), the distribution
-    the rollouts sampled from (temperature <= 0, greedy: T = 1). act: (B, T) bool, True where token t was
-    written by the model (t >= 1). Only those positions go through lm_head: prompts and tool output are
-    usually most of the sequence and would cost (B, T, vocab) memory for nothing. Returns (N,), (N,)."""
-    h = hidden_states(pm, ids, attn)[:, :-1]  # (B, T-1, H): the state before token t+1
-    sel = act[:, 1:]  # (B, T-1)
-    logits = pm.get_base_model().get_output_embeddings()(h[sel]).float()  # (N, V)
-    if temperature and temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, ids[:, 1:][sel][:, None])[:, 0]  # (N,)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)  # (N,)
-    return logp, entropy
-
-
-def action_values(pm, head, ids, attn, act):
-    """Critic values V(state before each model token): (N,), with the critic adapter active."""
-    h = hidden_states(pm, ids, attn)[:, :-1]
-    return head(h[act[:, 1:]].float())[:, 0]
-
-
-def collate(seqs, device):
-    """Right-pad a list of {"tokens", "loss_mask"} into ids (B, T), attn (B, T), act (B, T) bool."""
-    T = max(len(s["tokens"]) for s in seqs)
-    ids = torch.zeros(len(seqs), T, dtype=torch.long)
-    attn = torch.zeros(len(seqs), T, dtype=torch.long)
-    act = torch.zeros(len(seqs), T, dtype=torch.bool)
-    for i, s in enumerate(seqs):
-        n = len(s["tokens"])
-        ids[i, :n] = torch.tensor(s["tokens"])
-        attn[i, :n] = 1
-        act[i, :n] = torch.tensor(s["loss_mask"], dtype=torch.bool)
-    act[:, 0] = False  # the first token has no predecessor to be predicted from
-    return ids.to(device), attn.to(device), act.to(device)
-
-
-def sync_grads(params):
-    """SUM gradients over ranks: one all-reduce of the flattened LoRA grads (no DDP wrapper). Every loss
-    is divided by the token count of the whole global minibatch (all_sum), so the sum over ranks is the
-    single-process token mean; DDP's average would be 1/world of it. A rank with no tokens in a minibatch
-    contributes zeros and still receives the others' gradient (the ranks' weights stay identical)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    i = 0
-    for p, g in zip(params, grads):
-        p.grad = flat[i:i + g.numel()].view_as(g).to(p.dtype)
-        i += g.numel()
-
-
-def make_optimizer(params, lr, warmup):
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / (warmup + 1)))
-    return opt, sched
-
-
-def optimizer_step(opt, sched, params, max_norm):
-    sync_grads(params)
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    opt.step()
-    sched.step()
-    opt.zero_grad(set_to_none=True)
-    return float(norm)
-
-
-# ----------------------------------------------------------------------------------------------
-# The three updates (PPO, RFT's SFT epoch, the critic's pre-training epoch). Each takes this rank's
-# sequences; minibatch counts and token counts are global, so N ranks compute the 1-process gradient.
-# ----------------------------------------------------------------------------------------------
-def minibatches(n_local: int, n_mb_wanted: int, seed: int, step: int, epoch: int, device="cpu") -> list[list[int]]:
-    """This rank's sequence indices for each minibatch. The number of minibatches is the same on every rank
-    (the optimizer steps must line up for the all-reduce); the order follows (seed, step, epoch), so it
-    changes every step and every run seed. A rank may hold fewer sequences than minibatches: its share is
-    empty there and it contributes zero gradient."""
-    n_mb = max(1, min(n_mb_wanted, int(all_sum(_t(float(n_local), device)))))
-    order = list(range(n_local))
-    random.Random(seed * 1_000_003 + step * 1_009 + epoch).shuffle(order)
-    return [order[mb::n_mb] for mb in range(n_mb)]
-
-
-def _t(x, device="cpu"):
-    return torch.tensor(x, dtype=torch.float64, device=device)
-
-
-def rollout_logprobs(seq) -> list:
-    """The engine's log-probs of a sequence's model tokens (after the first token), NaN where none was recorded."""
-    lps = seq.get("logprobs") or [None] * len(seq["tokens"])
-    return [float("nan") if lp is None else lp for lp, m in zip(lps[1:], seq["loss_mask"][1:]) if m]
-
-
-def targets(seqs, flat_v, flat_kl, cfg: Config, device):
-    """Rewards and GAE in the sequences' own (B, T) layout: tool-output tokens are gaps that GAE skips,
-    carrying the value of the next model token across them (see gae). The actor's advantages use lambda =
-    cfg.lam (0.95); the critic's targets use cfg.critic_lam (1: Monte-Carlo returns, unbiased by the
-    critic's own errors; VC-PPO / VAPO's decoupled lambdas). flat_v: (N,) values of the model tokens in
-    row-major order; flat_kl: (N,) log pi - log pi_ref, or None (no KL penalty).
-    Returns (advantages (N,), returns (N,), act (B, T) bool)."""
-    B, T = len(seqs), max([len(s["tokens"]) for s in seqs] + [2])
-    act = torch.zeros(B, T, dtype=torch.bool, device=device)  # (B, T) model tokens (t >= 1)
-    for b, sq in enumerate(seqs):
-        act[b, 1:len(sq["tokens"])] = torch.tensor(sq["loss_mask"][1:], dtype=torch.bool, device=device)
-    values = torch.zeros(B, T, device=device)
-    values[act] = flat_v.float()
-    rewards = torch.zeros(B, T, device=device)
-    if flat_kl is not None:
-        rewards[act] = -cfg.kl_coef * flat_kl.float()
-    for b, sq in enumerate(seqs):
-        if act[b].any():
-            rewards[b, int(act[b].nonzero()[-1])] += float(sq["reward"])
-    adv, _ = gae(rewards, values, act.float(), cfg.gamma, cfg.lam)
-    _, ret = gae(rewards, values, act.float(), cfg.gamma, cfg.critic_lam)
-    return adv[act], ret[act], act
-
-
-def ppo_update(pm, head, opts, seqs, cfg: Config, device, step: int = 0) -> dict:
-    """seqs: this rank's rollouts, {"tokens", "loss_mask", "reward", optional "logprobs"}. opts: {"actor":
-    (opt, sched), "critic": (opt, sched)}. Rewards sit on the last model token; with cfg.kl_coef > 0 every
-    model token also pays kl_coef * (log pi - log pi_ref). Returns mean losses and statistics."""
-    B = len(seqs)
-    # 1) no-grad pass over micro-batches: old log-probs (the training forward), reference log-probs (adapter
-    #    off), old values. Flattened (N,) in row-major order of the model tokens of the whole batch.
-    old_logp, ref_logp, old_v = [], [], []
-    with torch.no_grad():
-        for i in range(0, B, cfg.micro_batch):
-            ids, attn, act = collate(seqs[i:i + cfg.micro_batch], device)
-            pm.set_adapter("actor")
-            old_logp.append(action_logprobs(pm, ids, attn, act, cfg.temperature)[0])
-            with pm.disable_adapter():
-                ref_logp.append(action_logprobs(pm, ids, attn, act, cfg.temperature)[0])
-            pm.set_adapter("critic")
-            old_v.append(action_values(pm, head, ids, attn, act))
-    pm.set_adapter("actor")
-    cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, device=device)
-    flat_old, flat_ref, flat_v = cat(old_logp), cat(ref_logp), cat(old_v)  # (N,) each
-    flat_roll = torch.tensor([lp for sq in seqs for lp in rollout_logprobs(sq)], dtype=torch.float32, device=device)
-    # 2) advantages (actor) and returns (critic) over model tokens; advantages whitened over the global batch
-    raw_adv, flat_ret, act_all = targets(seqs, flat_v, flat_old - flat_ref if cfg.kl_coef > 0 else None, cfg, device)
-    flat_adv = masked_whiten(raw_adv, torch.ones_like(raw_adv))  # (N,) in the same order as flat_old
-    counts = act_all.sum(1).tolist()
-    offsets = [0]
-    for n in counts:
-        offsets.append(offsets[-1] + n)
-    weight = tis_weight(flat_old, flat_roll, cfg.tis_cap)  # (N,)
-    # A batch whose episodes all got the same reward says nothing about which actions were better: with an
-    # imperfect critic its advantages are the critic's errors (e.g. all -1 and V = 0: after whitening the
-    # early tokens of a failure get positive advantages). The actor skips it; the critic still learns.
-    rs = gather([float(sq["reward"]) for sq, n in zip(seqs, counts) if n])  # harness failures carry no tokens
-    train_actor = len(rs) > 0 and max(rs) > min(rs)
-    n_all = all_sum(_t(float(len(flat_old)), device)).clamp(min=1)
-    st = {"ev": global_explained_variance(flat_v, flat_ret),  # the old values against the critic's targets
-          "v_mean": float(all_sum(flat_v.double().sum()) / n_all),
-          "ret_mean": float(all_sum(flat_ret.double().sum()) / n_all),
-          "adv_mean": float(all_sum(raw_adv.double().sum()) / n_all),
-          "adv_std": float((all_sum((raw_adv.double() ** 2).sum()) / n_all - (all_sum(raw_adv.double().sum()) / n_all) ** 2)
-                           .clamp(min=0).sqrt()),
-          "kl_ref": float(all_sum((flat_old - flat_ref).double().sum()) / n_all),  # k1 estimate of KL(pi || ref)
-          "tis_w": float(all_sum(weight.double().sum()) / n_all),
-          "pg_skipped": 0.0 if train_actor else 1.0,
-          "lr": opts["actor"][1].get_last_lr()[0],
-          **mismatch_stats(flat_old, flat_roll)}
-    # 3) epochs x minibatches, each minibatch accumulated over micro-batches; token-mean losses
-    stats = {"pg_loss": [], "vf_loss": [], "entropy": [], "clipfrac": [], "approx_kl": [], "grad_norm": []}
-    a_params, c_params = adapter_params(pm, "actor"), adapter_params(pm, "critic")
-    for epoch in range(cfg.ppo_epochs):
-        for idx in minibatches(B, cfg.minibatches, cfg.seed, step, epoch, device):
-            n_tok = all_sum(_t(float(sum(counts[i] for i in idx)), device)).clamp(min=1)
-            acc = {k: torch.zeros((), dtype=torch.float64, device=device)
-                   for k in ("pg_loss", "vf_loss", "entropy", "clipfrac", "approx_kl")}
-            for j in range(0, len(idx), cfg.micro_batch):
-                part = idx[j:j + cfg.micro_batch]
-                ids, attn, act = collate([seqs[i] for i in part], device)
-                take = lambda flat: torch.cat([flat[offsets[i]:offsets[i + 1]] for i in part])
-                pm.set_adapter("actor")
-                logp, ent = action_logprobs(pm, ids, attn, act, cfg.temperature)
-                old = take(flat_old)
-                pg, clipped = policy_loss(logp, old, take(flat_adv), cfg.eps_low, cfg.eps_high, take(weight))
-                if train_actor:
-                    (pg.sum() / n_tok).backward()
-                acc["pg_loss"] += pg.detach().sum() / n_tok
-                acc["entropy"] += ent.detach().sum() / n_tok
-                acc["clipfrac"] += clipped.sum() / n_tok
-                acc["approx_kl"] += (old - logp.detach()).sum() / n_tok
-                pm.set_adapter("critic")
-                v = action_values(pm, head, ids, attn, act)
-                vl = value_loss(v, take(flat_v), take(flat_ret), cfg.value_clip)
-                (vl.sum() / n_tok).backward()
-                acc["vf_loss"] += vl.detach().sum() / n_tok
-            if train_actor:
-                stats["grad_norm"].append(optimizer_step(*opts["actor"], a_params, cfg.max_grad_norm))
-            optimizer_step(*opts["critic"], c_params + list(head.parameters()), cfg.max_grad_norm)
-            for k, v in acc.items():
-                stats[k].append(float(all_sum(v)))
-    pm.set_adapter("actor")
-    return {**st, **{k: sum(v) / len(v) if v else None for k, v in stats.items()}}
-
-
-def sft_loss(pm, ids, attn, act):
-    """Next-token negative log-likelihood summed over model tokens, and their count."""
-    logp, _ = action_logprobs(pm, ids, attn, act)
-    return -logp.sum(), logp.numel()
-
-
-def sft_epoch(pm, opt, data: list, cfg: Config, device, epoch: int) -> float | None:
-    """One RFT epoch over this rank's episodes: cfg.minibatches optimizer steps of next-token loss, each
-    the token mean over the whole global minibatch. Returns the mean loss (None without data anywhere)."""
-    a_params, losses = adapter_params(pm, "actor"), []
-    pm.set_adapter("actor")
-    for idx in minibatches(len(data), cfg.minibatches, cfg.seed, 0, epoch, device):
-        n_tok = all_sum(_t(float(sum(sum(data[i]["loss_mask"][1:]) for i in idx)), device))
-        if float(n_tok) == 0:
-            return None
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        for j in range(0, len(idx), cfg.micro_batch):
-            ids, attn, act = collate([data[i] for i in idx[j:j + cfg.micro_batch]], device)
-            nll, _ = sft_loss(pm, ids, attn, act)
-            (nll / n_tok).backward()
-            total += nll.detach() / n_tok
-        optimizer_step(*opt, a_params, cfg.max_grad_norm)
-        losses.append(float(all_sum(total)))
-    return sum(losses) / len(losses) if losses else None
-
-
-def mc_returns(eps: list, gamma: float, device):
-    """Monte-Carlo returns (GAE with lambda = 1) at every model token, (N,): with the reward on the last
-    model token, gamma^(tokens left) * R; gamma = 1 gives R everywhere. No critic in the target, so the
-    targets are right from the first step (lambda = 0.95 targets from a zero critic give a token d tokens
-    before the end only R * 0.95^d: nothing for tokens thousands of tokens before the end)."""
-    out = []
-    for e in eps:
-        n = int(sum(e["loss_mask"][1:]))
-        k = torch.arange(n - 1, -1, -1, dtype=torch.float32, device=device)  # model tokens after this one
-        out.append(float(e["reward"]) * gamma ** k)
-    return torch.cat(out) if out else torch.zeros(0, device=device)
-
-
-def critic_epoch(pm, head, opt, data: list, cfg: Config, device, epoch: int) -> float | None:
-    """One pre-training epoch of the critic (its LoRA adapter and the value head): MSE to Monte-Carlo returns,
-    token mean over each global minibatch. Returns the mean loss."""
-    c_params, losses = adapter_params(pm, "critic") + list(head.parameters()), []
-    pm.set_adapter("critic")
-    for idx in minibatches(len(data), cfg.minibatches, cfg.seed, 1, epoch, device):
-        n_tok = all_sum(_t(float(sum(sum(data[i]["loss_mask"][1:]) for i in idx)), device))
-        if float(n_tok) == 0:
-            return None
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        for j in range(0, len(idx), cfg.micro_batch):
-            part = [data[i] for i in idx[j:j + cfg.micro_batch]]
-            ids, attn, act = collate(part, device)
-            v = action_values(pm, head, ids, attn, act)
-            loss = 0.5 * ((v - mc_returns(part, cfg.gamma, device)) ** 2).sum() / n_tok
-            loss.backward()
-            total += loss.detach()
-        optimizer_step(*opt, c_params, cfg.max_grad_norm)
-        losses.append(float(all_sum(total)))
-    pm.set_adapter("actor")
-    return sum(losses) / len(losses) if losses else None
-
-
-# ----------------------------------------------------------------------------------------------
-# Distributed helpers (accelerate launches; plain `python train.py` is world size 1)
-# ----------------------------------------------------------------------------------------------
-def dist_on():
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def barrier():
-    if dist_on():
-        dist.barrier()
-
-
-def gather(items: list) -> list:
-    """Concatenate a list from every rank, in rank order (every rank gets the whole list)."""
-    if not dist_on():
-        return list(items)
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, list(items))
-    return [x for part in out for x in part]
-
-
-def shard(items: list, rank: int, world: int) -> list:
-    """Rank r's share: items r, r + world, ... Nothing is dropped: shares may differ by one (or be empty when
-    there are fewer items than ranks); the updates count minibatches and tokens globally, so uneven shares
-    give the same gradient as one process holding every item."""
-    return items[rank::world]
-
-
 @dataclasses.dataclass
 class Ctx:
-    """What every stage needs: config, run folder, ranks, the model and the scorer's backend."""
+    """What every stage needs: config, run folder, ranks, the model, the tasks and the scorer's backend."""
     cfg: Config
     run_dir: Path
     rank: int = 0
@@ -701,9 +418,11 @@ class Ctx:
     pm: object = None
     head: object = None
     train: list = dataclasses.field(default_factory=list)
-    test: list = dataclasses.field(default_factory=list)
+    teacher_tasks: list = dataclasses.field(default_factory=list)  # training tasks the teacher works (sft)
+    heldout: list = dataclasses.field(default_factory=list)  # test split: evaluated, never trained on or taught
     tb: object = None
     known_tools: tuple = ()
+    prev: dict = dataclasses.field(default_factory=dict)  # stage -> the stage run before it (--skip leaves gaps)
     gen_s: float = 0.0  # seconds spent in policy.generate (the rest of a rollout is tool/env time)
 
     @property
@@ -788,25 +507,14 @@ def load_checkpoint(ctx: Ctx, stage: str, adapters=("actor", "critic"), head=Tru
     return state
 
 
-def reset_critic(ctx: Ctx):
-    """A fresh critic: LoRA "critic" back to peft's initialisation (B = 0) and a zero value head."""
-    for n, p in ctx.pm.named_parameters():
-        if ".critic." in n and "lora_" in n:
-            with torch.no_grad():
-                if "lora_B" in n:
-                    p.zero_()
-                else:
-                    torch.nn.init.kaiming_uniform_(p, a=math.sqrt(5))
-    torch.nn.init.zeros_(ctx.head.weight)
-    torch.nn.init.zeros_(ctx.head.bias)
-
-
 def begin_stage(ctx: Ctx, stage: str, opts: dict, resume: bool) -> int | None:
-    """Returns the first step to run, or None when the stage is already complete. On --resume the stage's
-    own latest checkpoint is loaded (weights, optimisers, schedulers) and the run continues after it."""
+    """Returns the first step to run, or None when the stage is already complete. A stage that has not started
+    begins from its predecessor's weights (start_from); on --resume the stage's own latest checkpoint is loaded
+    (weights, optimisers, schedulers) and the run continues after it."""
     info = latest(ctx.run_dir / stage)
     (ctx.run_dir / stage).mkdir(parents=True, exist_ok=True)
     if info is None:
+        start_from(ctx, stage)
         return 0
     if info.get("done"):
         ctx.say(f"{stage}: already complete in {ctx.run_dir / stage} (skipped)")
@@ -814,6 +522,20 @@ def begin_stage(ctx: Ctx, stage: str, opts: dict, resume: bool) -> int | None:
     load_checkpoint(ctx, stage, opts=opts)
     ctx.say(f"{stage}: resuming after step {info['step'] + 1} from {ctx.run_dir / stage / info['ckpt']}")
     return info["step"] + 1
+
+
+def start_from(ctx: Ctx, stage: str):
+    """The weights a fresh stage starts from: the actor of the stage run before it (none before the first stage:
+    the base model). PPO also takes the pre-trained critic; the critic stage, and PPO without one (--skip
+    critic, the paper's ablation), start from a fresh critic."""
+    prev = ctx.prev.get(stage)
+    with_critic = stage == "ppo" and prev == "critic"
+    if prev is not None:
+        load_checkpoint(ctx, prev, adapters=("actor", "critic") if with_critic else ("actor",), head=with_critic)
+    if stage in ("critic", "ppo") and not with_critic:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(ctx.cfg.seed + 1)
+            reset_critic(ctx.pm, ctx.head)
 
 
 def cached(path: Path, make):
@@ -906,40 +628,26 @@ def log_event(ctx: Ctx, rec: dict):
 # Rollouts
 # ----------------------------------------------------------------------------------------------
 def single_turn_rollouts(ctx: Ctx, tasks: list) -> list:
-    """Warm-up rollouts: prompt = SKILL.md + task, one answer with fenced files, scored by env.py.
-    Returned in the episode format of agent.py (prompt tokens mask 0, answer tokens mask 1)."""
-    from concurrent.futures import ThreadPoolExecutor
-    cfg, tok = ctx.cfg, ctx.policy.tokenizer
+    """Warm-up rollouts: agent.run_single_turn (prompt = SKILL.md + task, one answer with fenced files, scored
+    by env.py), with the engine's log-prob of each sampled token added for the importance weight."""
+    cfg = ctx.cfg
     ctx.pm.set_adapter("actor")
-    prompts = [agent.single_turn_prompt(t, tok, ctx.backend) for t in tasks]
-    ctx.say(f"  generating {len(prompts)} answers of up to {cfg.max_new_tokens} tokens on each of {ctx.world} rank(s)")
-    outs = ctx.policy.generate(prompts, cfg.max_new_tokens, temperature=cfg.temperature)
-    lps = getattr(ctx.policy, "last_logprobs", None) or [[None] * len(o) for o in outs]
-
-    def score(i):
-        files = agent.parse_single_turn(tok.decode(outs[i], skip_special_tokens=True))
-        if not files:  # nothing to build: the verdict is known without spending a sandbox on it
-            return env.Verdict(backend=ctx.backend, stage="scan", error="no files in the answer").to_dict()
-        try:
-            return agent.score_files(files, tasks[i], ctx.backend).to_dict()
-        except Exception as e:  # noqa: BLE001  (the harness's failure, not the policy's: see harness_failed)
-            return env.Verdict(backend=ctx.backend, error=f"final evaluation failed: {type(e).__name__}: {e}").to_dict()
-
-    with ThreadPoolExecutor(max(1, min(4, len(tasks)))) as pool:
-        verdicts = list(tqdm(pool.map(score, range(len(tasks))), total=len(tasks), desc="score", unit="answer",
-                             leave=False, disable=not ctx.main))
-    return [{"task_id": t["task_id"], "tokens": list(p) + list(o), "loss_mask": [0] * len(p) + [1] * len(o),
-             "logprobs": [None] * len(p) + list(lp), "turns": [], "reward": v["reward"], "verdict": v, "n_turns": 1,
-             "finished": True, "malformed_calls": 0, "end_reason": "answer"}
-            for t, p, o, lp, v in zip(tasks, prompts, outs, lps, verdicts)]
-
-
-def agent_rollouts(ctx: Ctx, tasks: list, out_dir: Path) -> list:
-    ctx.pm.set_adapter("actor")
-    eps = agent.run_episodes(ctx.policy, tasks, backend=ctx.backend, max_turns=ctx.cfg.max_turns,
-                             max_context=ctx.cfg.max_context, out_dir=str(out_dir), max_new_tokens=ctx.cfg.max_new_tokens,
-                             temperature=ctx.cfg.temperature, progress=ctx.main)
+    ctx.say(f"  generating {len(tasks)} answers of up to {cfg.max_new_tokens} tokens on each of {ctx.world} rank(s)")
+    eps = agent.run_single_turn(ctx.policy, tasks, ctx.backend, cfg.max_new_tokens, cfg.temperature, progress=ctx.main)
+    lps = getattr(ctx.policy, "last_logprobs", None) or [None] * len(eps)  # set by the one generate call above
+    for ep, lp in zip(eps, lps):
+        n_out = sum(ep["loss_mask"])
+        ep["logprobs"] = [None] * (len(ep["tokens"]) - n_out) + (list(lp)[:n_out] if lp is not None else [None] * n_out)
     return eps
+
+
+def agent_rollouts(ctx: Ctx, tasks: list, out_dir: Path, temperature=None) -> list:
+    ctx.pm.set_adapter("actor")
+    cfg = ctx.cfg
+    return agent.run_episodes(ctx.policy, tasks, backend=ctx.backend, max_turns=cfg.max_turns, max_context=cfg.max_context,
+                              out_dir=str(out_dir), max_new_tokens=cfg.max_new_tokens, progress=ctx.main,
+                              temperature=cfg.temperature if temperature is None else temperature,
+                              tool_workers=cfg.tool_workers)
 
 
 def trainable(eps: list) -> list:
@@ -967,13 +675,74 @@ def new_opts(ctx: Ctx, which=("actor", "critic"), actor_lr=None):
     return out
 
 
+def stage_sft(ctx: Ctx, resume: bool):
+    """Cold start: teacher demonstrations on the training tasks (teacher_demos), then next-token loss on the
+    teacher's tokens only, sft_batch demonstrations per optimizer step, sft_epochs epochs."""
+    cfg = ctx.cfg
+    opts = new_opts(ctx, ("actor",), actor_lr=cfg.sft_lr)
+    start = begin_stage(ctx, "sft", opts, resume)
+    if start is None:
+        return
+    demos, n_eps = teacher_demos(ctx)
+    data = fit_context(shard(demos, ctx.rank, ctx.world), cfg.max_context)
+    n_mb = max(1, math.ceil(len(demos) / max(1, cfg.sft_batch)))
+    if not demos:
+        ctx.say("sft: no demonstrations to imitate; the actor stays the base model (the scripted teacher solves the "
+                "elementwise family only: --set family=elementwise, or --teacher-url)")
+    ctx.pm.set_adapter("actor")
+    t_begin = time.time()
+    for epoch in range(start, cfg.sft_epochs if demos else start):
+        t0 = time.time()
+        loss = sft_epoch(ctx.pm, opts["actor"], data, n_mb, cfg, ctx.device, epoch, stream=2)
+        log_step(ctx, "sft", epoch, cfg.sft_epochs, {"loss": loss, "demos": len(demos), "lr": opts["actor"][1].get_last_lr()[0]},
+                 time.time() - t0, (time.time() - t_begin) / (epoch + 1 - start) * (cfg.sft_epochs - epoch - 1))
+        save_checkpoint(ctx, "sft", epoch, opts, done=epoch + 1 == cfg.sft_epochs)
+    if not latest(ctx.run_dir / "sft") or not latest(ctx.run_dir / "sft")["done"]:  # nothing trained: still a checkpoint
+        save_checkpoint(ctx, "sft", max(start, cfg.sft_epochs - 1), opts, done=True)
+    log_event(ctx, {"event": "stage_end", "stage": "sft", "demos": len(demos), "episodes": n_eps,
+                    "tasks": len(ctx.teacher_tasks)})
+
+
+def teacher_demos(ctx: Ctx) -> tuple[list, int]:
+    """(demonstrations, teacher episodes). RUN/demos.jsonl when it exists (a rerun reuses it: scoring is the
+    expensive part); otherwise each rank's teacher works its share of the training tasks in chunks of
+    tasks_per_step (teacher.make_demos: episodes scored by env.py, only reward >= 1 kept; each chunk is kept in
+    RUN/sft/teacher/rankR/chunk-N/, so a killed run loses one chunk at most) and rank 0 writes the union."""
+    cfg, path = ctx.cfg, ctx.run_dir / "demos.jsonl"
+    parts = ctx.run_dir / "sft" / "teacher"
+    if not path.is_file():
+        who = f"{cfg.teacher_model} at {cfg.teacher_url}" if cfg.teacher_url else "the scripted teacher (teacher.py)"
+        ctx.say(f"sft: {who} works {len(ctx.teacher_tasks)} training task(s) x {cfg.sft_samples} episode(s) "
+                f"(the {len(ctx.heldout)} held-out tasks are never shown to it); env.py scores each, reward >= 1 kept")
+        mine, n = shard(ctx.teacher_tasks, ctx.rank, ctx.world), max(1, cfg.tasks_per_step)
+        policy = None
+        for c in tqdm(range(0, len(mine), n), desc="sft teacher", unit="chunk", disable=not ctx.main or len(mine) <= n):
+            out = parts / f"rank{ctx.rank}" / f"chunk-{c // n:04d}"
+            if (out / "demos.jsonl").is_file():
+                continue
+            (out / "trajectories.jsonl").unlink(missing_ok=True)  # an interrupted run's partial episodes
+            policy = policy or teacher.load_teacher(ctx.backend, url=cfg.teacher_url, teacher_model=cfg.teacher_model,
+                                                    seed=cfg.seed, tokenizer=ctx.policy.tokenizer)
+            teacher.make_demos(policy, mine[c:c + n], ctx.backend, out, samples=cfg.sft_samples, progress=ctx.main,
+                               tool_workers=cfg.tool_workers)
+        barrier()
+        if ctx.main:
+            demos = [e for f in sorted(parts.glob("rank*/chunk-*/demos.jsonl")) for e in agent.load_episodes(f)]
+            agent.save_episodes(path.with_name(path.name + ".tmp"), demos)
+            os.replace(path.with_name(path.name + ".tmp"), path)
+            eps = [e for f in sorted(parts.glob("rank*/chunk-*/trajectories.jsonl")) for e in agent.load_episodes(f)]
+            ctx.say(f"sft: teacher | {teacher.summary(eps)} | written to {path}")
+        barrier()
+    else:
+        ctx.say(f"sft: reusing the demonstrations in {path}")
+    n_eps = sum(len(agent.load_episodes(f)) for f in parts.glob("rank*/chunk-*/trajectories.jsonl"))
+    return agent.load_episodes(path), n_eps
+
+
 def ppo_stage(ctx: Ctx, stage: str, n_steps: int, resume: bool):
     """warmup (single-turn) and ppo (multi-turn agent episodes): roll out, score, update, log, checkpoint."""
     cfg = ctx.cfg
     opts = new_opts(ctx)
-    if not (resume and latest(ctx.run_dir / stage)):
-        if stage == "ppo":  # the RFT actor and the pre-trained critic
-            load_checkpoint(ctx, "critic")
     start = begin_stage(ctx, stage, opts, resume)
     if start is None:
         return
@@ -1006,7 +775,7 @@ def ppo_stage(ctx: Ctx, stage: str, n_steps: int, resume: bool):
 
 
 def stage_end(ctx: Ctx, stage: str, rows: list, **extra):
-    """A summary record per stage (the rollouts of its last steps; read back by the final table)."""
+    """A summary record per stage (the rollouts of its last steps; the table's note reads it back)."""
     last = rows[-max(1, len(rows) // 2):] if rows else []
     keys = ("reward", "compile", "correct", "faster", "faster_c")
     rec = {"event": "stage_end", "stage": stage, "steps": len(rows),
@@ -1015,26 +784,30 @@ def stage_end(ctx: Ctx, stage: str, rows: list, **extra):
     log_event(ctx, rec)
 
 
-def stage_rft(ctx: Ctx, resume: bool):
-    """Roll out the warmed-up actor's multi-turn episodes, keep the clean successful ones, and fine-tune the
-    actor on them with next-token loss over model tokens only."""
-    cfg, sd = ctx.cfg, ctx.run_dir / "rft"
-    opts = new_opts(ctx, ("actor",), actor_lr=cfg.rft_lr)
-    if not (resume and latest(sd)):
-        load_checkpoint(ctx, "warmup", adapters=("actor",), head=False)
-    start = begin_stage(ctx, "rft", opts, resume)
-    if start is None:
-        return
-    # 1) episodes (cached per chunk, so a resumed run does not score them again)
+def own_episodes(ctx: Ctx, stage: str) -> list:
+    """Multi-turn episodes of the current actor on rft_tasks training tasks per rank, cached per chunk in
+    RUN/STAGE/rollouts (a resumed run does not score them again); every rank's, in a fixed order."""
+    cfg, sd = ctx.cfg, ctx.run_dir / stage
     n_chunks = max(1, math.ceil(cfg.rft_tasks / cfg.tasks_per_step))
-    for c in tqdm(range(n_chunks), desc="rft rollouts", unit="chunk", disable=not ctx.main or n_chunks == 1):
+    for c in tqdm(range(n_chunks), desc=f"{stage} rollouts", unit="chunk", disable=not ctx.main or n_chunks == 1):
         tasks = [ctx.train[i] for i in step_tasks(len(ctx.train), c, cfg.tasks_per_step, ctx.world, ctx.rank, cfg.seed + 1)]
         torch.manual_seed(cfg.seed * 7919 + 50_000 + c * 101 + ctx.rank)
         cached(sd / "rollouts" / f"chunk-{c:06d}-rank{ctx.rank}.jsonl",
                lambda: agent_rollouts(ctx, tasks, sd / "agent" / f"chunk-{c:06d}-rank{ctx.rank}"))
     ctx.policy.release()
     barrier()
-    episodes = rft_episodes(ctx.run_dir)
+    return [e for f in sorted((sd / "rollouts").glob("chunk-*.jsonl")) for e in agent.load_episodes(f)]
+
+
+def stage_rft(ctx: Ctx, resume: bool):
+    """Roll out the warmed-up actor's multi-turn episodes, keep the clean successful ones, and fine-tune the
+    actor on them with next-token loss over model tokens only."""
+    cfg = ctx.cfg
+    opts = new_opts(ctx, ("actor",), actor_lr=cfg.rft_lr)
+    start = begin_stage(ctx, "rft", opts, resume)
+    if start is None:
+        return
+    episodes = own_episodes(ctx, "rft")
     kept, dropped = rft_filter(episodes, ctx.known_tools)
     demos = load_demos(ctx.cfg.demos)
     why = ", ".join(f"{k} x{v}" for k, v in sorted(dropped.items(), key=lambda kv: -kv[1])) or "none"
@@ -1042,13 +815,13 @@ def stage_rft(ctx: Ctx, resume: bool):
             + f" | dropped: {why}")
     data = fit_context(shard(kept + demos, ctx.rank, ctx.world), cfg.max_context)
     log_event(ctx, {"event": "rft_filter", "episodes": len(episodes), "kept": len(kept), "demos": len(demos), "dropped": dropped})
-    # 2) supervised epochs (sft_epoch: token mean over each global minibatch)
     rows, t_begin = [], time.time()
     if not kept + demos:
         ctx.say("rft: nothing to imitate; the actor is kept as the warm-up left it")
+    ctx.pm.set_adapter("actor")
     for epoch in range(start, cfg.rft_epochs):
         t0 = time.time()
-        loss = sft_epoch(ctx.pm, opts["actor"], data, cfg, ctx.device, epoch)
+        loss = sft_epoch(ctx.pm, opts["actor"], data, cfg.minibatches, cfg, ctx.device, epoch)
         row = {"loss": loss, "kept": len(kept), "n": len(episodes),
                **{k: v for k, v in rollout_stats(episodes).items() if k != "n"}}
         rows.append(row)
@@ -1060,14 +833,6 @@ def stage_rft(ctx: Ctx, resume: bool):
     stage_end(ctx, "rft", [{**rollout_stats(episodes)}], kept=len(kept), episodes=len(episodes))
 
 
-def rft_episodes(run_dir: Path) -> list:
-    """Every rank's RFT episodes, in a fixed order (so all ranks see the same list)."""
-    eps = []
-    for f in sorted((run_dir / "rft" / "rollouts").glob("chunk-*.jsonl")):
-        eps += agent.load_episodes(f)
-    return eps
-
-
 def load_demos(path) -> list:
     """Hand-written episodes (agent.save_episodes format) added to RFT's kept set (the overfit sanity)."""
     if not path:
@@ -1077,26 +842,22 @@ def load_demos(path) -> list:
 
 def stage_critic(ctx: Ctx, resume: bool):
     """Value pre-training: a fresh critic adapter + value head regressed (MSE) on Monte-Carlo returns of ALL
-    the RFT episodes (mc_returns), one epoch after another until the explained variance on held-out episodes
-    (every 5th) has not improved for cfg.critic_patience epochs (at most cfg.critic_epochs); the best epoch's
-    critic is kept. Explained variance before the first epoch and of the kept critic are logged."""
+    the RFT episodes (its own rollouts with --skip rft), one epoch after another until the explained variance
+    on held-out episodes (every 5th) has not improved for cfg.critic_patience epochs (at most
+    cfg.critic_epochs); the best epoch's critic is kept. Explained variance before and after is logged."""
     cfg, sd = ctx.cfg, ctx.run_dir / "critic"
     opts = new_opts(ctx, ("critic",))
-    if not (resume and latest(sd)):
-        load_checkpoint(ctx, "rft", adapters=("actor",), head=False)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed + 1)
-            reset_critic(ctx)
     start = begin_stage(ctx, "critic", opts, resume)
     if start is None:
         return
-    episodes = fit_context([e for e in rft_episodes(ctx.run_dir) + load_demos(cfg.demos) if not harness_failed(e)],
+    source = "rft" if ctx.prev.get("critic") == "rft" else "critic"  # --skip rft: roll out here
+    episodes = fit_context([e for e in own_episodes(ctx, source) + load_demos(cfg.demos) if not harness_failed(e)],
                            cfg.max_context)
     held = [e for i, e in enumerate(episodes) if i % 5 == 4] or episodes[-1:]
     train = [e for i, e in enumerate(episodes) if i % 5 != 4] or episodes
     mine, mine_held = shard(train, ctx.rank, ctx.world), shard(held, ctx.rank, ctx.world)
     c_params = adapter_params(ctx.pm, "critic") + list(ctx.head.parameters())
-    state = torch.load(ctx.run_dir / "critic" / latest(sd)["ckpt"] / "state.pt", weights_only=False) if start else {}
+    state = torch.load(sd / latest(sd)["ckpt"] / "state.pt", weights_only=False) if start else {}
     ev0, mse0 = held_out_ev(ctx, mine_held)
     ev_before = state.get("ev_before", ev0)
     score = lambda ev, mse: ev if ev is not None else -mse  # constant held-out returns: nothing to explain, use MSE
@@ -1151,72 +912,130 @@ def held_out_ev(ctx: Ctx, eps: list):
             targets.append(mc_returns(part, ctx.cfg.gamma, ctx.device))
     p = torch.cat(preds) if preds else torch.zeros(0, device=ctx.device)
     t = torch.cat(targets) if targets else torch.zeros(0, device=ctx.device)
-    s = all_sum(torch.stack([_t(float(p.numel()), ctx.device), ((p - t).double() ** 2).sum()]))
+    s = all_sum(torch.stack([torch.tensor(float(p.numel()), dtype=torch.float64, device=ctx.device),
+                             ((p - t).double() ** 2).sum()]))
     return global_explained_variance(p, t), float(s[1] / s[0].clamp(min=1))
 
 
 # ----------------------------------------------------------------------------------------------
-# Held-out evaluation and the final table
+# Held-out evaluation after every stage, and the table
 # ----------------------------------------------------------------------------------------------
-def final_eval(ctx: Ctx) -> dict | None:
-    """Greedy agent episodes of the final actor on the held-out split, scored by env.py; metrics from
-    reward.summarize (the same definitions as evaluate.py). Cached per rank, so a resumed run does not redo it."""
-    tasks = ctx.test[:ctx.cfg.eval_tasks]
-    if not tasks:
-        ctx.say("eval: the dataset has no held-out tasks; skipped")
-        return None
-    mine = tasks[ctx.rank::ctx.world]
-    out = ctx.run_dir / "eval"
-    path = out / f"rank{ctx.rank}.jsonl"
-    if mine:
-        ctx.pm.set_adapter("actor")
-        cached(path, lambda: agent.run_episodes(ctx.policy, mine, backend=ctx.backend, max_turns=ctx.cfg.max_turns,
-                                                max_context=ctx.cfg.max_context, out_dir=str(out / f"agent-rank{ctx.rank}"),
-                                                max_new_tokens=ctx.cfg.max_new_tokens, temperature=0.0, progress=ctx.main))
-    barrier()
-    eps = [e for f in sorted(out.glob("rank*.jsonl")) for e in agent.load_episodes(f)]
-    rows = [{"verdict": e.get("verdict") or {}, "n_turns": e.get("n_turns"), "n_tokens": len(e["tokens"])} for e in eps]
-    res = summarize(rows)
-    res["reward"] = sum(e["reward"] for e in eps) / max(len(eps), 1)
-    res["compile"] = sum(bool((e.get("verdict") or {}).get("compiled")) for e in eps) / max(len(eps), 1)
-    log_event(ctx, {"event": "eval", **res})
-    return res
+def heldout_eval(ctx: Ctx, label: str):
+    """Greedy agent episodes of the actor after `label` ("base": before training) on the held-out tasks, scored
+    by env.py; metrics from reward.summarize (evaluate.py's definitions). One row per label in RUN/stages.jsonl:
+    a row already there is not recomputed (--resume). The critic stage leaves the actor as it found it, so its
+    row repeats the previous row's numbers instead of scoring the same greedy kernels again."""
+    barrier()  # every rank reads the rows rank 0 has written so far
+    if label in {r["stage"] for r in read_rows(ctx.run_dir)}:
+        ctx.say(f"eval | after {label}: already in {ctx.run_dir / 'stages.jsonl'} (kept)")
+        return
+    if not ctx.heldout:
+        ctx.say(f"eval | after {label}: the dataset has no held-out tasks (test split); no row")
+        return
+    t0, same = time.time(), ctx.prev.get(label) if label == "critic" else None
+    rows = {r["stage"]: r for r in read_rows(ctx.run_dir)}
+    if same in rows:
+        row = {**rows[same], "note": f"actor as after {same} (its evaluation); {stage_note(ctx.run_dir, label)}"}
+    else:
+        if label != "base":  # the stage's saved actor (a stage completed before a resume is not in memory)
+            load_checkpoint(ctx, label, adapters=("actor",), head=False)
+        mine, out = shard(ctx.heldout, ctx.rank, ctx.world), ctx.run_dir / "eval" / label
+        ctx.say(f"eval | after {label}: {len(ctx.heldout)} held-out tasks, greedy, up to {ctx.cfg.max_turns} turns")
+        if mine:
+            cached(out / f"rank{ctx.rank}.jsonl", lambda: agent_rollouts(ctx, mine, out / f"agent-rank{ctx.rank}", 0.0))
+        ctx.policy.release()
+        barrier()
+        eps = [e for f in sorted(out.glob("rank*.jsonl")) for e in agent.load_episodes(f)]
+        res = summarize([{"verdict": e.get("verdict") or {}, "n_turns": e.get("n_turns"), "n_tokens": len(e["tokens"])}
+                         for e in eps])
+        row = {"stage": label, "n": res["n"], "pass": res["pass_rate"], "faster_eager": res["faster_eager_rate"],
+               "faster_compile": res["faster_compile_rate"], "reward": sum(e["reward"] for e in eps) / max(len(eps), 1),
+               "turns": res["mean_turns"], "geomean_compile": res["geomean_speedup_compile"],
+               "harness_fail": sum(harness_failed(e) for e in eps),  # counted as failures, as in evaluate.py
+               "note": "the base model, before training" if label == "base" else stage_note(ctx.run_dir, label)}
+        if row["harness_fail"]:
+            row["note"] += f" ({row['harness_fail']} harness failures counted as failures)"
+    row.update(stage=label, eval_s=round(time.time() - t0, 1), time=time.time())
+    if ctx.main:
+        with open(ctx.run_dir / "stages.jsonl", "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+    log_event(ctx, {"event": "eval", **row})
+    f = lambda k: "-" if row.get(k) is None else f"{row[k]:.2f}"
+    ctx.say(f"eval | after {label} | {row['n']} held-out tasks | pass {f('pass')} | faster than eager {f('faster_eager')} | "
+            f"faster than compile {f('faster_compile')} | reward {row['reward']:+.3f} | turns {f('turns')} | "
+            f"{fmt_time(row['eval_s'])}")
+    ctx.pm.set_adapter("actor")
 
 
-def all_rewards_minus_one(run_dir: Path, ev: dict | None) -> bool:
-    """True when every logged training step and the final evaluation had mean reward -1."""
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()] if (run_dir / "metrics.jsonl").is_file() else []
-    rewards = [r["reward"] for r in rows if r.get("reward") is not None] + ([ev["reward"]] if ev else [])
+def read_rows(run_dir: Path) -> list:
+    f = run_dir / "stages.jsonl"
+    rows = [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.is_file() else []
+    order = ("base",) + STAGES
+    return sorted(rows, key=lambda r: order.index(r["stage"]) if r["stage"] in order else len(order))
+
+
+def stage_note(run_dir: Path, stage: str) -> str:
+    """What the stage did, from its metrics (the table's last column)."""
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()] if (run_dir / "metrics.jsonl").is_file() else []
+    end = next((r for r in reversed(recs) if r.get("event") == "stage_end" and r.get("stage") == stage), {})
+    steps = [r for r in recs if r.get("stage") == stage and "event" not in r]
+    num = lambda x: "-" if x is None else f"{x:+.3f}"
+    if stage == "sft":
+        losses = [r["loss"] for r in steps if r.get("loss") is not None]
+        return (f"demonstrations {end.get('demos', 0)} of {end.get('episodes', 0)} teacher episodes ({end.get('tasks', 0)} tasks)"
+                + (f"; loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else ""))
+    if stage == "rft":
+        return f"kept {end.get('kept')} of {end.get('episodes')} own episodes"
+    if stage == "critic":
+        return f"critic explained variance {num(end.get('ev_before'))} -> {num(end.get('ev'))}"
+    return f"{len(steps)} steps; training reward {num(end.get('reward'))}"
+
+
+def stage_table(rows: list) -> str:
+    """The run's result: one row per stage (held-out pass rate, faster than eager / torch.compile, mean reward,
+    mean turns)."""
+    num = lambda x, spec, w: f"{'-':>{w}}" if x is None else f"{x:{spec}}"
+    lines = [f"{'stage':<8} {'tasks':>5} {'pass':>6} {'>eager':>7} {'>compile':>8} {'reward':>7} {'turns':>6}  note", "-" * 96]
+    for r in rows:
+        lines.append(f"{r['stage']:<8} {r['n']:>5} {num(r['pass'], '6.2f', 6)} {num(r['faster_eager'], '7.2f', 7)} "
+                     f"{num(r['faster_compile'], '8.2f', 8)} {num(r['reward'], '+7.3f', 7)} {num(r['turns'], '6.1f', 6)}  "
+                     f"{r.get('note', '')}")
+    return "\n".join(["held-out evaluation (greedy, agent mode, scored by env.py), after each stage:"] + lines)
+
+
+def stage_chart(rows: list, path: Path) -> bool:
+    """RUN/stages.png: the rates per stage as bars, the mean reward as a line. False without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 4))
+    x = range(len(rows))
+    for i, (k, label) in enumerate((("pass", "pass"), ("faster_eager", "faster than eager"),
+                                    ("faster_compile", "faster than torch.compile"))):
+        ax.bar([j + (i - 1) * 0.27 for j in x], [r[k] or 0 for r in rows], 0.27, label=label)
+    ax.set_xticks(list(x), [r["stage"] for r in rows])
+    ax.set_ylim(0, 1)
+    ax.set_ylabel(f"share of {rows[0]['n'] if rows else 0} held-out tasks")
+    ax2 = ax.twinx()
+    ax2.plot(list(x), [r["reward"] for r in rows], "k.-", label="mean reward")
+    ax2.set_ylim(-1.1, 3.1)
+    ax2.set_ylabel("mean reward (-1 .. 3)")
+    ax.set_title("held-out evaluation after each stage")
+    fig.legend(loc="lower center", ncol=4, fontsize=8)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def all_rewards_minus_one(run_dir: Path, rows: list) -> bool:
+    """True when every logged training step and every held-out row had mean reward -1."""
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()] if (run_dir / "metrics.jsonl").is_file() else []
+    rewards = [r["reward"] for r in recs if r.get("reward") is not None and "event" not in r] + [r["reward"] for r in rows]
     return bool(rewards) and all(x == -1 for x in rewards)
-
-
-def summary_table(run_dir: Path, ev: dict | None) -> str:
-    """Reward, pass and faster rates per stage (its last rollouts) and on the held-out split."""
-    ends = {}
-    if (run_dir / "metrics.jsonl").is_file():
-        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-            r = json.loads(line)
-            if r.get("event") == "stage_end":
-                ends[r["stage"]] = r
-    def num(x, spec):  # "-" padded to the column width when there is no number
-        width = spec.lstrip("+").split(".")[0]
-        return f"{'-':>{width or 1}}" if x is None else f"{x:{spec}}"
-    lines = [f"{'stage':<10} {'steps':>5} {'reward':>7} {'compile':>7} {'correct':>7} {'>eager':>7} {'>compile':>8}  note",
-             "-" * 72]
-    for s in STAGES:
-        r = ends.get(s)
-        if r is None:
-            continue
-        note = (f"kept {r.get('kept')}/{r.get('episodes')} episodes" if s == "rft" else
-                f"held-out explained variance {num(r.get('ev_before'), '+.3f')} -> {num(r.get('ev'), '+.3f')}" if s == "critic"
-                else "training rollouts")
-        lines.append(f"{s:<10} {r.get('steps', 0):>5} {num(r.get('reward'), '+7.3f')} {num(r.get('compile'), '7.2f')} "
-                     f"{num(r.get('correct'), '7.2f')} {num(r.get('faster'), '7.2f')} {num(r.get('faster_c'), '8.2f')}  {note}")
-    if ev:
-        lines.append(f"{'held-out':<10} {ev['n']:>5} {num(ev.get('reward'), '+7.3f')} {num(ev.get('compile'), '7.2f')} "
-                     f"{num(ev.get('pass_rate'), '7.2f')} {num(ev.get('faster_eager_rate'), '7.2f')} "
-                     f"{num(ev.get('faster_compile_rate'), '8.2f')}  final actor, greedy, {ev['n']} tasks")
-    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1306,33 +1125,50 @@ def build_policy(cfg: Config, run_dir: Path, device: str, main_rank: bool):
 
 
 def synthesise(cfg: Config, run_dir: Path, backend: str):
-    """--stage all without --dataset: synth.py writes run_dir/data (resumable; skipped when it exists)."""
+    """--stage all without --dataset: synth.py writes run_dir/data (resumable; skipped when it exists), with
+    eval_tasks of the tasks in its test split (the held-out tasks)."""
     out = run_dir / "data"
     if (out / "dataset_dict.json").is_file():
         return str(out)
-    print(f"data: no --dataset given: synthesising {cfg.synth_tasks} tasks into {out}", flush=True)
+    share = min(0.5, cfg.eval_tasks / max(cfg.synth_tasks, 1))
+    print(f"data: no --dataset given: synthesising {cfg.synth_tasks} tasks of the {cfg.family} family into {out} "
+          f"({cfg.synth_workers} workers, test share {share:.2f})", flush=True)
     r = subprocess.run([sys.executable, str(ROOT / "synth.py"), "--out", str(out), "--num-tasks", str(cfg.synth_tasks),
-                        "--backend", backend, "--seed", str(cfg.seed)])
+                        "--family", cfg.family, "--backend", backend, "--seed", str(cfg.seed),
+                        "--workers", str(cfg.synth_workers), "--test-share", f"{share:.6f}"])
     if r.returncode != 0 or not (out / "dataset_dict.json").is_file():
         raise env.UsageError(f"dataset synthesis failed (synth.py exit code {r.returncode}); pass --dataset to use an existing one")
     return str(out)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="staged agentic RL for CUDA kernels (warmup -> rft -> critic -> ppo)",
+    p = argparse.ArgumentParser(description="staged agentic RL for CUDA kernels (sft -> warmup -> rft -> critic -> ppo)",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n")[1])
     p.add_argument("--stage", required=True, choices=[*STAGES, "all"])
+    p.add_argument("--skip", action="append", default=[], metavar="STAGE",
+                   help=f"leave a stage out of --stage all (repeatable or a comma list: --skip rft,critic); one of {', '.join(STAGES)}")
     p.add_argument("--preset", choices=list(PRESETS), help="default: 'default' with a GPU, 'cpu' without one")
     p.add_argument("--model", help=f"base model: HF folder/hub id, .gguf file, or {TINY!r} (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dataset", help="synth.py output folder or hub id (default with --stage all: synthesise one)")
+    p.add_argument("--dataset", help="synth.py output folder or hub id; its test split is held out (default with --stage all: synthesise one)")
     p.add_argument("--backend", default="auto", help="kernel scoring: auto | cuda | cpu")
     p.add_argument("--run-dir", help="run folder (default runs/PRESET)")
     p.add_argument("--resume", action="store_true", help="continue the stages found in --run-dir")
+    p.add_argument("--teacher-url", help="sft: an OpenAI-compatible /v1 endpoint writes the demonstrations (default: teacher.py's scripted teacher)")
+    p.add_argument("--teacher-model", help="sft: the model name on --teacher-url")
     p.add_argument("--env-gpus", type=int, default=0, help="GPUs (the last K visible) used only for kernel timing")
     p.add_argument("--demos", help="extra hand-written episodes (JSONL, agent.save_episodes format) for RFT")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any Config field, e.g. --set warmup_steps=5 --set kl_coef=0.01")
     return p.parse_args(argv)
+
+
+def parse_skip(values: list) -> tuple:
+    """--skip rft --skip critic, or --skip rft,critic -> ("rft", "critic"); an unknown name is a one-line error."""
+    names = [n.strip() for v in values for n in v.split(",") if n.strip()]
+    for n in names:
+        if n not in STAGES:
+            raise env.UsageError(f"--skip {n}: no such stage (stages: {', '.join(STAGES)})")
+    return tuple(s for s in STAGES if s in names)
 
 
 def gpu_available() -> bool:
@@ -1346,7 +1182,8 @@ def make_config(a) -> Config:
             print("train.py: no GPU found: running the CPU-sized preset 'cpu' (the embedded 135M model, 2 tasks per step, "
                   "1 step per stage); pass --preset default (or tiny, paper) to choose another", flush=True)
     cfg = Config(preset=a.preset, **PRESETS[a.preset])
-    for field, value in (("model", a.model), ("dataset", a.dataset), ("demos", a.demos)):
+    for field, value in (("model", a.model), ("dataset", a.dataset), ("demos", a.demos), ("teacher_url", a.teacher_url),
+                         ("teacher_model", a.teacher_model)):
         if value is not None:
             setattr(cfg, field, value)
     cfg.backend, cfg.env_gpus = a.backend, a.env_gpus
@@ -1365,21 +1202,32 @@ def make_config(a) -> Config:
     return cfg
 
 
-def check_inputs(cfg: Config, a) -> tuple[list, str | None]:
-    """Everything that can be wrong with the command line, checked before any model or GPU work."""
+def check_inputs(cfg: Config, a) -> tuple[list, list, str | None]:
+    """Everything that can be wrong with the command line, checked before any model or GPU work.
+    Returns (stages to run, the run's stage order after --skip, dataset source)."""
     run_dir = Path(cfg.run_dir)
-    stages = list(STAGES) if a.stage == "all" else [a.stage]
+    a.skip = parse_skip(a.skip)
+    order = [s for s in STAGES if s not in a.skip]
+    if a.stage != "all" and a.stage in a.skip:
+        raise env.UsageError(f"--stage {a.stage} is also in --skip")
+    if not order:
+        raise env.UsageError("--skip leaves no stage to run")
+    stages = order if a.stage == "all" else [a.stage]
     backend = env.resolve_backend(cfg.backend)
     if cfg.env_gpus and backend != "cuda":
         raise env.UsageError("--env-gpus needs the cuda backend (it dedicates GPUs to kernel timing)")
+    if cfg.teacher_url and not cfg.teacher_model:
+        raise env.UsageError("--teacher-url needs --teacher-model (the server's model name)")
+    if cfg.family not in ("elementwise", "paper"):
+        raise env.UsageError(f"family {cfg.family!r}: expected elementwise or paper")
     if not a.resume:
         for s in stages:
             if latest(run_dir / s):
                 raise env.UsageError(f"{run_dir / s} already holds a checkpoint: pass --resume to continue it, or choose another --run-dir")
-    prev = PREDECESSOR[stages[0]]
+    prev = order[order.index(stages[0]) - 1] if stages[0] != order[0] else None
     if prev and not stage_done(run_dir, prev):
         raise env.UsageError(f"--stage {stages[0]} needs a finished {prev} stage in {run_dir / prev}/ "
-                             f"(run --stage {prev} --run-dir {run_dir} first, or --stage all)")
+                             f"(run --stage {prev} --run-dir {run_dir} first, or --stage all, or --skip {prev})")
     saved = run_dir / "config.json"
     if saved.is_file():
         old = json.loads(saved.read_text())
@@ -1392,106 +1240,23 @@ def check_inputs(cfg: Config, a) -> tuple[list, str | None]:
     if cfg.demos and not Path(cfg.demos).is_file():
         raise env.UsageError(f"--demos {cfg.demos}: no such file")
     src = cfg.dataset or (str(run_dir / "data") if (run_dir / "data" / "dataset_dict.json").is_file() else None)
-    needs_tasks = any(s in ("warmup", "rft", "ppo") for s in stages) or a.stage == "all"
+    needs_tasks = any(s in ("sft", "warmup", "rft", "ppo") for s in stages) or a.stage == "all"
     if src is not None:
         load_data(src, needs_tasks)  # validates columns and emptiness now
     elif needs_tasks and a.stage != "all":
         raise env.UsageError(f"--stage {a.stage} needs tasks: pass --dataset, or run --stage all (which synthesises them)")
-    return stages, src
+    return stages, order, src
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
     try:
         cfg = make_config(a)
-        stages, src = check_inputs(cfg, a)
-        return run(cfg, a, stages, src)
+        stages, order, src = check_inputs(cfg, a)
+        return run(cfg, a, stages, order, src)
     except env.UsageError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return 2
-
-
-def run(cfg: Config, a, stages: list, src: str | None) -> int:
-    from accelerate import Accelerator
-    t_start = time.time()
-    cuda = torch.cuda.is_available()
-    acc = Accelerator(cpu=not cuda)  # CPU: gloo across processes; GPU: NCCL
-    rank, world = acc.process_index, acc.num_processes
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    backend = env.resolve_backend(cfg.backend)
-    device = str(acc.device) if cuda else "cpu"
-    if not cuda:  # leave cores to env.py's sandboxes (they score concurrently); tiny ops on busy cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // (2 * local_world)))  # crawl with spinning threads
-    if cuda:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(torch.cuda.device_count()))).split(",")
-        plan = gpu_plan([v for v in visible if v], local_world, acc.local_process_index, cfg.env_gpus)
-        torch.cuda.init()  # our own context is on the training GPU; from here on the variable only steers children
-        os.environ["CUDA_VISIBLE_DEVICES"] = plan["env"]  # env.py's sandboxes time kernels there (and lock it)
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if src is None and a.stage == "all":
-        if acc.is_main_process:
-            src = synthesise(cfg, run_dir, backend)
-        barrier()
-        src = str(run_dir / "data")
-        if not (Path(src) / "dataset_dict.json").is_file():
-            raise env.UsageError("dataset synthesis failed on rank 0")
-    train, test = load_data(src, True) if src else ([], [])
-    cfg.dataset = cfg.dataset or src
-    if acc.is_main_process:
-        write_json(run_dir / "config.json", dataclasses.asdict(cfg))
-    if acc.is_main_process:
-        print(f"model: loading {cfg.model or agent.DEFAULT_MODEL} on {device}", flush=True)
-    policy = build_policy(cfg, run_dir, device, acc.is_main_process)
-    barrier()
-    pm, head = add_adapters(policy.model, cfg, device)
-    policy.model = pm
-    tb = None
-    if acc.is_main_process:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-            tb = SummaryWriter(str(run_dir / "tb"))
-        except ImportError:
-            pass
-    ctx = Ctx(cfg=cfg, run_dir=run_dir, rank=rank, world=world, device=device, backend=backend, policy=policy, pm=pm,
-              head=head, train=train, test=test, tb=tb, known_tools=tuple(agent.TOOL_ARGS))
-    generate = policy.generate
-
-    def timed_generate(*args, **kw):  # what the time split (generate / env / update) is measured with
-        t = time.time()
-        try:
-            return generate(*args, **kw)
-        finally:
-            ctx.gen_s += time.time() - t
-    policy.generate = timed_generate
-    n_params = sum(p.numel() for p in pm.parameters())
-    ctx.say(f"train | stages {' '.join(stages)} | preset {cfg.preset} | model {cfg.model or agent.DEFAULT_MODEL} "
-            f"({n_params / 1e6:.1f}M params, LoRA r={cfg.lora_r}) | tasks {len(train)} train / {len(test)} held-out | "
-            f"backend {backend} | ranks {world} | device {device} | run {run_dir}")
-    for s in stages:
-        if s == "warmup":
-            ppo_stage(ctx, "warmup", cfg.warmup_steps, a.resume)
-        elif s == "rft":
-            stage_rft(ctx, a.resume)
-        elif s == "critic":
-            stage_critic(ctx, a.resume)
-        else:
-            ppo_stage(ctx, "ppo", cfg.ppo_steps, a.resume)
-    ev = final_eval(ctx) if a.stage == "all" else None
-    if ctx.main:
-        print(summary_table(run_dir, ev))
-        if all_rewards_minus_one(run_dir, ev):
-            print(f"note: every reward in this run was -1 (no kernel was both built and correct). That is expected for "
-                  f"{'a tiny random model' if cfg.model == TINY else 'the embedded 135M model'} at preset {cfg.preset!r}: "
-                  "this run shows that every stage works end to end, not that the model learns; a model that can write "
-                  "C++/CUDA (--model) on a GPU is where rewards appear")
-        print(f"done in {fmt_time(time.time() - t_start)} | checkpoints: " +
-              " ".join(str(run_dir / s / latest(run_dir / s)["ckpt"]) for s in stages if latest(run_dir / s)) +
-              f" | metrics: {run_dir / 'metrics.jsonl'}")
-    if tb is not None:
-        tb.close()
-    barrier()
-    return 0
 
 
 if __name__ == "__main__":

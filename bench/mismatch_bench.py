@@ -2,7 +2,7 @@
 
 train.py samples tokens with agent.py's engine (FastEngine: LoRA merged into the weights, fused projections,
 K/V reused across turns; on CUDA compiled layers in CUDA graphs; or HF generate) and takes the PPO ratio
-against log-probs that its own training forward (train.action_logprobs: peft, unmerged LoRA) recomputes on
+against log-probs that its own training forward (rl.action_logprobs: peft, unmerged LoRA) recomputes on
 the same tokens. This script samples multi-turn "episodes" from the embedded SmolLM2-135M-Instruct with a
 LoRA actor, recomputes them with the training forward, and prints per configuration: mean and p99 of
 |delta log p|, the largest |delta|, and the share of tokens whose ratio pi_train / pi_rollout lies outside
@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import agent  # noqa: E402
+import rl  # noqa: E402
 import train  # noqa: E402
 
 ap = argparse.ArgumentParser()
@@ -53,7 +54,7 @@ for dtype_name in args.dtypes.split(","):
     policy = agent.load_policy("hf", device=args.device, dtype=dtype, engine="hf")  # HFPolicy; engine chosen below
     tok = policy.tokenizer
     cfg = train.Config(lora_r=args.lora_r, lora_alpha=2 * args.lora_r, seed=args.seed, temperature=args.temperature)
-    pm, _ = train.add_adapters(policy.model, cfg, args.device)
+    pm, _ = rl.add_adapters(policy.model, cfg, args.device)
     g = torch.Generator().manual_seed(args.seed)
     with torch.no_grad():
         for n, p in pm.named_parameters():
@@ -85,11 +86,11 @@ for dtype_name in args.dtypes.split(","):
         train_lp = []
         with torch.no_grad():
             for s in seqs:  # one sequence per forward: no padding effects in the training numbers
-                ids, attn, act = train.collate([s], args.device)
-                train_lp.append(train.action_logprobs(pm, ids, attn, act, args.temperature)[0].float().cpu())
+                ids, attn, act = rl.collate([s], args.device)
+                train_lp.append(rl.action_logprobs(pm, ids, attn, act, args.temperature)[0].float().cpu())
         train_lp = torch.cat(train_lp)
-        roll = torch.tensor([lp for s in seqs for lp in train.rollout_logprobs(s)], dtype=torch.float32)
-        st = train.mismatch_stats(train_lp, roll)
+        roll = torch.tensor([lp for s in seqs for lp in rl.rollout_logprobs(s)], dtype=torch.float32)
+        st = rl.mismatch_stats(train_lp, roll)
         d = (train_lp - roll).abs()
         rows.append((dtype_name, engine, len(d), st["mm_mean"], st["mm_p99"], float(d.max()), st["mm_out"],
                      max(len(s["tokens"]) for s in seqs), gen_s))

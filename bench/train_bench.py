@@ -9,7 +9,7 @@ training step's time go.
     python bench/train_bench.py --overfit --device cuda --backend cuda
 
 Part 1, update: the same synthetic batch (B sequences of P prompt + R response tokens, random rewards) goes
-through train.ppo_update (one base model, LoRA actor + LoRA critic adapters, logits only on response tokens)
+through rl.ppo_update (one base model, LoRA actor + LoRA critic adapters, logits only on response tokens)
 and, when TRL's PPOTrainer is importable (trl 0.2x: trl.experimental.ppo; newer TRL has no PPO), through
 TRL's PPO step on the same model config, batch, lengths, epochs and minibatches (LoRA policy via
 peft_config, its value model is a full AutoModelForSequenceClassification copy as TRL requires, also used as
@@ -18,7 +18,7 @@ the reward model). TRL's `batch_generation` is replaced by random responses and 
 `batch_generation`. Reported: update tokens/s = B * (P + R) / update
 seconds, and peak GPU memory (torch.cuda.max_memory_allocated, reset before each row).
 
-Part 3, --overfit: the RFT loss of train.py (train.sft_loss: next-token loss on model tokens only, LoRA
+Part 3, --overfit: the RFT loss of train.py (rl.sft_loss: next-token loss on model tokens only, LoRA
 actor) on hand-written correct single-turn answers for 3 tasks (OVERFIT_TASKS; CUDA sources, or C++ with
 --backend cpu), then greedy answers of the fine-tuned embedded model are parsed and scored by env.py:
 every task must reach reward >= 1 (correct). Exit code 1 otherwise.
@@ -48,6 +48,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForSequenceClassification, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import agent  # noqa: E402
+import rl  # noqa: E402
 import train  # noqa: E402
 
 
@@ -96,19 +97,19 @@ def bench_ours(name, device, dtype, B, P, R, a) -> dict:
     lm, mcfg = load_model(name, device, dtype)
     cfg = train.Config(lora_r=a.lora_r, lora_alpha=2 * a.lora_r, micro_batch=a.micro_batch, minibatches=a.minibatches,
                        ppo_epochs=a.ppo_epochs, lr_warmup=0)
-    pm, head = train.add_adapters(lm, cfg, device)
-    opts = {"actor": train.make_optimizer(train.adapter_params(pm, "actor"), 1e-5, 0),
-            "critic": train.make_optimizer(train.adapter_params(pm, "critic") + list(head.parameters()), 1e-5, 0)}
+    pm, head = rl.add_adapters(lm, cfg, device)
+    opts = {"actor": rl.make_optimizer(rl.adapter_params(pm, "actor"), 1e-5, 0),
+            "critic": rl.make_optimizer(rl.adapter_params(pm, "critic") + list(head.parameters()), 1e-5, 0)}
     rng = random.Random(0)
     V = mcfg.vocab_size
     seqs = [{"tokens": [rng.randrange(V) for _ in range(P + R)], "loss_mask": [0] * P + [1] * R,
              "reward": rng.choice([-1, 1, 2, 3])} for _ in range(B)]
-    train.ppo_update(pm, head, opts, seqs[:max(1, a.micro_batch)], cfg, device)  # warm-up (allocator, kernels)
+    rl.ppo_update(pm, head, opts, seqs[:max(1, a.micro_batch)], cfg, device)  # warm-up (allocator, kernels)
     peak_reset(device)
     sync(device)
     t0 = time.time()
     for _ in range(a.repeats):
-        train.ppo_update(pm, head, opts, seqs, cfg, device)
+        rl.ppo_update(pm, head, opts, seqs, cfg, device)
     sync(device)
     dt = (time.time() - t0) / a.repeats
     out = {"impl": "train.py", "model": name, "params_M": sum(p.numel() for p in lm.parameters()) / 1e6,
@@ -212,7 +213,7 @@ def split(a) -> list:
     code = (ROOT / "examples" / "relu.py").read_text()
     row = {"ops": ["torch.relu"], "data_source": "torch#1", "code": code, "eager_ms": None, "compile_ms": None}
     datasets.DatasetDict({"train": datasets.Dataset.from_list([row] * 4), "test": datasets.Dataset.from_list([row])}).save_to_disk(str(data))
-    argv = ["--stage", "warmup", "--preset", a.preset, "--backend", a.backend, "--run-dir", str(run_dir),
+    argv = ["--stage", "warmup", "--skip", "sft", "--preset", a.preset, "--backend", a.backend, "--run-dir", str(run_dir),
             "--dataset", a.dataset or str(data), "--set", f"warmup_steps={a.split_steps}"]
     rc = train.main(argv)
     if rc != 0:
@@ -348,17 +349,17 @@ def overfit(a) -> int:
     pol = agent.load_policy("hf", device=device, dtype=dtype, max_context=4096)
     tasks, demos = overfit_demos(pol.tokenizer, a.backend)
     cfg = train.Config(lora_r=64, lora_alpha=128, micro_batch=3, max_grad_norm=1.0)
-    pm, head = train.add_adapters(pol.model, cfg, device)
+    pm, head = rl.add_adapters(pol.model, cfg, device)
     pol.model = pm
-    params = train.adapter_params(pm, "actor")
-    opt, sched = train.make_optimizer(params, a.overfit_lr, 5)
-    ids, attn, act = train.collate(demos, device)
+    params = rl.adapter_params(pm, "actor")
+    opt, sched = rl.make_optimizer(params, a.overfit_lr, 5)
+    ids, attn, act = rl.collate(demos, device)
     print(f"overfit | {len(demos)} hand-written answers, {int(act.sum())} answer tokens | LoRA r 64 | lr {a.overfit_lr} | "
           f"backend {a.backend}", flush=True)
     for step in range(a.overfit_steps):
-        nll, n = train.sft_loss(pm, ids, attn, act)  # the RFT stage's loss: next-token NLL on model tokens only
+        nll, n = rl.sft_loss(pm, ids, attn, act)  # the RFT stage's loss: next-token NLL on model tokens only
         (nll / n).backward()
-        train.optimizer_step(opt, sched, params, cfg.max_grad_norm)
+        rl.optimizer_step(opt, sched, params, cfg.max_grad_norm)
         if step % 10 == 0 or step == a.overfit_steps - 1:
             print(f"rft step {step + 1}/{a.overfit_steps} | loss {float(nll.detach()) / n:.4f}", flush=True)
     pol.release()

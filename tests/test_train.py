@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import env
+import rl
 import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +37,20 @@ def relu_dataset(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def elem_dataset(tmp_path_factory):
+    """A synth.py-format dataset of the elementwise family (the teacher's): 2 training tasks, 1 held out. Composed by
+    elementwise.py without synth.py's execution filters (synth.py has its own tests)."""
+    import datasets
+    import elementwise as E
+    picks = [c for c in (E.compose_one(i, 0, "cpu", (0.1, 10.0)) for i in range(40)) if "drop" not in c][:3]
+    rows = [{k: c.get(k) for k in ("ops", "data_source", "code")} | {"eager_ms": None, "compile_ms": None} for c in picks]
+    path = tmp_path_factory.mktemp("data") / "elem"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:2]),
+                          "test": datasets.Dataset.from_list(rows[2:])}).save_to_disk(str(path))
+    return path
+
+
 # ----------------------------------------------------------------------------------------------
 # GAE and losses against hand-computed values
 # ----------------------------------------------------------------------------------------------
@@ -44,7 +59,7 @@ def test_gae_skips_tool_tokens_and_carries_values():
     mask = torch.tensor([[1., 1., 0., 0., 1.]])
     values = torch.tensor([[0.5, 0.2, 9.0, 9.0, 0.4]])
     rewards = torch.tensor([[0., 0., 0., 0., 1.]])
-    adv, ret = train.gae(rewards, values, mask, gamma=1.0, lam=0.95)
+    adv, ret = rl.gae(rewards, values, mask, gamma=1.0, lam=0.95)
     # by hand: d4 = 1 - 0.4 = 0.6; d1 = 0.4 - 0.2 = 0.2, A1 = 0.2 + 0.95 * 0.6 = 0.77;
     #          d0 = 0.2 - 0.5 = -0.3, A0 = -0.3 + 0.95 * 0.77 = 0.4315
     assert torch.allclose(adv, torch.tensor([[0.4315, 0.77, 0., 0., 0.6]]), atol=1e-6)
@@ -56,13 +71,13 @@ def test_gae_discounts_per_model_token_and_handles_padding():
     mask = torch.tensor([[1., 0., 1., 1.], [1., 1., 0., 0.]])  # row 2: two model tokens then padding
     values = torch.tensor([[0.1, 5.0, 0.2, 0.3], [0.0, 0.5, 7.0, 7.0]])
     rewards = torch.tensor([[0., 0., 0., 2.], [0., 1., 0., 0.]])
-    adv, ret = train.gae(rewards, values, mask, gamma=0.9, lam=1.0)
+    adv, ret = rl.gae(rewards, values, mask, gamma=0.9, lam=1.0)
     assert torch.allclose(ret[0], torch.tensor([0.9 * 0.9 * 2, 0., 0.9 * 2, 2.]), atol=1e-6)
     assert torch.allclose(adv[0], torch.tensor([1.62 - 0.1, 0., 1.8 - 0.2, 2. - 0.3]), atol=1e-6)
     assert torch.allclose(ret[1], torch.tensor([0.9, 1.0, 0., 0.]), atol=1e-6)
     assert torch.allclose(adv[1], torch.tensor([0.9, 0.5, 0., 0.]), atol=1e-6)
     # lambda 0: one-step TD errors
-    adv0, _ = train.gae(rewards, values, mask, gamma=1.0, lam=0.0)
+    adv0, _ = rl.gae(rewards, values, mask, gamma=1.0, lam=0.0)
     assert torch.allclose(adv0[0], torch.tensor([0.2 - 0.1, 0., 0.3 - 0.2, 2. - 0.3]), atol=1e-6)
 
 
@@ -70,7 +85,7 @@ def test_policy_loss_asymmetric_clip():
     logp = torch.log(torch.tensor([1.5, 1.5, 0.5, 0.5, 1.1]))
     old = torch.zeros(5)
     adv = torch.tensor([1., -1., 1., -1., 2.])
-    loss, clipped = train.policy_loss(logp, old, adv, eps_low=0.2, eps_high=0.28)
+    loss, clipped = rl.policy_loss(logp, old, adv, eps_low=0.2, eps_high=0.28)
     # A>0, r=1.5 -> capped at 1 + 0.28; A<0, r=1.5 -> unclipped (pessimistic); A>0, r=0.5 -> unclipped;
     # A<0, r=0.5 -> capped at 1 - 0.2; inside the trust region -> plain -A r
     assert torch.allclose(loss, torch.tensor([-1.28, 1.5, -0.5, 0.8, -2.2]), atol=1e-5)
@@ -80,17 +95,17 @@ def test_policy_loss_asymmetric_clip():
 def test_value_loss_clipped_and_whitening_and_explained_variance():
     v, old, ret = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 0.0]), torch.tensor([1.0, 0.1])
     # first: v moved 1.0 but the clipped value (0.5) is farther from the return -> max picks 0.5 * 0.5^2
-    assert torch.allclose(train.value_loss(v, old, ret, clip=0.5), torch.tensor([0.125, 0.005]), atol=1e-6)
+    assert torch.allclose(rl.value_loss(v, old, ret, clip=0.5), torch.tensor([0.125, 0.005]), atol=1e-6)
     x = torch.tensor([[1., 2., 100.], [3., 4., 5.]])
     m = torch.tensor([[1., 1., 0.], [1., 1., 0.]])
-    w = train.masked_whiten(x, m)
+    w = rl.masked_whiten(x, m)
     assert w[0, 2] == 0 and w[1, 2] == 0
     sel = w[m > 0]
     assert abs(float(sel.mean())) < 1e-6 and abs(float((sel ** 2).mean()) - 1) < 1e-4
-    assert train.explained_variance([1., 2., 3.], [1., 2., 3.]) == pytest.approx(1.0)
-    assert train.explained_variance([2., 2., 2.], [1., 2., 3.]) == pytest.approx(0.0)  # the mean explains nothing
-    assert train.explained_variance([1., 2., 4.], [1., 2., 3.]) == pytest.approx(1 - (2 / 9) / (2 / 3))
-    assert train.explained_variance([1., 2.], [5., 5.]) is None
+    assert rl.explained_variance([1., 2., 3.], [1., 2., 3.]) == pytest.approx(1.0)
+    assert rl.explained_variance([2., 2., 2.], [1., 2., 3.]) == pytest.approx(0.0)  # the mean explains nothing
+    assert rl.explained_variance([1., 2., 4.], [1., 2., 3.]) == pytest.approx(1 - (2 / 9) / (2 / 3))
+    assert rl.explained_variance([1., 2.], [5., 5.]) is None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,9 +182,9 @@ def test_ppo_learns_a_synthetic_reward():
         TARGET = int(lm(input_ids=torch.tensor([[1, 2, 3]])).logits[0, -1].argmin())
     cfg = train.Config(lora_r=8, lora_alpha=16, actor_lr=3e-2, critic_lr=3e-2, lr_warmup=0, minibatches=2, micro_batch=8,
                        ppo_epochs=2)
-    pm, head = train.add_adapters(lm, cfg, "cpu")
-    opts = {"actor": train.make_optimizer(train.adapter_params(pm, "actor"), cfg.actor_lr, 0),
-            "critic": train.make_optimizer(train.adapter_params(pm, "critic") + list(head.parameters()), cfg.critic_lr, 0)}
+    pm, head = rl.add_adapters(lm, cfg, "cpu")
+    opts = {"actor": rl.make_optimizer(rl.adapter_params(pm, "actor"), cfg.actor_lr, 0),
+            "critic": rl.make_optimizer(rl.adapter_params(pm, "critic") + list(head.parameters()), cfg.critic_lr, 0)}
 
     def sample(ids, n):  # (B, T) -> (B, T + n), plain ancestral sampling with the actor
         for _ in range(n):
@@ -187,7 +202,7 @@ def test_ppo_learns_a_synthetic_reward():
         seqs = [{"tokens": row, "loss_mask": mask, "reward": sum(t == TARGET for t, m in zip(row, mask) if m) / 8}
                 for row in ids.tolist()]
         history.append(sum(s["reward"] for s in seqs) / B)
-        stats = train.ppo_update(pm, head, opts, seqs, cfg, "cpu")
+        stats = rl.ppo_update(pm, head, opts, seqs, cfg, "cpu")
         assert 0 <= stats["clipfrac"] <= 1 and stats["entropy"] > 0
         if step >= 5 and sum(history[-3:]) / 3 > 0.8:
             break
@@ -202,23 +217,23 @@ def test_collate_and_logprobs_only_touch_model_tokens():
     torch.manual_seed(0)
     lm = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=2))
-    pm, head = train.add_adapters(lm, train.Config(lora_r=4), "cpu")
+    pm, head = rl.add_adapters(lm, train.Config(lora_r=4), "cpu")
     seqs = [{"tokens": [1, 2, 3, 4, 5], "loss_mask": [1, 0, 1, 0, 1]}, {"tokens": [1, 2], "loss_mask": [0, 1]}]
-    ids, attn, act = train.collate(seqs, "cpu")
+    ids, attn, act = rl.collate(seqs, "cpu")
     assert act.tolist() == [[False, False, True, False, True], [False, True, False, False, False]]  # token 0: no predecessor
-    logp, ent = train.action_logprobs(pm, ids, attn, act)
+    logp, ent = rl.action_logprobs(pm, ids, attn, act)
     assert logp.shape == (3,) and bool((logp < 0).all()) and bool((ent > 0).all())
     with torch.no_grad():  # the same numbers as a full forward
         full = torch.log_softmax(pm(input_ids=ids[:1], attention_mask=attn[:1]).logits[0].float(), -1)
     assert torch.allclose(logp[:2], torch.stack([full[1, 3], full[3, 5]]), atol=1e-5)
-    assert train.action_values(pm, head, ids, attn, act).shape == (3,)
+    assert rl.action_values(pm, head, ids, attn, act).shape == (3,)
     # the optional KL penalty: the reference is the same base with the adapter switched off
     cfg = train.Config(lora_r=4, kl_coef=0.1, micro_batch=2, minibatches=1)
-    opts = {"actor": train.make_optimizer(train.adapter_params(pm, "actor"), 1e-2, 0),
-            "critic": train.make_optimizer(train.adapter_params(pm, "critic") + list(head.parameters()), 1e-2, 0)}
+    opts = {"actor": rl.make_optimizer(rl.adapter_params(pm, "actor"), 1e-2, 0),
+            "critic": rl.make_optimizer(rl.adapter_params(pm, "critic") + list(head.parameters()), 1e-2, 0)}
     with torch.no_grad():
         base = pm(input_ids=ids[:1]).logits  # fresh LoRA (B = 0): exactly the base model
-    stats = train.ppo_update(pm, head, opts, [{**s, "reward": r} for s, r in zip(seqs, (1.0, -1.0))], cfg, "cpu")
+    stats = rl.ppo_update(pm, head, opts, [{**s, "reward": r} for s, r in zip(seqs, (1.0, -1.0))], cfg, "cpu")
     assert all(v == v for v in stats.values())  # no NaN
     with torch.no_grad():
         moved = pm(input_ids=ids[:1]).logits
@@ -241,7 +256,9 @@ def bad(capsys, argv):
 def test_bad_inputs(tmp_path, relu_dataset, capsys):
     import datasets
     rd = str(tmp_path / "run")
-    common = ["--preset", "tiny", "--backend", "cpu", "--run-dir", rd]
+    common = ["--preset", "tiny", "--backend", "cpu", "--run-dir", rd, "--skip", "sft"]
+    assert "needs a finished sft stage" in bad(capsys, ["--stage", "warmup", "--preset", "tiny", "--backend", "cpu",
+                                                        "--run-dir", rd, "--dataset", str(relu_dataset)])
     assert "needs a finished warmup stage" in bad(capsys, ["--stage", "rft", *common, "--dataset", str(relu_dataset)])
     assert "needs a finished rft stage" in bad(capsys, ["--stage", "critic", *common])
     assert "no such model folder or hub id" in bad(capsys, ["--stage", "warmup", *common, "--dataset", str(relu_dataset),
@@ -270,8 +287,8 @@ def test_bad_inputs(tmp_path, relu_dataset, capsys):
     r = run_cli(["--stage", "ppo", *common])
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "needs a finished critic stage" in r.stderr, r.stderr
     assert time.time() - t0 < 60
-    r = run_cli(["--stage", "warmup", "--preset", "tiny", "--backend", "cpu", "--run-dir", rd + "-m", "--dataset", str(relu_dataset),
-                 "--model", "/nonexistent/model"])
+    r = run_cli(["--stage", "warmup", "--skip", "sft", "--preset", "tiny", "--backend", "cpu", "--run-dir", rd + "-m",
+                 "--dataset", str(relu_dataset), "--model", "/nonexistent/model"])
     assert r.returncode == 2 and r.stderr.strip() == "train.py: error: unknown model '/nonexistent/model': no such model folder or hub id"
     # without a GPU and without --preset, the first line says so and names the CPU preset it runs instead
     r = run_cli(["--stage", "all", "--run-dir", rd + "-cpu", "--dataset", str(tmp_path / "no-such-dataset")],
@@ -280,39 +297,128 @@ def test_bad_inputs(tmp_path, relu_dataset, capsys):
     assert r.returncode == 2 and "no-such-dataset" in r.stderr
 
 
+def test_skip_names_and_order(tmp_path, relu_dataset, capsys):
+    assert train.parse_skip(["rft", "critic"]) == train.parse_skip(["critic,rft"]) == ("rft", "critic")
+    assert train.parse_skip([]) == () and train.parse_skip(["sft, ppo"]) == ("sft", "ppo")
+    common = ["--preset", "tiny", "--backend", "cpu", "--run-dir", str(tmp_path / "run"), "--dataset", str(relu_dataset)]
+    assert bad(capsys, ["--stage", "all", *common, "--skip", "rft", "--skip", "nope"]) == \
+        "train.py: error: --skip nope: no such stage (stages: sft, warmup, rft, critic, ppo)"
+    assert "--skip warm-up: no such stage" in bad(capsys, ["--stage", "all", *common, "--skip", "critic,warm-up"])
+    assert "--stage rft is also in --skip" in bad(capsys, ["--stage", "rft", *common, "--skip", "rft"])
+    assert "leaves no stage" in bad(capsys, ["--stage", "all", *common, "--skip", "sft,warmup,rft,critic,ppo"])
+    # a skipped stage is not a predecessor: without rft, the critic follows the warm-up
+    assert "--stage critic needs a finished warmup stage" in bad(capsys, ["--stage", "critic", *common, "--skip", "rft"])
+    assert "--stage ppo needs a finished rft stage" in bad(capsys, ["--stage", "ppo", *common, "--skip", "critic"])
+    assert "--teacher-url needs --teacher-model" in bad(capsys, ["--stage", "all", *common, "--teacher-url", "http://x/v1"])
+
+
+def test_heldout_tasks_are_never_the_teachers():
+    task = lambda split, i, code: {"task_id": f"{split}/{i:05d}", "code": code}
+    train_tasks = [task("train", i, f"code {i}") for i in range(6)] + [task("train", 6, "code shared")]
+    test_tasks = [task("test", 0, "code shared"), task("test", 1, "code t1"), task("test", 2, "code t2")]
+    cfg = train.Config(eval_tasks=2, sft_tasks=0)
+    teach, held = train.split_tasks(train_tasks, test_tasks, cfg)
+    assert [t["task_id"] for t in held] == ["test/00000", "test/00001"]
+    assert not {t["code"] for t in teach} & {t["code"] for t in held}  # the repeated task stays held out only
+    assert len(teach) == 6
+    teach, held = train.split_tasks(train_tasks, test_tasks, train.Config(eval_tasks=3, sft_tasks=4))
+    assert len(teach) == 4 and len(held) == 3 and not {t["code"] for t in teach} & {t["code"] for t in held}
+
+
+def test_workers_follow_the_cores():
+    assert train.workers(2, "cpu") == (2, 2)
+    assert train.workers(16, "cuda") == (12, 8)
+    assert train.workers(1, "cuda") == (1, 2)
+    assert train.workers(128, "cpu") == (16, 16)
+
+
+def test_stage_table_and_chart(tmp_path, monkeypatch):
+    row = lambda stage, p, r: {"stage": stage, "n": 32, "pass": p, "faster_eager": p / 2, "faster_compile": None,
+                               "reward": r, "turns": 7.5, "note": f"after {stage}"}
+    rows = [row("base", 0.0, -1.0), row("sft", 0.5, 0.25)]
+    lines = train.stage_table(rows).splitlines()
+    assert lines[3].split() == ["base", "32", "0.00", "0.00", "-", "-1.000", "7.5", "after", "base"], lines
+    assert lines[4].split()[:7] == ["sft", "32", "0.50", "0.25", "-", "+0.250", "7.5"], lines
+    assert train.stage_chart(rows, tmp_path / "stages.png") and (tmp_path / "stages.png").stat().st_size > 1000
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed: no chart, no error
+    assert train.stage_chart(rows, tmp_path / "none.png") is False and not (tmp_path / "none.png").exists()
+
+
+def test_sft_trains_only_on_model_tokens():
+    """The update of the sft stage (rl.sft_epoch on demonstration episodes) learns from the teacher's tokens
+    (loss_mask 1) only: its loss is the mean NLL of exactly those tokens; an episode that differs only in tool
+    output after its last model token (never context for a model token) gives the same update, bit for bit; one
+    that differs in one model token does not. Each assertion fails if observation tokens entered the loss."""
+    demo = {"tokens": [1, 2, 3, 9, 10, 11, 4, 5, 12, 13, 6, 7, 8], "loss_mask": [0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 0, 0, 0],
+            "reward": 1}
+    cfg = train.Config(lora_r=4, lora_alpha=8, micro_batch=1, minibatches=1, max_grad_norm=1e9)
+
+    def update(ep):
+        pm, head = rl.add_adapters(toy_lm(), cfg, "cpu")
+        with torch.no_grad():  # the model before the update (LoRA B = 0: the base) scores every position
+            logp = torch.log_softmax(pm(input_ids=torch.tensor([ep["tokens"]])).logits[0].float(), -1)
+        nll = [-float(logp[t - 1, ep["tokens"][t]]) for t in range(1, len(ep["tokens"])) if ep["loss_mask"][t]]
+        params = rl.adapter_params(pm, "actor")
+        before = [p.detach().clone() for p in params]
+        loss = rl.sft_epoch(pm, opts_for(pm, head, sgd=True)["actor"], [ep], 1, cfg, "cpu", 0)
+        return loss, sum(nll) / len(nll), torch.cat([(p.detach() - b).flatten() for p, b in zip(params, before)])
+
+    loss, expected, d = update(demo)
+    assert abs(loss - expected) < 1e-5 and d.abs().sum() > 0  # the NLL of the 5 model tokens, nothing else
+    loss_o, _, d_o = update({**demo, "tokens": demo["tokens"][:10] + [14, 15, 3]})  # other tool output at the end
+    assert loss_o == loss and torch.allclose(d_o, d, rtol=0, atol=1e-7)
+    loss_m, _, d_m = update({**demo, "tokens": demo["tokens"][:9] + [14] + demo["tokens"][10:]})  # one model token
+    assert abs(loss_m - loss) > 1e-3 and (d_m - d).abs().max() > 1e-4
+
+
 # ----------------------------------------------------------------------------------------------
 # The documented command, interrupted by kill -9 and resumed
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_stage_all_tiny_with_kill_and_resume(tmp_path, relu_dataset):
+def test_stage_all_tiny_with_kill_and_resume(tmp_path, elem_dataset):
     """`python train.py --stage all --preset tiny --backend cpu --run-dir DIR` is killed (-9) while it
-    trains on warm-up step 2, then resumed: the resumed run reuses step 2's scored rollouts, finishes
-    every stage, evaluates, and leaves standard PEFT adapters."""
+    trains on warm-up step 2, then resumed: the resumed run reuses the teacher's demonstrations, the rows of the
+    stage table already written and step 2's scored rollouts, finishes every stage, and ends with the table
+    (a base row and one row per stage, also in stages.jsonl and stages.png) and standard PEFT adapters."""
     rd = tmp_path / "run"
     rd.mkdir()
     import shutil
-    shutil.copytree(relu_dataset, rd / "data")  # as if synthesised by an earlier run (synth.py has its own tests)
+    shutil.copytree(elem_dataset, rd / "data")  # as if synthesised by an earlier run (synth.py has its own tests)
     cmd = [sys.executable, str(ROOT / "train.py"), "--stage", "all", "--preset", "tiny", "--backend", "cpu", "--run-dir", str(rd)]
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     step2 = rd / "warmup" / "rollouts" / "step-000001-rank0.jsonl"
-    deadline = time.time() + 400
+    deadline = time.time() + 900  # the teacher's first episode builds the binding (g++, torch headers) on a cold cache
     while not step2.exists() and p.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     p.send_signal(signal.SIGKILL)
     out1 = p.communicate()[0]
     assert step2.exists(), out1[-3000:]
+    first = out1.splitlines()[0]
+    assert first.startswith("train | ") and " cores: synthesis " in first and " tool calls in parallel" in first, first
+    assert "stages sft -> warmup -> rft -> critic -> ppo" in first, first
     assert json.loads((rd / "warmup" / "latest.json").read_text()) == {"step": 0, "ckpt": "ckpt-000000", "done": False}
-    mtime = step2.stat().st_mtime_ns
-    r = subprocess.run(cmd + ["--resume"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    rows1 = (rd / "stages.jsonl").read_text()
+    assert [json.loads(x)["stage"] for x in rows1.splitlines()] == ["base", "sft"], rows1
+    demos = rd / "demos.jsonl"
+    demo_eps = [json.loads(x) for x in demos.read_text().splitlines()]
+    assert demo_eps and all(e["reward"] >= 1 and e["finished"] and e["malformed_calls"] == 0 for e in demo_eps)
+    # the teacher saw training tasks only; the held-out evaluation scored the test split only
+    assert {e["task_id"] for e in demo_eps} <= {"train/00000", "train/00001"}
+    assert {e["task_id"] for e in map(json.loads, (rd / "eval" / "sft" / "rank0.jsonl").read_text().splitlines())} == {"test/00000"}
+    mtimes = {f: f.stat().st_mtime_ns for f in (step2, demos)}
+    r = subprocess.run(cmd + ["--resume"], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = r.stdout
     assert "warmup: resuming after step 1" in out and "warmup 2/2: reusing 2 scored rollouts" in out, out
-    assert step2.stat().st_mtime_ns == mtime  # not generated or scored again
-    for s in ("warmup", "rft", "critic", "ppo"):
+    assert "sft: already complete" in out and "eval | after sft: already in" in out, out
+    assert {f: f.stat().st_mtime_ns for f in mtimes} == mtimes  # not generated or scored again
+    for s in ("sft", "warmup", "rft", "critic", "ppo"):
         assert json.loads((rd / s / "latest.json").read_text())["done"], s
     lines = [json.loads(x) for x in (rd / "metrics.jsonl").read_text().splitlines()]
     steps = [(x["stage"], x["step"]) for x in lines if "step" in x and "event" not in x]
-    assert steps == [("warmup", 1), ("warmup", 2), ("rft", 1), ("critic", 1), ("ppo", 1), ("ppo", 2)], steps
+    assert steps == [("sft", 1), ("sft", 2), ("warmup", 1), ("warmup", 2), ("rft", 1), ("critic", 1), ("ppo", 1), ("ppo", 2)], steps
+    sft_loss = [x["loss"] for x in lines if x.get("stage") == "sft" and "event" not in x]
+    assert sft_loss[1] < sft_loss[0], sft_loss  # two epochs on the demonstration: the loss falls
     step_lines = [x for x in out.splitlines() if x.startswith(("warmup 2/2 |", "ppo 1/2 |", "ppo 2/2 |"))]
     assert len(step_lines) == 3 and all(" | reward " in x and " | clip " in x and "ETA" in x for x in step_lines), out
     assert all(f" | {k} " in x for k in ("ev", "V", "adv_std", "kl_ref", "dlogp", "dlogp_p99", "ratio_out", "tis_w", "lr",
@@ -322,10 +428,20 @@ def test_stage_all_tiny_with_kill_and_resume(tmp_path, relu_dataset):
                                           "tis_w", "malformed", "speedup", "harness_fail", "pg_skipped")), ppo_rows[0]
     assert any(k.startswith("end_") for k in ppo_rows[0]), ppo_rows[0]
     assert ppo_rows[0]["mm_mean"] is not None and ppo_rows[0]["mm_mean"] < 1e-3  # fp32 CPU: engine == training forward
-    assert "rft: kept " in out and "held-out" in out and "done in" in out
+    assert "rft: kept " in out and "done in" in out
     assert "critic: held-out explained variance" in out and " before, " in out and " after " in out
     assert "note: every reward in this run was -1" in out  # a tiny random model writes no working kernel
-    assert any(x.get("event") == "eval" and x["n"] == 1 for x in lines)
+    # the table: a base row and one row per stage, the same rows in stages.jsonl (the first two as written before the kill)
+    table = out[out.index("held-out evaluation (greedy"):].splitlines()
+    assert table[1].split() == ["stage", "tasks", "pass", ">eager", ">compile", "reward", "turns", "note"], table
+    assert [x.split()[0] for x in table[3:9]] == ["base", "sft", "warmup", "rft", "critic", "ppo"], table
+    assert all(x.split()[1:7] == ["1", "0.00", "0.00", "0.00", "-1.000", "2.0"] for x in table[3:9]), table
+    assert "demonstrations 1 of 1 teacher episodes" in table[4], table
+    rows = [json.loads(x) for x in (rd / "stages.jsonl").read_text().splitlines()]
+    assert [x["stage"] for x in rows] == ["base", "sft", "warmup", "rft", "critic", "ppo"]
+    assert (rd / "stages.jsonl").read_text().startswith(rows1)
+    assert all(set(x) >= {"n", "pass", "faster_eager", "faster_compile", "reward", "turns", "note"} for x in rows), rows
+    assert (rd / "stages.png").stat().st_size > 1000 and "chart: " in out
     # the checkpoint is a standard PEFT adapter on the saved base model
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -333,6 +449,68 @@ def test_stage_all_tiny_with_kill_and_resume(tmp_path, relu_dataset):
     m = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(rd / "base")), str(ck / "actor"))
     assert m(input_ids=torch.tensor([[1, 2, 3]])).logits.shape[-1] > 1000
     assert (ck / "value_head.pt").is_file() and (ck / "critic" / "adapter_config.json").is_file()
+
+
+@pytest.mark.slow
+def test_ablations_skip_rft_and_skip_critic(tmp_path, relu_dataset):
+    """The paper's ablations in small (tiny preset, no teacher): --skip rft (the critic rolls out its own
+    episodes to pre-train on; PPO takes the pre-trained critic) and --skip critic (PPO starts from a fresh
+    critic). Each ends with its table: base, then one row per stage that ran."""
+    common = ["--stage", "all", "--preset", "tiny", "--backend", "cpu", "--dataset", str(relu_dataset),
+              "--set", "warmup_steps=1", "--set", "ppo_steps=1"]
+    r = run_cli([*common, "--run-dir", str(tmp_path / "no-rft"), "--skip", "sft,rft"], timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "stages warmup -> critic -> ppo (skipped: sft, rft)" in r.stdout.splitlines()[0]
+    assert sorted(p.name for p in (tmp_path / "no-rft" / "critic" / "rollouts").iterdir()) == ["chunk-000000-rank0.jsonl"]
+    assert not (tmp_path / "no-rft" / "rft").exists()
+    table = r.stdout[r.stdout.index("held-out evaluation (greedy"):].splitlines()
+    assert [x.split()[0] for x in table[3:7]] == ["base", "warmup", "critic", "ppo"], table
+    assert "actor as after warmup" in table[5], table
+    r = run_cli([*common, "--run-dir", str(tmp_path / "no-critic"), "--skip", "sft", "--skip", "critic"], timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    table = r.stdout[r.stdout.index("held-out evaluation (greedy"):].splitlines()
+    assert [x.split()[0] for x in table[3:7]] == ["base", "warmup", "rft", "ppo"], table
+    ppo = [json.loads(x) for x in (tmp_path / "no-critic" / "metrics.jsonl").read_text().splitlines()]
+    ppo = [x for x in ppo if x.get("stage") == "ppo" and "event" not in x]
+    assert ppo[0]["v_mean"] == 0.0  # a fresh critic: zero value head
+
+
+@pytest.mark.slow
+def test_sft_with_teacher_url_on_loopback_server(tmp_path, elem_dataset):
+    """--teacher-url / --teacher-model: a chat server writes the demonstrations (here it serves the scripted
+    teacher's files for the one training task of the tiny preset). The server is shown the training task only,
+    never the held-out one; its episode is scored by env.py and becomes the demonstration sft trains on."""
+    import http.server
+    import threading
+    import elementwise as E
+    import teacher
+    from tasks import load_split
+    from test_agent import FakeOpenAI, structured
+    task, held = load_split(str(elem_dataset), "train")[0], load_split(str(elem_dataset), "test")[0]
+    steps = E.parse(task["code"])
+    files = {"kernels/binding.cpp": E.binding("cpu"), "kernels/op.cpp": E.kernel_source(steps, "cpu", "rows"),
+             "model_new.py": E.model_new(task["code"], steps, "cpu")}
+    FakeOpenAI.script = [structured("write_file", i, path=p, content=c) for i, (p, c) in enumerate(files.items())] + \
+        [{"content": "Check it. " + teacher.call("", "verify").strip()}, structured("finish", 4)]
+    FakeOpenAI.requests = []
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeOpenAI)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    rd = tmp_path / "run"
+    try:
+        r = run_cli(["--stage", "sft", "--preset", "tiny", "--backend", "cpu", "--run-dir", str(rd), "--dataset", str(elem_dataset),
+                     "--teacher-url", f"http://127.0.0.1:{srv.server_port}/v1", "--teacher-model", "fake"],
+                    timeout=900, env=dict(os.environ, OPENAI_API_KEY="sk-test"))
+    finally:
+        srv.shutdown()
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "sft: fake at http://127.0.0.1:" in r.stdout and "demonstrations 1" in r.stdout, r.stdout[-3000:]
+    bodies = [json.dumps(q["body"]) for q in FakeOpenAI.requests]
+    assert len(bodies) == 5 and all(json.dumps(held["code"])[1:-1] not in b for b in bodies)
+    assert json.dumps(task["code"])[1:-1] in bodies[0]
+    demo = json.loads((rd / "demos.jsonl").read_text().splitlines()[0])
+    assert demo["task_id"] == "train/00000" and demo["reward"] >= 1 and demo["n_turns"] == 5
+    rows = [json.loads(x) for x in (rd / "stages.jsonl").read_text().splitlines()]
+    assert [x["stage"] for x in rows] == ["base", "sft"] and "demonstrations 1 of 1" in rows[1]["note"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -343,13 +521,17 @@ def test_accelerate_two_processes_cpu(tmp_path, relu_dataset):
     rd = tmp_path / "run"
     cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
            "--dynamo_backend", "no", str(ROOT / "train.py"), "--stage", "warmup", "--preset", "tiny", "--backend", "cpu",
-           "--run-dir", str(rd), "--dataset", str(relu_dataset), "--set", "warmup_steps=1", "--set", "tasks_per_step=1"]
+           "--run-dir", str(rd), "--dataset", str(relu_dataset), "--set", "warmup_steps=1", "--set", "tasks_per_step=1",
+           "--skip", "sft"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.count("train | stages warmup") == 1 and "ranks 2" in r.stdout  # rank 0 prints
+    assert r.stdout.count(" | stages warmup (skipped: sft) | ") == 1 and "ranks 2" in r.stdout  # rank 0 prints
     rows = [json.loads(x) for x in (rd / "metrics.jsonl").read_text().splitlines()]
-    assert rows[0]["stage"] == "warmup" and rows[0]["n"] == 2  # one rollout per rank, gathered
+    steps = [x for x in rows if "event" not in x]
+    assert steps[0]["stage"] == "warmup" and steps[0]["n"] == 2  # one rollout per rank, gathered
+    evals = [x for x in rows if x.get("event") == "eval"]  # base and after warm-up, once (rank 0), on 1 held-out task
+    assert [(x["stage"], x["n"]) for x in evals] == [("base", 1), ("warmup", 1)], evals
     assert sorted(p.name for p in (rd / "warmup" / "rollouts").iterdir()) == ["step-000000-rank0.jsonl", "step-000000-rank1.jsonl"]
     assert json.loads((rd / "warmup" / "latest.json").read_text())["done"]
 
@@ -379,11 +561,11 @@ def toy_lm(V=16, layers=1, seed=0):
 def opts_for(pm, head, lr=1e-2, sgd=False):
     """Adam as in training, or plain SGD with lr 1 (a parameter's change IS minus its gradient)."""
     if sgd:
-        o = {"actor": torch.optim.SGD(train.adapter_params(pm, "actor"), lr=1.0),
-             "critic": torch.optim.SGD(train.adapter_params(pm, "critic") + list(head.parameters()), lr=1.0)}
+        o = {"actor": torch.optim.SGD(rl.adapter_params(pm, "actor"), lr=1.0),
+             "critic": torch.optim.SGD(rl.adapter_params(pm, "critic") + list(head.parameters()), lr=1.0)}
         return {k: (v, torch.optim.lr_scheduler.LambdaLR(v, lambda s: 1.0)) for k, v in o.items()}
-    return {"actor": train.make_optimizer(train.adapter_params(pm, "actor"), lr, 0),
-            "critic": train.make_optimizer(train.adapter_params(pm, "critic") + list(head.parameters()), lr, 0)}
+    return {"actor": rl.make_optimizer(rl.adapter_params(pm, "actor"), lr, 0),
+            "critic": rl.make_optimizer(rl.adapter_params(pm, "critic") + list(head.parameters()), lr, 0)}
 
 
 def predictable_episodes(n, seed, vocab=(8, 16)):
@@ -400,12 +582,12 @@ def predictable_episodes(n, seed, vocab=(8, 16)):
 
 
 def critic_ev(pm, head, eps, cfg):
-    ids, attn, act = train.collate(eps, "cpu")
+    ids, attn, act = rl.collate(eps, "cpu")
     pm.set_adapter("critic")
     with torch.no_grad():
-        v = train.action_values(pm, head, ids, attn, act)
+        v = rl.action_values(pm, head, ids, attn, act)
     pm.set_adapter("actor")
-    return train.explained_variance(v, train.mc_returns(eps, cfg.gamma, "cpu"))
+    return rl.explained_variance(v, rl.mc_returns(eps, cfg.gamma, "cpu"))
 
 
 def test_critic_pretraining_learns_returns_written_in_a_tool_observation():
@@ -414,13 +596,13 @@ def test_critic_pretraining_learns_returns_written_in_a_tool_observation():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     cfg = train.Config(lora_r=8, lora_alpha=16, critic_lr=3e-2, lr_warmup=0, minibatches=2, micro_batch=16)
-    pm, head = train.add_adapters(toy_lm(), cfg, "cpu")
+    pm, head = rl.add_adapters(toy_lm(), cfg, "cpu")
     opt = opts_for(pm, head, lr=3e-2)["critic"]
     data, held = predictable_episodes(32, seed=1), predictable_episodes(8, seed=2)
     before = critic_ev(pm, head, held, cfg)
     evs = []
     for epoch in range(20):
-        train.critic_epoch(pm, head, opt, data, cfg, "cpu", epoch)
+        rl.critic_epoch(pm, head, opt, data, cfg, "cpu", epoch)
         evs.append(critic_ev(pm, head, held, cfg))
     torch.set_num_threads(threads)
     print("held-out explained variance before", before, "per epoch", [round(e, 3) for e in evs])
@@ -434,19 +616,19 @@ def test_ppo_critic_learns_and_constant_rewards_leave_the_actor_alone():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     cfg = train.Config(lora_r=8, lora_alpha=16, actor_lr=1e-2, critic_lr=3e-2, lr_warmup=0, minibatches=2, micro_batch=16)
-    pm, head = train.add_adapters(toy_lm(), cfg, "cpu")
+    pm, head = rl.add_adapters(toy_lm(), cfg, "cpu")
     opts = opts_for(pm, head, lr=3e-2)
     batch = predictable_episodes(16, seed=3)
-    evs = [train.ppo_update(pm, head, opts, batch, cfg, "cpu", step=k)["ev"] for k in range(25)]
+    evs = [rl.ppo_update(pm, head, opts, batch, cfg, "cpu", step=k)["ev"] for k in range(25)]
     print("explained variance of the old values per PPO step:", [round(e, 3) for e in evs])
     assert abs(evs[0]) < 1e-6 and max(evs[-5:]) > 0.9, evs
-    actor = [p.clone() for p in train.adapter_params(pm, "actor")]
-    critic = [p.clone() for p in train.adapter_params(pm, "critic")]
-    st = train.ppo_update(pm, head, opts, [{**e, "reward": -1.0} for e in batch], cfg, "cpu", step=99)
+    actor = [p.clone() for p in rl.adapter_params(pm, "actor")]
+    critic = [p.clone() for p in rl.adapter_params(pm, "critic")]
+    st = rl.ppo_update(pm, head, opts, [{**e, "reward": -1.0} for e in batch], cfg, "cpu", step=99)
     torch.set_num_threads(threads)
     assert st["pg_skipped"] == 1.0 and st["grad_norm"] is None
-    assert all(torch.equal(a, b) for a, b in zip(actor, train.adapter_params(pm, "actor")))
-    assert not all(torch.equal(a, b) for a, b in zip(critic, train.adapter_params(pm, "critic")))
+    assert all(torch.equal(a, b) for a, b in zip(actor, rl.adapter_params(pm, "actor")))
+    assert not all(torch.equal(a, b) for a, b in zip(critic, rl.adapter_params(pm, "critic")))
 
 
 def test_actor_gradient_ignores_tool_tokens():
@@ -455,13 +637,13 @@ def test_actor_gradient_ignores_tool_tokens():
     cfg = train.Config(lora_r=4, minibatches=1, micro_batch=4, tis_cap=0)
     grads = []
     for tail in ([4, 4, 4], [9, 3, 7]):
-        pm, head = train.add_adapters(toy_lm(), cfg, "cpu")
+        pm, head = rl.add_adapters(toy_lm(), cfg, "cpu")
         seqs = [{"tokens": [1, 2, 10, 11, 5, 12] + tail, "loss_mask": [0, 0, 1, 1, 0, 1, 0, 0, 0], "reward": r}
                 for r in (1.0, -1.0)] + [{"tokens": [1, 2, 13, 14, 5, 15] + tail, "loss_mask": [0, 0, 1, 1, 0, 1, 0, 0, 0],
                                           "reward": 0.5}]
-        before = [p.clone() for p in train.adapter_params(pm, "actor")]
-        train.ppo_update(pm, head, opts_for(pm, head, sgd=True), seqs, cfg, "cpu")
-        grads.append(torch.cat([(b - p).flatten() for b, p in zip(before, train.adapter_params(pm, "actor"))]))
+        before = [p.clone() for p in rl.adapter_params(pm, "actor")]
+        rl.ppo_update(pm, head, opts_for(pm, head, sgd=True), seqs, cfg, "cpu")
+        grads.append(torch.cat([(b - p).flatten() for b, p in zip(before, rl.adapter_params(pm, "actor"))]))
     assert grads[0].abs().sum() > 0
     assert torch.allclose(grads[0], grads[1], atol=1e-7)
 
@@ -522,23 +704,23 @@ def test_harness_failures_are_neither_trained_nor_counted():
 
 
 def test_shard_keeps_every_item_even_with_fewer_items_than_ranks():
-    assert train.shard(["a"], 0, 2) + train.shard(["a"], 1, 2) == ["a"]
-    parts = [train.shard(list(range(7)), r, 3) for r in range(3)]
+    assert rl.shard(["a"], 0, 2) + rl.shard(["a"], 1, 2) == ["a"]
+    parts = [rl.shard(list(range(7)), r, 3) for r in range(3)]
     assert sorted(sum(parts, [])) == list(range(7))
 
 
 def test_tis_weight_and_mismatch_stats():
     train_lp = torch.log(torch.tensor([0.5, 0.5, 0.5, 0.5]))
     roll = torch.log(torch.tensor([0.5, 0.1, 0.9, float("nan")]))
-    w = train.tis_weight(train_lp, roll, cap=2.0)
+    w = rl.tis_weight(train_lp, roll, cap=2.0)
     assert torch.allclose(w, torch.tensor([1.0, 2.0, 0.5 / 0.9, 1.0]), atol=1e-6)  # 5x capped at 2; unknown -> 1
-    assert torch.equal(train.tis_weight(train_lp, roll, cap=0), torch.ones(4))
-    st = train.mismatch_stats(train_lp, roll)
+    assert torch.equal(rl.tis_weight(train_lp, roll, cap=0), torch.ones(4))
+    st = rl.mismatch_stats(train_lp, roll)
     d = [0.0, abs(math.log(5)), abs(math.log(0.5 / 0.9))]
     assert st["mm_mean"] == pytest.approx(sum(d) / 3, rel=1e-5) and st["mm_out"] == pytest.approx(2 / 3)
-    assert train.mismatch_stats(train_lp, torch.full((4,), float("nan")))["mm_mean"] is None
+    assert rl.mismatch_stats(train_lp, torch.full((4,), float("nan")))["mm_mean"] is None
     # the weight multiplies the clipped surrogate, token by token
-    loss, _ = train.policy_loss(torch.zeros(2), torch.zeros(2), torch.tensor([1.0, 1.0]), weight=torch.tensor([2.0, 0.5]))
+    loss, _ = rl.policy_loss(torch.zeros(2), torch.zeros(2), torch.tensor([1.0, 1.0]), weight=torch.tensor([2.0, 0.5]))
     assert torch.allclose(loss, torch.tensor([-2.0, -0.5]))
 
 
@@ -550,46 +732,47 @@ def test_targets_use_the_sequence_layout_with_tool_gaps():
             {"tokens": list(range(6)), "loss_mask": [0, 1, 0, 0, 1, 0], "reward": -1.0}]  # ends with tool output
     cfg = train.Config(gamma=1.0, lam=0.95, critic_lam=1.0)
     flat_v = torch.tensor([0.3, -0.2, 0.5, 0.1, 0.7, -0.4])  # 4 + 2 model tokens
-    adv, ret, act = train.targets(seqs, flat_v, None, cfg, "cpu")
+    adv, ret, act = rl.targets(seqs, flat_v, None, cfg, "cpu")
     assert act.sum().item() == 6
     assert torch.allclose(ret, torch.tensor([2., 2., 2., 2., -1., -1.]))  # lambda 1, gamma 1: R everywhere
     packed_adv = []
     for vals, r in ((flat_v[:4], 2.0), (flat_v[4:], -1.0)):
         rew = torch.zeros(1, len(vals))
         rew[0, -1] = r
-        packed_adv.append(train.gae(rew, vals[None], torch.ones(1, len(vals)), 1.0, 0.95)[0][0])
+        packed_adv.append(rl.gae(rew, vals[None], torch.ones(1, len(vals)), 1.0, 0.95)[0][0])
     assert torch.allclose(adv, torch.cat(packed_adv), atol=1e-6)
     # the KL penalty: a per-token reward of -kl_coef * (log pi - log pi_ref)
     cfg_kl = train.Config(kl_coef=0.5, critic_lam=1.0)
-    _, ret_kl, _ = train.targets(seqs, flat_v, torch.full((6,), 0.1), cfg_kl, "cpu")
+    _, ret_kl, _ = rl.targets(seqs, flat_v, torch.full((6,), 0.1), cfg_kl, "cpu")
     assert torch.allclose(ret_kl[:4], torch.tensor([2 - 0.2, 2 - 0.15, 2 - 0.1, 2 - 0.05]), atol=1e-6)
 
 
 def test_actor_logprobs_follow_the_sampling_temperature():
     lm = toy_lm()
-    pm, head = train.add_adapters(lm, train.Config(lora_r=4), "cpu")
-    ids, attn, act = train.collate([{"tokens": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1]}], "cpu")
+    pm, head = rl.add_adapters(lm, train.Config(lora_r=4), "cpu")
+    ids, attn, act = rl.collate([{"tokens": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1]}], "cpu")
     with torch.no_grad():
-        lp2, _ = train.action_logprobs(pm, ids, attn, act, temperature=2.0)
+        lp2, _ = rl.action_logprobs(pm, ids, attn, act, temperature=2.0)
         logits = pm(input_ids=ids).logits[0, :-1].float()
     assert torch.allclose(lp2, torch.log_softmax(logits / 2.0, -1)[torch.arange(3), ids[0, 1:]], atol=1e-5)
 
 
 def test_seed_sets_lora_init_and_minibatch_order():
-    a = [p.clone() for p in train.adapter_params(train.add_adapters(toy_lm(), train.Config(lora_r=4, seed=1), "cpu")[0], "actor")]
-    b = [p.clone() for p in train.adapter_params(train.add_adapters(toy_lm(), train.Config(lora_r=4, seed=1), "cpu")[0], "actor")]
-    c = [p.clone() for p in train.adapter_params(train.add_adapters(toy_lm(), train.Config(lora_r=4, seed=2), "cpu")[0], "actor")]
+    a = [p.clone() for p in rl.adapter_params(rl.add_adapters(toy_lm(), train.Config(lora_r=4, seed=1), "cpu")[0], "actor")]
+    b = [p.clone() for p in rl.adapter_params(rl.add_adapters(toy_lm(), train.Config(lora_r=4, seed=1), "cpu")[0], "actor")]
+    c = [p.clone() for p in rl.adapter_params(rl.add_adapters(toy_lm(), train.Config(lora_r=4, seed=2), "cpu")[0], "actor")]
     assert all(torch.equal(x, y) for x, y in zip(a, b)) and not all(torch.equal(x, y) for x, y in zip(a, c))
-    orders = {tuple(map(tuple, train.minibatches(16, 2, seed=0, step=s, epoch=0))) for s in range(4)}
+    orders = {tuple(map(tuple, rl.minibatches(16, 2, seed=0, step=s, epoch=0))) for s in range(4)}
     assert len(orders) == 4  # a new permutation every step
-    assert train.minibatches(16, 2, 0, 3, 0) == train.minibatches(16, 2, 0, 3, 0)
-    assert train.minibatches(16, 2, 1, 3, 0) != train.minibatches(16, 2, 0, 3, 0)
-    assert train.minibatches(1, 4, 0, 0, 0) == [[0]]  # never more minibatches than sequences
+    assert rl.minibatches(16, 2, 0, 3, 0) == rl.minibatches(16, 2, 0, 3, 0)
+    assert rl.minibatches(16, 2, 1, 3, 0) != rl.minibatches(16, 2, 0, 3, 0)
+    assert rl.minibatches(1, 4, 0, 0, 0) == [[0]]  # never more minibatches than sequences
 
 
 GRAD_SCRIPT = r'''
 import os, sys, torch
 sys.path.insert(0, sys.argv[1])
+import rl
 import train
 rank, world, out = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 if world > 1:
@@ -601,7 +784,7 @@ torch.manual_seed(0)
 lm = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.3))
 cfg = train.Config(lora_r=4, lora_alpha=8, minibatches=1, micro_batch=1, max_grad_norm=1e9, tis_cap=2.0)
-pm, head = train.add_adapters(lm, cfg, "cpu")
+pm, head = rl.add_adapters(lm, cfg, "cpu")
 g = torch.Generator().manual_seed(1)
 with torch.no_grad():  # non-zero LoRA B and value head, the same on every rank: every parameter gets a gradient
     for n, p in pm.named_parameters():
@@ -614,11 +797,11 @@ seqs = [{"tokens": [1, 2, 9, 10, 4, 5, 11], "loss_mask": [0, 0, 1, 1, 0, 0, 1], 
         {"tokens": [1, 3, 12, 4, 13, 14, 15, 8, 8], "loss_mask": [0, 0, 1, 0, 1, 1, 1, 0, 0], "reward": -1.0,
          "logprobs": [None, None, -2.5, None, None, -2.0, -1.0, None, None]},
         {"tokens": [1, 2, 9, 9], "loss_mask": [0, 0, 1, 1], "reward": 1.0}]
-mine = train.shard(seqs, rank, world)
+mine = rl.shard(seqs, rank, world)
 def sgd(params):
     o = torch.optim.SGD(params, lr=1.0)
     return o, torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0)
-actor, critic = train.adapter_params(pm, "actor"), train.adapter_params(pm, "critic") + list(head.parameters())
+actor, critic = rl.adapter_params(pm, "actor"), rl.adapter_params(pm, "critic") + list(head.parameters())
 res = {}
 def delta(params, fn):
     before = [p.detach().clone() for p in params]
@@ -626,11 +809,11 @@ def delta(params, fn):
     return torch.cat([(b - p.detach()).flatten() for b, p in zip(before, params)]), r
 opts = {"actor": sgd(actor), "critic": sgd(critic)}
 before_c = [p.detach().clone() for p in critic]
-res["ppo_actor"], st = delta(actor, lambda: train.ppo_update(pm, head, opts, mine, cfg, "cpu"))
+res["ppo_actor"], st = delta(actor, lambda: rl.ppo_update(pm, head, opts, mine, cfg, "cpu"))
 res["ppo_critic"] = torch.cat([(b - p.detach()).flatten() for b, p in zip(before_c, critic)])
 res["ppo_grad_norm"] = torch.tensor(st["grad_norm"])
-res["rft"], _ = delta(actor, lambda: train.sft_epoch(pm, sgd(actor), mine, cfg, "cpu", 0))
-res["critic"], _ = delta(critic, lambda: train.critic_epoch(pm, head, sgd(critic), mine, cfg, "cpu", 0))
+res["rft"], _ = delta(actor, lambda: rl.sft_epoch(pm, sgd(actor), mine, cfg.minibatches, cfg, "cpu", 0))
+res["critic"], _ = delta(critic, lambda: rl.critic_epoch(pm, head, sgd(critic), mine, cfg, "cpu", 0))
 torch.save(res, f"{out}/rank{rank}.pt")
 '''
 
@@ -682,7 +865,7 @@ def smol_lm(tok, seed=0):
 
 def test_engines_record_the_sampled_tokens_logprobs(smol_tok):
     """FastEngine and the HF fallback return, per generated token, log softmax(logits / T) of the token they
-    drew: in fp32 the training forward (train.action_logprobs) gives the same numbers. The HF fallback samples
+    drew: in fp32 the training forward (rl.action_logprobs) gives the same numbers. The HF fallback samples
     from that distribution, not from the model's generation_config (here: a repetition penalty and top-k)."""
     import agent
     tok, lm = smol_tok, smol_lm(smol_tok)
@@ -698,7 +881,7 @@ def test_engines_record_the_sampled_tokens_logprobs(smol_tok):
     with torch.no_grad():
         inherited = lm.generate(input_ids=torch.tensor([prompts[0]]), max_new_tokens=10, do_sample=False)
     assert inherited[0, len(prompts[0]):].tolist() != greedy  # the test can see an inherited setting
-    pm, _ = train.add_adapters(lm, train.Config(lora_r=4), "cpu")  # fresh LoRA: the same function as lm
+    pm, _ = rl.add_adapters(lm, train.Config(lora_r=4), "cpu")  # fresh LoRA: the same function as lm
     for engine in ("fast", "hf"):
         pol = agent.HFPolicy(pm, tok, max_context=256, engine=engine)
         assert pol.engine_kind == engine
@@ -706,9 +889,9 @@ def test_engines_record_the_sampled_tokens_logprobs(smol_tok):
             torch.manual_seed(1)
             outs = pol.generate(prompts, 10, temperature=T, stop=stop)
             seqs = [{"tokens": p + o, "loss_mask": [0] * len(p) + [1] * len(o)} for p, o in zip(prompts, outs)]
-            ids, attn, act = train.collate(seqs, "cpu")
+            ids, attn, act = rl.collate(seqs, "cpu")
             with torch.no_grad():
-                ref, _ = train.action_logprobs(pm, ids, attn, act, temperature=T)
+                ref, _ = rl.action_logprobs(pm, ids, attn, act, temperature=T)
             got = torch.tensor([lp for lps in pol.last_logprobs for lp in lps])
             assert [len(x) for x in pol.last_logprobs] == [len(o) for o in outs]
             assert torch.allclose(got, ref, atol=2e-4), (engine, T, float((got - ref).abs().max()))
