@@ -50,7 +50,6 @@ import env
 from engine import FastEngine
 from tasks import load_problem
 from tools import TOOLS, confine, parse_single_turn, parse_tool_call, run_tool, truncate, workspace_key
-from tools import TOOL_ARGS  # noqa: F401  (train.py reads agent.TOOL_ARGS)
 
 ROOT = Path(__file__).resolve().parent
 SKILL = (ROOT / "SKILL.md").read_text() if (ROOT / "SKILL.md").exists() else ""

@@ -88,6 +88,7 @@ from tqdm import tqdm
 import agent
 import env
 import teacher
+import tools
 from reward import summarize
 from rl import (action_values, adapter_params, add_adapters, all_sum, barrier, collate, critic_epoch, dist_on, gather,
                 global_explained_variance, make_optimizer, mc_returns, ppo_update, reset_critic, sft_epoch, shard)

@@ -18,6 +18,7 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, M
                           PreTrainedTokenizerFast)
 
 import agent
+import tools
 import engine
 import env
 
@@ -406,7 +407,7 @@ def test_cli_openai_policy_on_loopback_server(tmp_path):
     assert "call: write_file(path='kernels/relu.cpp', content=<" in r.stdout and "observation: wrote" in r.stdout
     req = FakeOpenAI.requests
     assert len(req) == 4 and req[0]["path"] == "/v1/chat/completions" and req[0]["auth"] == "Bearer sk-test"
-    assert {t["function"]["name"] for t in req[0]["body"]["tools"]} == set(agent.TOOL_ARGS)
+    assert {t["function"]["name"] for t in req[0]["body"]["tools"]} == set(tools.TOOL_ARGS)
     tool_msgs = [m for m in req[1]["body"]["messages"] if m["role"] == "tool"]
     assert tool_msgs and tool_msgs[0]["tool_call_id"] == "call_0" and "wrote kernels/relu.cpp" in tool_msgs[0]["content"]
     assert "<tool_response>" in req[2]["body"]["messages"][-1]["content"]  # text calls get text responses
