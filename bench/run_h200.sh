@@ -6,6 +6,8 @@
 #   bash bench/run_h200.sh train     OUT   # RFT overfit sanity + GPU tests (in parallel); a short default-preset run
 #   bash bench/run_h200.sh default-random OUT  # the short default run on random weights (no GGUF needed)
 #   bash bench/run_h200.sh gpu-tests OUT   # the GPU tests of agent.py (FastEngine on CUDA)
+#   bash bench/run_h200.sh gpu-tests-all OUT  # every GPU test (three groups in parallel, ~9 min)
+#   bash bench/run_h200.sh learning OUT    # issue 16's staged run in small (sft ... ppo, held-out rows); twice to finish
 #   bash bench/run_h200.sh rollout   OUT   # rollout speed (HF generate vs FastEngine), with a kernel profile
 #   bash bench/run_h200.sh update    OUT   # PPO update vs TRL (135M and 1.4B)
 #   bash bench/run_h200.sh "data rollout" OUT   # several parts in one call
@@ -85,5 +87,21 @@ update)
   step 250 update python3 bench/train_bench.py --device cuda --models random-135m,random-1.4b --no-split --batch 8 \
     --prompt-len 512 --response-len 512 --repeats 1
   ;;
-*) echo "unknown part $PART (data|reference|train|default-random|gpu-tests|rollout|update)"; exit 2 ;;
+learning)
+  # issue 16's run in small: synthesis, teacher demos, sft, warm-up, RFT, critic, PPO, a held-out row after each;
+  # needs the embedded model (/tmp/gg). Not finished in one call? The same part again continues it (--resume).
+  S="--preset default --backend cuda --set synth_tasks=24 --set eval_tasks=8 --set sft_tasks=16 --set sft_batch=2
+     --set warmup_steps=2 --set tasks_per_step=8 --set rft_tasks=8 --set ppo_steps=2 --set critic_epochs=10"
+  r=""; [ -f /tmp/run-sft/config.json ] && r="--resume"
+  step 540 learning python3 train.py --stage all --run-dir /tmp/run-sft $S $r
+  mkdir -p "$OUT/learning" && cp /tmp/run-sft/stages.jsonl /tmp/run-sft/stages.png /tmp/run-sft/metrics.jsonl "$OUT/learning/" 2>/dev/null
+  ;;
+gpu-tests-all)
+  # every GPU test, in three groups side by side (the env tests 6 at a time)
+  step 540 env_gpu python3 -m pytest -q -ra -m gpu -n 6 tests/test_env_gpu.py &
+  step 540 other_gpu python3 -m pytest -q -ra -s -m gpu tests/test_evaluate.py tests/test_agent.py tests/test_train.py &
+  step 540 curriculum_gpu python3 -m pytest -q -ra -s -m gpu tests/test_curriculum.py &
+  wait
+  ;;
+*) echo "unknown part $PART (data|reference|train|default-random|gpu-tests|gpu-tests-all|learning|rollout|update)"; exit 2 ;;
 esac; done
