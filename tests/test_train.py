@@ -15,6 +15,7 @@ import torch
 
 import env
 import rl
+import rollouts
 import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,7 +123,7 @@ def test_rft_filter_keeps_only_clean_successes():
     good = ep(2, [w, c, v, f])
     eps = [good, ep(-1, [w, c, f]), ep(3, [w, c, c, f]), ep(1, [w, c, ("bash", {"command": "ls"}), f], malformed=1),
            ep(1, [w, c, w, c, w, c, f]), ep(1, [w, ("hack", {}), f])]
-    kept, dropped = train.rft_filter(eps, known_tools=("write_file", "compile", "verify", "finish", "bash"))
+    kept, dropped = rollouts.rft_filter(eps, known_tools=("write_file", "compile", "verify", "finish", "bash"))
     assert kept == [good]
     assert dropped == {"reward <= 0": 1, "repeated identical tool call": 1, "malformed tool call": 1, "loop": 1,
                        "unknown tool": 1}
@@ -132,15 +133,15 @@ def test_step_tasks_disjoint_per_step_and_full_coverage():
     n, per, world = 13, 2, 3  # 2 whole steps per pass over the data (12 tasks), 1 task left over per pass
     passes = []
     for step in range(8):
-        parts = [train.step_tasks(n, step, per, world, r, seed=1) for r in range(world)]
+        parts = [rollouts.step_tasks(n, step, per, world, r, seed=1) for r in range(world)]
         flat = [i for p in parts for i in p]
         assert len(set(flat)) == len(flat)  # ranks never share a task within a step
         passes.append(flat)
     for k in range(0, 8, 2):
         assert len(set(passes[k] + passes[k + 1])) == 12  # no task twice within a pass
     assert len(set(sum(passes, []))) == 13  # the dropped remainder differs between passes
-    assert train.step_tasks(2, 0, 2, 2, 1, seed=0) == train.step_tasks(2, 0, 2, 2, 0, seed=0)  # fewer tasks than a step
-    assert train.step_tasks(n, 3, per, world, 1, seed=1) == train.step_tasks(n, 3, per, world, 1, seed=1)
+    assert rollouts.step_tasks(2, 0, 2, 2, 1, seed=0) == rollouts.step_tasks(2, 0, 2, 2, 0, seed=0)  # fewer tasks than a step
+    assert rollouts.step_tasks(n, 3, per, world, 1, seed=1) == rollouts.step_tasks(n, 3, per, world, 1, seed=1)
 
 
 def test_gpu_plan_env_gpus():
@@ -679,13 +680,13 @@ def test_rft_filter_keeps_long_debugging_and_drops_true_loops():
     ba = ("edit_file", {"path": "kernels/k.cpp", "old": "b", "new": "a"})
     cycle = {"reward": 1, "malformed_calls": 0,
              "turns": [turn(*w1, ws="sa")] + [turn(*x, ws=s) for _ in range(3) for x, s in ((ab, "sb"), (c, "sb"), (ba, "sa"), (c, "sa"))]}
-    kept, dropped = train.rft_filter([honest, loop, farm, cycle], known_tools=known)
+    kept, dropped = rollouts.rft_filter([honest, loop, farm, cycle], known_tools=known)
     assert kept == [honest], dropped
     assert dropped == {"loop": 2, "repeated identical tool call": 1}, dropped
-    assert train.bad_patterns(loop) == ["loop"] and train.bad_patterns(farm) == ["repeated identical tool call"]
+    assert rollouts.bad_patterns(loop) == ["loop"] and rollouts.bad_patterns(farm) == ["repeated identical tool call"]
     # episodes recorded without workspace hashes: the observation tells a new compile from the same one
     old_style = {"reward": 1, "malformed_calls": 0, "turns": [turn(*c, obs="error: line 3"), turn(*e(1)), turn(*c, obs="compiled OK")]}
-    assert train.bad_patterns(old_style) == []
+    assert rollouts.bad_patterns(old_style) == []
 
 
 def test_harness_failures_are_neither_trained_nor_counted():
@@ -694,13 +695,13 @@ def test_harness_failures_are_neither_trained_nor_counted():
           "end_reason": "finish"}
     ref = {**ok, "reward": -1, "verdict": {"error": "the reference model.py failed: boom"}, "end_reason": "max_turns"}
     crash = {**ok, "reward": -1, "verdict": {"error": "final evaluation failed: OSError: disk"}}
-    assert [train.harness_failed(e) for e in (ok, ref, crash)] == [False, True, True]
-    st = train.rollout_stats([ok, ref, crash])
+    assert [rollouts.harness_failed(e) for e in (ok, ref, crash)] == [False, True, True]
+    st = rollouts.rollout_stats([ok, ref, crash])
     assert st["reward"] == 1 and st["harness_fail"] == 2 and st["n"] == 3 and st["malformed"] == 0.5
     assert st["speedup"] == pytest.approx(1.5) and st["end_finish"] == 1.0
-    assert [sum(e["loss_mask"]) for e in train.trainable([ok, ref])] == [2, 0]
+    assert [sum(e["loss_mask"]) for e in rollouts.trainable([ok, ref])] == [2, 0]
     clean = {**ok, "malformed_calls": 0}
-    assert train.rft_filter([clean, {**ref, "reward": 1, "malformed_calls": 0}], known_tools=("compile", "finish")) == ([clean], {"harness failure": 1})
+    assert rollouts.rft_filter([clean, {**ref, "reward": 1, "malformed_calls": 0}], known_tools=("compile", "finish")) == ([clean], {"harness failure": 1})
 
 
 def test_shard_keeps_every_item_even_with_fewer_items_than_ranks():
@@ -773,6 +774,7 @@ GRAD_SCRIPT = r'''
 import os, sys, torch
 sys.path.insert(0, sys.argv[1])
 import rl
+import rollouts
 import train
 rank, world, out = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 if world > 1:
