@@ -16,6 +16,7 @@ import torch
 import env
 import rl
 import rollouts
+import stages
 import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -337,12 +338,12 @@ def test_stage_table_and_chart(tmp_path, monkeypatch):
     row = lambda stage, p, r: {"stage": stage, "n": 32, "pass": p, "faster_eager": p / 2, "faster_compile": None,
                                "reward": r, "turns": 7.5, "note": f"after {stage}"}
     rows = [row("base", 0.0, -1.0), row("sft", 0.5, 0.25)]
-    lines = train.stage_table(rows).splitlines()
+    lines = stages.stage_table(rows).splitlines()
     assert lines[3].split() == ["base", "32", "0.00", "0.00", "-", "-1.000", "7.5", "after", "base"], lines
     assert lines[4].split()[:7] == ["sft", "32", "0.50", "0.25", "-", "+0.250", "7.5"], lines
-    assert train.stage_chart(rows, tmp_path / "stages.png") and (tmp_path / "stages.png").stat().st_size > 1000
+    assert stages.stage_chart(rows, tmp_path / "stages.png") and (tmp_path / "stages.png").stat().st_size > 1000
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed: no chart, no error
-    assert train.stage_chart(rows, tmp_path / "none.png") is False and not (tmp_path / "none.png").exists()
+    assert stages.stage_chart(rows, tmp_path / "none.png") is False and not (tmp_path / "none.png").exists()
 
 
 def test_sft_trains_only_on_model_tokens():
@@ -775,6 +776,7 @@ import os, sys, torch
 sys.path.insert(0, sys.argv[1])
 import rl
 import rollouts
+import stages
 import train
 rank, world, out = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 if world > 1:
