@@ -16,6 +16,7 @@ import torch
 import env
 import rl
 import rollouts
+import runs
 import stages
 import train
 
@@ -148,18 +149,18 @@ def test_step_tasks_disjoint_per_step_and_full_coverage():
 def test_gpu_plan_env_gpus():
     eight = [str(i) for i in range(8)]
     # no dedicated GPUs: each rank trains and times on its own GPU
-    assert [train.gpu_plan(eight, 8, r) for r in (0, 7)] == [{"train": "0", "env": "0"}, {"train": "7", "env": "7"}]
+    assert [runs.gpu_plan(eight, 8, r) for r in (0, 7)] == [{"train": "0", "env": "0"}, {"train": "7", "env": "7"}]
     # 6 trainers + 2 timing GPUs: timing round-robins over the last two
-    plans = [train.gpu_plan(eight, 6, r, env_gpus=2) for r in range(6)]
+    plans = [runs.gpu_plan(eight, 6, r, env_gpus=2) for r in range(6)]
     assert [p["train"] for p in plans] == ["0", "1", "2", "3", "4", "5"]
     assert [p["env"] for p in plans] == ["6", "7", "6", "7", "6", "7"]
     # ids follow CUDA_VISIBLE_DEVICES, not 0..n-1
-    assert train.gpu_plan(["3", "5", "7"], 2, 1, env_gpus=1) == {"train": "5", "env": "7"}
+    assert runs.gpu_plan(["3", "5", "7"], 2, 1, env_gpus=1) == {"train": "5", "env": "7"}
     with pytest.raises(env.UsageError, match="need 9 GPUs"):
-        train.gpu_plan(eight, 8, 0, env_gpus=1)
+        runs.gpu_plan(eight, 8, 0, env_gpus=1)
     with pytest.raises(env.UsageError, match="none are visible"):
-        train.gpu_plan([], 1, 0, env_gpus=1)
-    assert train.gpu_plan([], 1, 0) == {"train": None, "env": None}
+        runs.gpu_plan([], 1, 0, env_gpus=1)
+    assert runs.gpu_plan([], 1, 0) == {"train": None, "env": None}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -328,10 +329,10 @@ def test_heldout_tasks_are_never_the_teachers():
 
 
 def test_workers_follow_the_cores():
-    assert train.workers(2, "cpu") == (2, 2)
-    assert train.workers(16, "cuda") == (12, 8)
-    assert train.workers(1, "cuda") == (1, 2)
-    assert train.workers(128, "cpu") == (16, 16)
+    assert runs.workers(2, "cpu") == (2, 2)
+    assert runs.workers(16, "cuda") == (12, 8)
+    assert runs.workers(1, "cuda") == (1, 2)
+    assert runs.workers(128, "cpu") == (16, 16)
 
 
 def test_stage_table_and_chart(tmp_path, monkeypatch):
@@ -776,6 +777,7 @@ import os, sys, torch
 sys.path.insert(0, sys.argv[1])
 import rl
 import rollouts
+import runs
 import stages
 import train
 rank, world, out = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
