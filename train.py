@@ -67,6 +67,10 @@ demonstrations), eval/STAGE/ (held-out episodes), and sft/ warmup/ rft/ critic/ 
 ckpt-NNNNNN/{actor,critic}/ (standard PEFT adapters: PeftModel.from_pretrained(base, ".../actor")),
 value_head.pt, state.pt (optimisers, schedulers, step), latest.json (the newest complete checkpoint),
 and rollouts/ (scored rollouts, reused on --resume so no kernel is scored twice).
+
+This file holds the configuration, the stage driver and the stages. Under it: rl.py (GAE, losses, the LoRA
+actor/critic, the PPO and supervised updates), rollouts.py (episode filters and statistics), runs.py (the run's
+context, checkpoints and --resume, the step log), stages.py (the held-out rows, the table and the chart).
 """
 from __future__ import annotations
 
