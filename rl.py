@@ -1,6 +1,6 @@
 """rl.py: the learning half of train.py: losses, GAE, the LoRA actor/critic pair with its value head, and the
 updates (PPO, and one supervised epoch helper shared by SFT/RFT and critic pre-training). Pure functions on
-tensors and a peft model; train.py owns the stages, the run folder and the rollouts.
+tensors and a peft model; train.py owns the stages and the rollouts, runs.py the run folder.
 
 A `cfg` here is train.py's Config (read only: micro_batch, minibatches, gamma, lam, critic_lam, eps_low,
 eps_high, value_clip, tis_cap, kl_coef, max_grad_norm, temperature, seed, lora_r, lora_alpha, ppo_epochs).

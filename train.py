@@ -67,6 +67,10 @@ demonstrations), eval/STAGE/ (held-out episodes), and sft/ warmup/ rft/ critic/ 
 ckpt-NNNNNN/{actor,critic}/ (standard PEFT adapters: PeftModel.from_pretrained(base, ".../actor")),
 value_head.pt, state.pt (optimisers, schedulers, step), latest.json (the newest complete checkpoint),
 and rollouts/ (scored rollouts, reused on --resume so no kernel is scored twice).
+
+This file holds the configuration, the stage driver and the stages. Under it: rl.py (GAE, losses, the LoRA
+actor/critic, the PPO and supervised updates), rollouts.py (episode filters and statistics), runs.py (the run's
+context, checkpoints and --resume, the step log), stages.py (the held-out rows, the table and the chart).
 """
 from __future__ import annotations
 
@@ -75,7 +79,6 @@ import dataclasses
 import json
 import math
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -89,13 +92,15 @@ import agent
 import env
 import teacher
 import tools
-from reward import summarize
-from rl import (action_values, adapter_params, add_adapters, all_sum, barrier, collate, critic_epoch, dist_on, gather,
-                global_explained_variance, make_optimizer, mc_returns, ppo_update, reset_critic, sft_epoch, shard)
+from rl import (action_values, adapter_params, add_adapters, all_sum, barrier, collate, critic_epoch, gather,
+                global_explained_variance, make_optimizer, mc_returns, ppo_update, sft_epoch, shard)
+from rollouts import fit_context, harness_failed, rft_filter, rollout_stats, step_tasks, trainable
+from runs import (Ctx, begin_stage, fmt_time, gpu_plan, latest, load_checkpoint, log_event, log_step, n_cores,
+                  save_checkpoint, stage_done, stage_end, workers, write_json)
+from stages import STAGES, all_rewards_minus_one, eval_row, read_rows, stage_chart, stage_note, stage_table
 from tasks import load_data
 
 ROOT = Path(__file__).resolve().parent
-STAGES = ("sft", "warmup", "rft", "critic", "ppo")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,21 +292,6 @@ def run(cfg: Config, a, stages: list, order: list, src: str | None) -> int:
     return 0
 
 
-def n_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))  # the cores this process may use (a container's share)
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
-def workers(cores: int, backend: str) -> tuple[int, int]:
-    """(synthesis workers, parallel tool calls) for a machine with `cores` cores. Synthesis: one sandboxed child
-    per core on a CPU (each single-threaded); on a GPU 4 cores stay with the parent and the device's timing lock
-    is the bottleneck beyond ~12 children. Tool calls (g++/nvcc builds, verdicts): half the cores, at least 2."""
-    synth = max(1, min(16, cores - 4 if backend == "cuda" else cores))
-    return synth, max(2, min(16, cores // 2))
-
-
 def split_tasks(train: list, test: list, cfg: Config) -> tuple[list, list]:
     """(teacher's tasks, held-out tasks). The held-out tasks are the test split; the teacher gets training tasks
     only, and never one whose code is also held out (a hand-made dataset may repeat a task across splits)."""
@@ -312,233 +302,8 @@ def split_tasks(train: list, test: list, cfg: Config) -> tuple[list, list]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Episode filters, GPU plan, task order
+# Rollouts (scored, then cached in the run folder)
 # ----------------------------------------------------------------------------------------------
-def call_keys(episode) -> list:
-    """One key per tool call that says what the call did: (tool, arguments, workspace content before the call).
-    The same call on unchanged files does the same thing again; the same call after an edit is new work.
-    Episodes recorded without workspace hashes fall back to (tool, arguments, observation)."""
-    keys, state = [], "start"
-    for t in episode.get("turns", []):
-        call = (t.get("tool"), json.dumps(t.get("args"), sort_keys=True, default=str))
-        keys.append(call + ((state,) if "ws" in t else (t.get("observation"),)))
-        state = t.get("ws", state)
-    return keys
-
-
-def bad_patterns(episode, known_tools=None) -> list[str]:
-    """Why an episode must not be imitated (the paper's RFT filter, judged on behaviour). Empty list = clean.
-    A repeated call is the same call on the same workspace twice in a row (re-profiling unchanged code until
-    the timing noise looks good; compiling twice with nothing edited); a loop is such a call 3+ times
-    anywhere in the episode. compile -> edit -> compile is debugging, and kept."""
-    reasons = []
-    if episode.get("malformed_calls", 0):
-        reasons.append("malformed tool call")
-    if known_tools is not None and any(t.get("tool") is not None and t.get("tool") not in known_tools
-                                       for t in episode.get("turns", [])):
-        reasons.append("unknown tool")
-    keys = call_keys(episode)
-    if any(a == b for a, b in zip(keys, keys[1:])):
-        reasons.append("repeated identical tool call")
-    if any(keys.count(k) >= 3 for k in set(keys)):
-        reasons.append("loop")
-    return reasons
-
-
-HARNESS_ERRORS = ("the reference model.py failed", "final evaluation failed")
-
-
-def harness_failed(ep) -> bool:
-    """The -1 was the harness's (the task's reference does not run, the evaluation itself crashed), not the
-    policy's: such episodes carry no reward signal and are neither trained on nor counted in the reward."""
-    err = (ep.get("verdict") or {}).get("error") or ""
-    return err.startswith(HARNESS_ERRORS)
-
-
-def rft_filter(episodes, known_tools=None):
-    """Split episodes into (kept, drop reason counts): keep reward > 0 and no bad pattern."""
-    kept, dropped = [], {}
-    for ep in episodes:
-        reasons = (["harness failure"] if harness_failed(ep) else []) + \
-            ([] if ep["reward"] > 0 else ["reward <= 0"]) + bad_patterns(ep, known_tools)
-        if reasons:
-            for r in reasons:
-                dropped[r] = dropped.get(r, 0) + 1
-        else:
-            kept.append(ep)
-    return kept, dropped
-
-
-def gpu_plan(visible: list[str], local_world: int, local_rank: int, env_gpus: int = 0) -> dict:
-    """Which physical GPU this rank trains/rolls out on, and which one times its kernels.
-
-    visible: the node's visible GPU ids (CUDA_VISIBLE_DEVICES order); local_world: processes on this node.
-    env_gpus = 0: each rank trains AND times kernels on its own GPU. env_gpus = K > 0: the last K
-    visible GPUs only time kernels; rank r times on env GPU r mod K (env.py's per-GPU file lock keeps one
-    timed section per GPU), and trains on GPU r. Returns {"train": id, "env": id} (ids as strings)."""
-    n = len(visible)
-    if env_gpus < 0:
-        raise env.UsageError(f"--env-gpus must be >= 0, got {env_gpus}")
-    if n == 0:
-        if env_gpus:
-            raise env.UsageError("--env-gpus needs GPUs, and none are visible")
-        return {"train": None, "env": None}
-    if local_world + env_gpus > n:
-        raise env.UsageError(f"{local_world} training processes + --env-gpus {env_gpus} need "
-                             f"{local_world + env_gpus} GPUs on this node, only {n} visible")
-    train = visible[local_rank]
-    if env_gpus == 0:
-        return {"train": train, "env": train}
-    pool = visible[n - env_gpus:]
-    return {"train": train, "env": pool[local_rank % env_gpus]}
-
-
-def step_tasks(n_tasks: int, step: int, per_rank: int, world: int, rank: int, seed: int) -> list[int]:
-    """Task indices for (step, rank). All ranks compute the same global order (a fresh permutation per
-    pass over the data, the remainder that does not fill a whole step dropped) and take disjoint slices
-    of it; the same (step, rank) always gives the same tasks, which is what makes --resume and cached
-    rollouts line up. With fewer tasks than one global batch, tasks repeat within a step."""
-    G = per_rank * world
-    steps_per_pass = max(1, n_tasks // G)
-    epoch, s = divmod(step, steps_per_pass)
-    perm = list(range(n_tasks))
-    random.Random(seed * 1_000_003 + epoch).shuffle(perm)
-    return [perm[(s * G + rank * per_rank + j) % n_tasks] for j in range(per_rank)]
-
-
-@dataclasses.dataclass
-class Ctx:
-    """What every stage needs: config, run folder, ranks, the model, the tasks and the scorer's backend."""
-    cfg: Config
-    run_dir: Path
-    rank: int = 0
-    world: int = 1
-    device: str = "cpu"
-    backend: str = "cpu"
-    policy: object = None  # agent.HFPolicy; policy.model is the peft model
-    pm: object = None
-    head: object = None
-    train: list = dataclasses.field(default_factory=list)
-    teacher_tasks: list = dataclasses.field(default_factory=list)  # training tasks the teacher works (sft)
-    heldout: list = dataclasses.field(default_factory=list)  # test split: evaluated, never trained on or taught
-    tb: object = None
-    known_tools: tuple = ()
-    prev: dict = dataclasses.field(default_factory=dict)  # stage -> the stage run before it (--skip leaves gaps)
-    gen_s: float = 0.0  # seconds spent in policy.generate (the rest of a rollout is tool/env time)
-
-    @property
-    def main(self):
-        return self.rank == 0
-
-    def say(self, text):
-        if self.main:
-            tqdm.write(text)
-            sys.stdout.flush()
-
-
-# ----------------------------------------------------------------------------------------------
-# Run folder: checkpoints, cached rollouts, metrics
-# ----------------------------------------------------------------------------------------------
-def write_json(path: Path, obj):
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str))
-    os.replace(tmp, path)  # atomic: a kill -9 leaves the old file or the new one, never half of one
-
-
-def latest(stage_dir: Path) -> dict | None:
-    f = stage_dir / "latest.json"
-    return json.loads(f.read_text()) if f.is_file() else None
-
-
-def stage_done(run_dir: Path, stage: str) -> bool:
-    info = latest(run_dir / stage)
-    return bool(info and info.get("done"))
-
-
-def save_checkpoint(ctx: Ctx, stage: str, step: int, opts: dict, done: bool, extra: dict | None = None):
-    """ckpt-NNNNNN/{actor,critic}/ (PEFT adapters), value_head.pt, state.pt; then latest.json points at it.
-    Rank 0 writes (the ranks' weights and optimiser states are identical: gradients are all-reduced)."""
-    sd = ctx.run_dir / stage
-    check_in_sync(ctx)
-    if ctx.main:
-        name = f"ckpt-{step:06d}"
-        tmp = sd / f".tmp-{name}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        ctx.pm.save_pretrained(str(tmp))  # tmp/actor/ and tmp/critic/
-        torch.save(ctx.head.state_dict(), tmp / "value_head.pt")
-        torch.save({"step": step, "opts": {k: (o.state_dict(), s.state_dict()) for k, (o, s) in opts.items()},
-                    **(extra or {})}, tmp / "state.pt")
-        shutil.rmtree(sd / name, ignore_errors=True)
-        os.replace(tmp, sd / name)
-        write_json(sd / "latest.json", {"step": step, "ckpt": name, "done": done})
-        for old in sd.glob("ckpt-*"):  # keep only the newest checkpoint
-            if old.name != name:
-                shutil.rmtree(old, ignore_errors=True)
-    barrier()
-
-
-def check_in_sync(ctx: Ctx):
-    """Ranks must hold identical weights (same init, all-reduced gradients); a checksum catches a bug
-    before rank 0's checkpoint silently stands for diverged ranks."""
-    if not dist_on():
-        return
-    with torch.no_grad():
-        s = float(sum(p.double().sum() for n, p in ctx.pm.named_parameters() if "lora_" in n)
-                  + sum(p.double().sum() for p in ctx.head.parameters()))
-    sums = gather([s])
-    if max(sums) - min(sums) > 1e-6 * max(1.0, abs(sums[0])):
-        raise RuntimeError(f"ranks hold different weights (checksums {sums}); refusing to checkpoint")
-
-
-def load_checkpoint(ctx: Ctx, stage: str, adapters=("actor", "critic"), head=True, opts=None) -> dict:
-    """Load adapters (and the value head, and optimiser/scheduler states) of a stage's latest checkpoint."""
-    import peft
-    info = latest(ctx.run_dir / stage)
-    ck = ctx.run_dir / stage / info["ckpt"]
-    for name in adapters:
-        weights = peft.load_peft_weights(str(ck / name), device=str(ctx.device))
-        peft.set_peft_model_state_dict(ctx.pm, weights, adapter_name=name)
-    if head:
-        ctx.head.load_state_dict(torch.load(ck / "value_head.pt", map_location=ctx.device))
-    state = torch.load(ck / "state.pt", map_location="cpu", weights_only=False)
-    for k, (o, s) in (opts or {}).items():
-        o.load_state_dict(state["opts"][k][0])
-        s.load_state_dict(state["opts"][k][1])
-    ctx.pm.set_adapter("actor")
-    return state
-
-
-def begin_stage(ctx: Ctx, stage: str, opts: dict, resume: bool) -> int | None:
-    """Returns the first step to run, or None when the stage is already complete. A stage that has not started
-    begins from its predecessor's weights (start_from); on --resume the stage's own latest checkpoint is loaded
-    (weights, optimisers, schedulers) and the run continues after it."""
-    info = latest(ctx.run_dir / stage)
-    (ctx.run_dir / stage).mkdir(parents=True, exist_ok=True)
-    if info is None:
-        start_from(ctx, stage)
-        return 0
-    if info.get("done"):
-        ctx.say(f"{stage}: already complete in {ctx.run_dir / stage} (skipped)")
-        return None
-    load_checkpoint(ctx, stage, opts=opts)
-    ctx.say(f"{stage}: resuming after step {info['step'] + 1} from {ctx.run_dir / stage / info['ckpt']}")
-    return info["step"] + 1
-
-
-def start_from(ctx: Ctx, stage: str):
-    """The weights a fresh stage starts from: the actor of the stage run before it (none before the first stage:
-    the base model). PPO also takes the pre-trained critic; the critic stage, and PPO without one (--skip
-    critic, the paper's ablation), start from a fresh critic."""
-    prev = ctx.prev.get(stage)
-    with_critic = stage == "ppo" and prev == "critic"
-    if prev is not None:
-        load_checkpoint(ctx, prev, adapters=("actor", "critic") if with_critic else ("actor",), head=with_critic)
-    if stage in ("critic", "ppo") and not with_critic:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(ctx.cfg.seed + 1)
-            reset_critic(ctx.pm, ctx.head)
-
-
 def cached(path: Path, make):
     """Scored rollouts are saved before they are trained on; a resumed run reads them back instead of
     generating and scoring again (scoring kernels is the expensive part)."""
@@ -552,82 +317,6 @@ def cached(path: Path, make):
     return eps, False
 
 
-def rollout_stats(eps: list) -> dict:
-    """Means over episodes (harness failures excluded from the rates and counted apart): reward, compile /
-    correct / faster rates, geometric-mean speedup vs torch.compile of the correct kernels, model tokens, turns,
-    malformed-call rate (per tool call), end reasons (shares), harness failures."""
-    ok = [e for e in eps if not harness_failed(e)]
-    n = max(len(ok), 1)
-    v = [e.get("verdict") or {} for e in ok]
-    sp = [x["speedup_compile"] for x in v if x.get("correct") and (x.get("speedup_compile") or 0) > 0]
-    calls = sum(e.get("n_turns", 1) for e in ok)
-    ends = {}
-    for e in ok:
-        if e.get("end_reason"):
-            ends[f"end_{e['end_reason'].split(':')[0]}"] = ends.get(f"end_{e['end_reason'].split(':')[0]}", 0) + 1 / n
-    return {"reward": sum(e["reward"] for e in ok) / n,
-            "compile": sum(bool(x.get("compiled")) for x in v) / n,
-            "correct": sum(bool(x.get("correct")) for x in v) / n,
-            "faster": sum(e["reward"] >= 2 for e in ok) / n,  # > 5% faster than eager
-            "faster_c": sum(e["reward"] >= 3 for e in ok) / n,  # ... and than torch.compile
-            "speedup": math.exp(sum(math.log(x) for x in sp) / len(sp)) if sp else None,
-            "resp": sum(sum(e["loss_mask"]) for e in ok) / n,
-            "turns": sum(e.get("n_turns", 1) for e in ok) / n,
-            "malformed": sum(e.get("malformed_calls", 0) for e in ok) / calls if calls else None,
-            **ends,
-            "harness_fail": len(eps) - len(ok),
-            "n": len(eps)}
-
-
-def fmt_time(s: float) -> str:
-    s = int(max(s, 0))
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-
-
-def log_step(ctx: Ctx, stage: str, step: int, total: int, row: dict, t_step: float, eta: float):
-    """One `|`-separated line per step on rank 0, the same numbers in metrics.jsonl (and TensorBoard)."""
-    if not ctx.main:
-        return
-    f = lambda k, spec: f"{row[k]:{spec}}" if row.get(k) is not None else "-"
-    parts = [f"{stage} {step + 1}/{total}"]
-    for key, label, spec in (("reward", "reward", "+.3f"), ("compile", "compile", ".2f"), ("correct", "correct", ".2f"),
-                             ("faster", "faster", ".2f"), ("faster_c", "faster_c", ".2f"), ("speedup", "speedup", ".2f"),
-                             ("resp", "resp", ".0f"), ("turns", "turns", ".1f"), ("malformed", "malformed", ".2f"),
-                             ("pg_loss", "pg", "+.4f"), ("vf_loss", "vf", ".4f"), ("loss", "loss", ".4f"),
-                             ("entropy", "ent", ".3f"), ("clipfrac", "clip", ".3f"), ("ev", "ev", "+.3f"),
-                             ("v_mean", "V", "+.3f"), ("adv_std", "adv_std", ".3f"), ("kl_ref", "kl_ref", "+.4f"),
-                             ("mm_mean", "dlogp", ".4f"), ("mm_p99", "dlogp_p99", ".3f"), ("mm_out", "ratio_out", ".3f"),
-                             ("tis_w", "tis_w", ".3f"), ("lr", "lr", ".1e")):
-        if key in row:
-            parts.append(f"{label} {f(key, spec)}")
-    ends = [f"{k[4:]} {row[k]:.2f}" for k in sorted(row) if k.startswith("end_")]
-    if ends:
-        parts.append("end " + " ".join(ends))
-    if row.get("pg_skipped"):
-        parts.append("actor skipped (equal rewards)")
-    if row.get("harness_fail"):
-        parts.append(f"harness failures {row['harness_fail']}")
-    parts += [f"{t_step:.1f}s/step", f"ETA {fmt_time(eta)}"]
-    ctx.say(" | ".join(parts))
-    rec = {"stage": stage, "step": step + 1, "of": total, **row, "s_step": round(t_step, 3), "time": time.time()}
-    with open(ctx.run_dir / "metrics.jsonl", "a") as fh:
-        fh.write(json.dumps(rec, default=str) + "\n")
-    if ctx.tb is not None:
-        gstep = STAGES.index(stage) * 100_000 + step + 1 if stage in STAGES else step + 1
-        for k, v in row.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                ctx.tb.add_scalar(f"{stage}/{k}", v, gstep)
-
-
-def log_event(ctx: Ctx, rec: dict):
-    if ctx.main:
-        with open(ctx.run_dir / "metrics.jsonl", "a") as fh:
-            fh.write(json.dumps({**rec, "time": time.time()}, default=str) + "\n")
-
-
-# ----------------------------------------------------------------------------------------------
-# Rollouts
-# ----------------------------------------------------------------------------------------------
 def single_turn_rollouts(ctx: Ctx, tasks: list) -> list:
     """Warm-up rollouts: agent.run_single_turn (prompt = SKILL.md + task, one answer with fenced files, scored
     by env.py), with the engine's log-prob of each sampled token added for the importance weight."""
@@ -649,19 +338,6 @@ def agent_rollouts(ctx: Ctx, tasks: list, out_dir: Path, temperature=None) -> li
                               out_dir=str(out_dir), max_new_tokens=cfg.max_new_tokens, progress=ctx.main,
                               temperature=cfg.temperature if temperature is None else temperature,
                               tool_workers=cfg.tool_workers)
-
-
-def trainable(eps: list) -> list:
-    """Episodes whose -1 was the harness's (harness_failed) keep their place in the batch with no model
-    tokens: nothing is trained on them, and they do not enter the advantage statistics."""
-    return [{**e, "loss_mask": [0] * len(e["loss_mask"])} if harness_failed(e) else e for e in eps]
-
-
-def fit_context(eps: list, max_context: int) -> list:
-    """Sequences longer than max_context are cut (the reward stays on the last kept model token)."""
-    return [e if len(e["tokens"]) <= max_context else
-            {**e, **{k: e[k][:max_context] for k in ("tokens", "loss_mask", "logprobs") if e.get(k) is not None}}
-            for e in eps]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -773,16 +449,6 @@ def ppo_stage(ctx: Ctx, stage: str, n_steps: int, resume: bool):
         if (step + 1) % cfg.ckpt_every == 0 or step + 1 == n_steps:
             save_checkpoint(ctx, stage, step, opts, done=step + 1 == n_steps)
     stage_end(ctx, stage, rows, steps=n_steps)
-
-
-def stage_end(ctx: Ctx, stage: str, rows: list, **extra):
-    """A summary record per stage (the rollouts of its last steps; the table's note reads it back)."""
-    last = rows[-max(1, len(rows) // 2):] if rows else []
-    keys = ("reward", "compile", "correct", "faster", "faster_c")
-    rec = {"event": "stage_end", "stage": stage, "steps": len(rows),
-           **{k: sum(r[k] for r in last) / len(last) for k in keys if last and all(k in r for r in last)}}
-    rec.update(extra)
-    log_event(ctx, rec)
 
 
 def own_episodes(ctx: Ctx, stage: str) -> list:
@@ -919,7 +585,7 @@ def held_out_ev(ctx: Ctx, eps: list):
 
 
 # ----------------------------------------------------------------------------------------------
-# Held-out evaluation after every stage, and the table
+# Held-out evaluation after every stage (stages.py: its rows, the table, the chart)
 # ----------------------------------------------------------------------------------------------
 def heldout_eval(ctx: Ctx, label: str):
     """Greedy agent episodes of the actor after `label` ("base": before training) on the held-out tasks, scored
@@ -947,15 +613,7 @@ def heldout_eval(ctx: Ctx, label: str):
         ctx.policy.release()
         barrier()
         eps = [e for f in sorted(out.glob("rank*.jsonl")) for e in agent.load_episodes(f)]
-        res = summarize([{"verdict": e.get("verdict") or {}, "n_turns": e.get("n_turns"), "n_tokens": len(e["tokens"])}
-                         for e in eps])
-        row = {"stage": label, "n": res["n"], "pass": res["pass_rate"], "faster_eager": res["faster_eager_rate"],
-               "faster_compile": res["faster_compile_rate"], "reward": sum(e["reward"] for e in eps) / max(len(eps), 1),
-               "turns": res["mean_turns"], "geomean_compile": res["geomean_speedup_compile"],
-               "harness_fail": sum(harness_failed(e) for e in eps),  # counted as failures, as in evaluate.py
-               "note": "the base model, before training" if label == "base" else stage_note(ctx.run_dir, label)}
-        if row["harness_fail"]:
-            row["note"] += f" ({row['harness_fail']} harness failures counted as failures)"
+        row = eval_row(label, eps, "the base model, before training" if label == "base" else stage_note(ctx.run_dir, label))
     row.update(stage=label, eval_s=round(time.time() - t0, 1), time=time.time())
     if ctx.main:
         with open(ctx.run_dir / "stages.jsonl", "a") as fh:
@@ -966,77 +624,6 @@ def heldout_eval(ctx: Ctx, label: str):
             f"faster than compile {f('faster_compile')} | reward {row['reward']:+.3f} | turns {f('turns')} | "
             f"{fmt_time(row['eval_s'])}")
     ctx.pm.set_adapter("actor")
-
-
-def read_rows(run_dir: Path) -> list:
-    f = run_dir / "stages.jsonl"
-    rows = [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.is_file() else []
-    order = ("base",) + STAGES
-    return sorted(rows, key=lambda r: order.index(r["stage"]) if r["stage"] in order else len(order))
-
-
-def stage_note(run_dir: Path, stage: str) -> str:
-    """What the stage did, from its metrics (the table's last column)."""
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()] if (run_dir / "metrics.jsonl").is_file() else []
-    end = next((r for r in reversed(recs) if r.get("event") == "stage_end" and r.get("stage") == stage), {})
-    steps = [r for r in recs if r.get("stage") == stage and "event" not in r]
-    num = lambda x: "-" if x is None else f"{x:+.3f}"
-    if stage == "sft":
-        losses = [r["loss"] for r in steps if r.get("loss") is not None]
-        return (f"demonstrations {end.get('demos', 0)} of {end.get('episodes', 0)} teacher episodes ({end.get('tasks', 0)} tasks)"
-                + (f"; loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else ""))
-    if stage == "rft":
-        return f"kept {end.get('kept')} of {end.get('episodes')} own episodes"
-    if stage == "critic":
-        return f"critic explained variance {num(end.get('ev_before'))} -> {num(end.get('ev'))}"
-    return f"{len(steps)} steps; training reward {num(end.get('reward'))}"
-
-
-def stage_table(rows: list) -> str:
-    """The run's result: one row per stage (held-out pass rate, faster than eager / torch.compile, mean reward,
-    mean turns)."""
-    num = lambda x, spec, w: f"{'-':>{w}}" if x is None else f"{x:{spec}}"
-    lines = [f"{'stage':<8} {'tasks':>5} {'pass':>6} {'>eager':>7} {'>compile':>8} {'reward':>7} {'turns':>6}  note", "-" * 96]
-    for r in rows:
-        lines.append(f"{r['stage']:<8} {r['n']:>5} {num(r['pass'], '6.2f', 6)} {num(r['faster_eager'], '7.2f', 7)} "
-                     f"{num(r['faster_compile'], '8.2f', 8)} {num(r['reward'], '+7.3f', 7)} {num(r['turns'], '6.1f', 6)}  "
-                     f"{r.get('note', '')}")
-    return "\n".join(["held-out evaluation (greedy, agent mode, scored by env.py), after each stage:"] + lines)
-
-
-def stage_chart(rows: list, path: Path) -> bool:
-    """RUN/stages.png: the rates per stage as bars, the mean reward as a line. False without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, ax = plt.subplots(figsize=(8, 4))
-    x = range(len(rows))
-    for i, (k, label) in enumerate((("pass", "pass"), ("faster_eager", "faster than eager"),
-                                    ("faster_compile", "faster than torch.compile"))):
-        ax.bar([j + (i - 1) * 0.27 for j in x], [r[k] or 0 for r in rows], 0.27, label=label)
-    ax.set_xticks(list(x), [r["stage"] for r in rows])
-    ax.set_ylim(0, 1)
-    ax.set_ylabel(f"share of {rows[0]['n'] if rows else 0} held-out tasks")
-    ax2 = ax.twinx()
-    ax2.plot(list(x), [r["reward"] for r in rows], "k.-", label="mean reward")
-    ax2.set_ylim(-1.1, 3.1)
-    ax2.set_ylabel("mean reward (-1 .. 3)")
-    ax.set_title("held-out evaluation after each stage")
-    fig.legend(loc="lower center", ncol=4, fontsize=8)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
-
-
-def all_rewards_minus_one(run_dir: Path, rows: list) -> bool:
-    """True when every logged training step and every held-out row had mean reward -1."""
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()] if (run_dir / "metrics.jsonl").is_file() else []
-    rewards = [r["reward"] for r in recs if r.get("reward") is not None and "event" not in r] + [r["reward"] for r in rows]
-    return bool(rewards) and all(x == -1 for x in rewards)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import runs  # noqa: E402
+import stages  # noqa: E402
 import train  # noqa: E402
 
 ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -30,7 +32,7 @@ if not (run / "metrics.jsonl").is_file() or not (run / "config.json").is_file():
 cfg = json.loads((run / "config.json").read_text())
 target = {**train.dataclasses.asdict(train.Config()), **train.PRESETS[a.preset]}
 recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-steps = {s: [r for r in recs if r.get("stage") == s and "event" not in r] for s in train.STAGES}
+steps = {s: [r for r in recs if r.get("stage") == s and "event" not in r] for s in stages.STAGES}
 ends = {r["stage"]: r["time"] for r in recs if r.get("event") == "stage_end"}
 events = {r["event"]: r for r in recs if "event" in r}
 if not steps["warmup"]:
@@ -61,6 +63,6 @@ for name, secs, have, want, proj in rows:
     print(f"{name:<18} {secs:>10.1f} {have:>9} {want:>7} {proj:>12.1f}")
 missing = [s for s in ("warmup", "rft", "critic", "ppo") if s not in ends]
 total = sum(r[4] for r in rows)
-print(f"{'total (stages)':<18} {sum(r[1] for r in rows):>10.1f} {'':>9} {'':>7} {total:>12.1f}  = {train.fmt_time(total)}"
+print(f"{'total (stages)':<18} {sum(r[1] for r in rows):>10.1f} {'':>9} {'':>7} {total:>12.1f}  = {runs.fmt_time(total)}"
       + (f"  (incomplete: no end of {', '.join(missing)})" if missing else ""))
 print("not included: model loading and dataset synthesis before the first step (see synth.py's own tasks/hour)")

@@ -133,7 +133,8 @@ def test_import_graph_libraries_import_no_script():
     assert {"synth.py", "compose.py", "ops.py", "tools.py", "agent.py"} <= set(graph), graph
     assert {"compose", "ops", "checker"} <= graph["synth.py"] and "tools" in graph["agent.py"]
     scripts = {"synth", "agent", "train", "evaluate", "teacher"}
-    libraries = {"engine", "tools", "tasks", "ops", "compose", "checker", "elementwise", "reward", "sandbox", "scan"}
+    libraries = {"engine", "tools", "tasks", "ops", "compose", "checker", "elementwise", "reward", "sandbox", "scan", "rl",
+                 "rollouts", "runs", "stages"}
     for name, deps in graph.items():
         if name[:-3] in libraries:
             assert not deps & scripts, (name, deps)

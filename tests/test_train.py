@@ -15,6 +15,9 @@ import torch
 
 import env
 import rl
+import rollouts
+import runs
+import stages
 import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,7 +125,7 @@ def test_rft_filter_keeps_only_clean_successes():
     good = ep(2, [w, c, v, f])
     eps = [good, ep(-1, [w, c, f]), ep(3, [w, c, c, f]), ep(1, [w, c, ("bash", {"command": "ls"}), f], malformed=1),
            ep(1, [w, c, w, c, w, c, f]), ep(1, [w, ("hack", {}), f])]
-    kept, dropped = train.rft_filter(eps, known_tools=("write_file", "compile", "verify", "finish", "bash"))
+    kept, dropped = rollouts.rft_filter(eps, known_tools=("write_file", "compile", "verify", "finish", "bash"))
     assert kept == [good]
     assert dropped == {"reward <= 0": 1, "repeated identical tool call": 1, "malformed tool call": 1, "loop": 1,
                        "unknown tool": 1}
@@ -132,32 +135,32 @@ def test_step_tasks_disjoint_per_step_and_full_coverage():
     n, per, world = 13, 2, 3  # 2 whole steps per pass over the data (12 tasks), 1 task left over per pass
     passes = []
     for step in range(8):
-        parts = [train.step_tasks(n, step, per, world, r, seed=1) for r in range(world)]
+        parts = [rollouts.step_tasks(n, step, per, world, r, seed=1) for r in range(world)]
         flat = [i for p in parts for i in p]
         assert len(set(flat)) == len(flat)  # ranks never share a task within a step
         passes.append(flat)
     for k in range(0, 8, 2):
         assert len(set(passes[k] + passes[k + 1])) == 12  # no task twice within a pass
     assert len(set(sum(passes, []))) == 13  # the dropped remainder differs between passes
-    assert train.step_tasks(2, 0, 2, 2, 1, seed=0) == train.step_tasks(2, 0, 2, 2, 0, seed=0)  # fewer tasks than a step
-    assert train.step_tasks(n, 3, per, world, 1, seed=1) == train.step_tasks(n, 3, per, world, 1, seed=1)
+    assert rollouts.step_tasks(2, 0, 2, 2, 1, seed=0) == rollouts.step_tasks(2, 0, 2, 2, 0, seed=0)  # fewer tasks than a step
+    assert rollouts.step_tasks(n, 3, per, world, 1, seed=1) == rollouts.step_tasks(n, 3, per, world, 1, seed=1)
 
 
 def test_gpu_plan_env_gpus():
     eight = [str(i) for i in range(8)]
     # no dedicated GPUs: each rank trains and times on its own GPU
-    assert [train.gpu_plan(eight, 8, r) for r in (0, 7)] == [{"train": "0", "env": "0"}, {"train": "7", "env": "7"}]
+    assert [runs.gpu_plan(eight, 8, r) for r in (0, 7)] == [{"train": "0", "env": "0"}, {"train": "7", "env": "7"}]
     # 6 trainers + 2 timing GPUs: timing round-robins over the last two
-    plans = [train.gpu_plan(eight, 6, r, env_gpus=2) for r in range(6)]
+    plans = [runs.gpu_plan(eight, 6, r, env_gpus=2) for r in range(6)]
     assert [p["train"] for p in plans] == ["0", "1", "2", "3", "4", "5"]
     assert [p["env"] for p in plans] == ["6", "7", "6", "7", "6", "7"]
     # ids follow CUDA_VISIBLE_DEVICES, not 0..n-1
-    assert train.gpu_plan(["3", "5", "7"], 2, 1, env_gpus=1) == {"train": "5", "env": "7"}
+    assert runs.gpu_plan(["3", "5", "7"], 2, 1, env_gpus=1) == {"train": "5", "env": "7"}
     with pytest.raises(env.UsageError, match="need 9 GPUs"):
-        train.gpu_plan(eight, 8, 0, env_gpus=1)
+        runs.gpu_plan(eight, 8, 0, env_gpus=1)
     with pytest.raises(env.UsageError, match="none are visible"):
-        train.gpu_plan([], 1, 0, env_gpus=1)
-    assert train.gpu_plan([], 1, 0) == {"train": None, "env": None}
+        runs.gpu_plan([], 1, 0, env_gpus=1)
+    assert runs.gpu_plan([], 1, 0) == {"train": None, "env": None}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -326,22 +329,22 @@ def test_heldout_tasks_are_never_the_teachers():
 
 
 def test_workers_follow_the_cores():
-    assert train.workers(2, "cpu") == (2, 2)
-    assert train.workers(16, "cuda") == (12, 8)
-    assert train.workers(1, "cuda") == (1, 2)
-    assert train.workers(128, "cpu") == (16, 16)
+    assert runs.workers(2, "cpu") == (2, 2)
+    assert runs.workers(16, "cuda") == (12, 8)
+    assert runs.workers(1, "cuda") == (1, 2)
+    assert runs.workers(128, "cpu") == (16, 16)
 
 
 def test_stage_table_and_chart(tmp_path, monkeypatch):
     row = lambda stage, p, r: {"stage": stage, "n": 32, "pass": p, "faster_eager": p / 2, "faster_compile": None,
                                "reward": r, "turns": 7.5, "note": f"after {stage}"}
     rows = [row("base", 0.0, -1.0), row("sft", 0.5, 0.25)]
-    lines = train.stage_table(rows).splitlines()
+    lines = stages.stage_table(rows).splitlines()
     assert lines[3].split() == ["base", "32", "0.00", "0.00", "-", "-1.000", "7.5", "after", "base"], lines
     assert lines[4].split()[:7] == ["sft", "32", "0.50", "0.25", "-", "+0.250", "7.5"], lines
-    assert train.stage_chart(rows, tmp_path / "stages.png") and (tmp_path / "stages.png").stat().st_size > 1000
+    assert stages.stage_chart(rows, tmp_path / "stages.png") and (tmp_path / "stages.png").stat().st_size > 1000
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed: no chart, no error
-    assert train.stage_chart(rows, tmp_path / "none.png") is False and not (tmp_path / "none.png").exists()
+    assert stages.stage_chart(rows, tmp_path / "none.png") is False and not (tmp_path / "none.png").exists()
 
 
 def test_sft_trains_only_on_model_tokens():
@@ -679,13 +682,13 @@ def test_rft_filter_keeps_long_debugging_and_drops_true_loops():
     ba = ("edit_file", {"path": "kernels/k.cpp", "old": "b", "new": "a"})
     cycle = {"reward": 1, "malformed_calls": 0,
              "turns": [turn(*w1, ws="sa")] + [turn(*x, ws=s) for _ in range(3) for x, s in ((ab, "sb"), (c, "sb"), (ba, "sa"), (c, "sa"))]}
-    kept, dropped = train.rft_filter([honest, loop, farm, cycle], known_tools=known)
+    kept, dropped = rollouts.rft_filter([honest, loop, farm, cycle], known_tools=known)
     assert kept == [honest], dropped
     assert dropped == {"loop": 2, "repeated identical tool call": 1}, dropped
-    assert train.bad_patterns(loop) == ["loop"] and train.bad_patterns(farm) == ["repeated identical tool call"]
+    assert rollouts.bad_patterns(loop) == ["loop"] and rollouts.bad_patterns(farm) == ["repeated identical tool call"]
     # episodes recorded without workspace hashes: the observation tells a new compile from the same one
     old_style = {"reward": 1, "malformed_calls": 0, "turns": [turn(*c, obs="error: line 3"), turn(*e(1)), turn(*c, obs="compiled OK")]}
-    assert train.bad_patterns(old_style) == []
+    assert rollouts.bad_patterns(old_style) == []
 
 
 def test_harness_failures_are_neither_trained_nor_counted():
@@ -694,13 +697,13 @@ def test_harness_failures_are_neither_trained_nor_counted():
           "end_reason": "finish"}
     ref = {**ok, "reward": -1, "verdict": {"error": "the reference model.py failed: boom"}, "end_reason": "max_turns"}
     crash = {**ok, "reward": -1, "verdict": {"error": "final evaluation failed: OSError: disk"}}
-    assert [train.harness_failed(e) for e in (ok, ref, crash)] == [False, True, True]
-    st = train.rollout_stats([ok, ref, crash])
+    assert [rollouts.harness_failed(e) for e in (ok, ref, crash)] == [False, True, True]
+    st = rollouts.rollout_stats([ok, ref, crash])
     assert st["reward"] == 1 and st["harness_fail"] == 2 and st["n"] == 3 and st["malformed"] == 0.5
     assert st["speedup"] == pytest.approx(1.5) and st["end_finish"] == 1.0
-    assert [sum(e["loss_mask"]) for e in train.trainable([ok, ref])] == [2, 0]
+    assert [sum(e["loss_mask"]) for e in rollouts.trainable([ok, ref])] == [2, 0]
     clean = {**ok, "malformed_calls": 0}
-    assert train.rft_filter([clean, {**ref, "reward": 1, "malformed_calls": 0}], known_tools=("compile", "finish")) == ([clean], {"harness failure": 1})
+    assert rollouts.rft_filter([clean, {**ref, "reward": 1, "malformed_calls": 0}], known_tools=("compile", "finish")) == ([clean], {"harness failure": 1})
 
 
 def test_shard_keeps_every_item_even_with_fewer_items_than_ranks():
@@ -773,6 +776,9 @@ GRAD_SCRIPT = r'''
 import os, sys, torch
 sys.path.insert(0, sys.argv[1])
 import rl
+import rollouts
+import runs
+import stages
 import train
 rank, world, out = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 if world > 1:
