@@ -688,7 +688,7 @@ def run_single_turn(policy, tasks, backend="auto", max_new_tokens=2048, temperat
             ws = Path(ep["workspace"]) if ep["workspace"] else None
             return score_files(ep["files"], task, backend, workspace=ws, **kw).to_dict()
         except Exception as e:  # noqa: BLE001 - a task failure, never the run's
-            return env.Verdict(backend=backend, stage="scan",  # (train.harness_failed: the harness's -1, not the policy's)
+            return env.Verdict(backend=backend, stage="scan",  # (rollouts.harness_failed: the harness's -1, not the policy's)
                                error=f"final evaluation failed: {type(e).__name__}: {str(e)[:500]}").to_dict()
     with concurrent.futures.ThreadPoolExecutor(max(1, min(4, len(eps)))) as pool:  # builds overlap; env.py
         verdicts = list(tqdm(pool.map(score, range(len(eps))), total=len(eps), desc="score", unit="answer",  # times
