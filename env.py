@@ -280,7 +280,7 @@ class Build:
 
 
 _TOOLCHAIN: dict = {}
-SCAN_VERSION = "4"  # part of every object's cache key: an object built under an older scan is never reused
+SCAN_VERSION = "5"  # part of every object's cache key: an object built under an older scan is never reused
 
 
 def toolchain(backend: str) -> dict:
@@ -394,6 +394,10 @@ def build(files: dict, backend: str, timeout: float = 600.0) -> Build:
     keys = {p: hashlib.sha256(f"{tc['id']}\0{p}\0{files[p]}\0{headers}".encode()).hexdigest()[:32] for p in sources}
     rebuilt, errors, violations, has_module = [], [], [], {}
     deadline = time.monotonic() + timeout
+    # Directives first, on the text as written: the scan below trusts the line markers of the preprocessed text.
+    bad = [v for p in sorted(files) for v in scan.check_directives(p, files[p])]
+    if bad:
+        return Build(False, None, "\n".join(bad), time.monotonic() - t0, [], bad)
 
     with tempfile.TemporaryDirectory(prefix="build-", dir=CACHE_DIR) as tmp:
         tmp = Path(tmp).resolve()

@@ -242,6 +242,8 @@ BANNED_TOKENS = {
     # symbol renaming: a declaration under another name that links to a closed door (`#pragma redefine_extname
     # my_open open`, `__attribute__((weakref("open")))`: the real name is a string or a pragma)
     "redefine_extname", "weakref", "__weakref__", "alias", "__alias__", "ifunc", "__ifunc__", "symver", "__symver__",
+    # a section name is copied into the assembler's input verbatim: `section(".text\nsyscall")` is inline assembly
+    "section", "__section__",
 }
 LIBC_ALIAS_RE = re.compile(r"^_+(libc_)?")
 BANNED_TOKEN_RE = re.compile(r"^(_?Py[A-Z]?\w*_\w+|pthread_\w+|__NR_\w+|_Py\w+|THP\w+)$")  # C API, threads, syscalls
@@ -257,6 +259,34 @@ ROOT_NAMESPACES = {"torch", "at", "aten", "c10", "caffe2", "pybind11", "py"}
 TOKEN_RE = re.compile(r'R"([^()\\\s]{0,16})\(.*?\)\1"|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|'
                       r"[A-Za-z_]\w*|\d[\w.]*|::|\S", re.S)
 MARKER_RE = re.compile(r'^#\s*(\d+)\s+"((?:\\.|[^"\\])*)"((?:\s+\d+)*)\s*$')
+
+
+# Directives a kernel source may use. Not `#line` nor GCC's `# 33 "file" 1` line markers: the scan attributes the
+# preprocessed text to files by the line markers in it, and those two would let a source claim that its own code
+# comes from a system header (which is not scanned).
+ALLOWED_DIRECTIVES = {"", "include", "define", "undef", "if", "ifdef", "ifndef", "elif", "else", "endif", "pragma",
+                      "error", "warning"}
+_SPLICE_RE = re.compile(r"\\[ \t\f\v]*\n")  # backslash-newline (GCC accepts blanks between them)
+_GAP = r"(?:[ \t\f\v]|/\*.*?\*/)*"  # blanks and block comments (a comment may span lines)
+# A `#` (or `%:`, `??=`) that the preprocessor may take as a directive's: first on a line, or after a comment's end.
+_DIRECTIVE_RE = re.compile(rf"(?:^|(?<=\*/)){_GAP}(?:#|%:|\?\?=){_GAP}([\w\\$]*)", re.M | re.S)
+_UCN_HASH_RE = re.compile(r"\\(?:u0023|U00000023)")
+
+
+def check_directives(path: str, text: str) -> list[str]:
+    """Violations among the directives of one workspace file, read as the preprocessor reads them (line splices
+    joined, comments skipped, digraphs, universal character names). Conservative: a line of a raw string that
+    looks like a directive counts as one. `\\u0023` (a `#` the preprocessor does not take as a directive but
+    prints at the start of a line, where it reads as a line marker) is refused anywhere."""
+    text = _SPLICE_RE.sub("", text.replace("\r\n", "\n").replace("\r", "\n"))
+    out = []
+    if _UCN_HASH_RE.search(text):
+        out.append(f"{path}: `\\u0023` (a universal character name for `#`) is not allowed")
+    for m in _DIRECTIVE_RE.finditer(text):
+        if m.group(1) not in ALLOWED_DIRECTIVES:
+            out.append(f"{path}: the directive `#{m.group(1)}` is not allowed in kernel sources (allowed: "
+                       + ", ".join(f"#{d}" for d in sorted(ALLOWED_DIRECTIVES) if d) + ")")
+    return list(dict.fromkeys(out))
 
 
 def split_preprocessed(text: str, is_user) -> tuple[list[str], list[tuple[str, str]]]:

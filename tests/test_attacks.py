@@ -1,0 +1,58 @@
+"""Adversarial tests, second red team: variants of the attack classes (tests/test_env.py has the first ones) that
+the design let through, each shown end to end or at the build, and each refused by design now.
+
+CPU only. Workspaces share the test build cache (tests/conftest.py); the scan-level cases include pybind11 alone,
+so a case that is wrongly accepted costs one small build, and a refused one costs no compilation at all.
+"""
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import env
+import scan
+import sandbox
+from test_env import RELU, make_ws, model_new
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = ROOT / "tests" / "attack_cases"
+MODULE = "#include <pybind11/pybind11.h>\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}\n"
+FORK = 'extern "C" int fork(); int f() { return fork(); }\n'
+
+
+# ------------------------------------------------------------------ 7. the scan: code it never read
+# The scan attributes preprocessed text to files by the line markers in it, and scans only the workspace's. A source
+# could make its own code look like a system header's (a #line directive, a GNU line marker, or text that reads as
+# one), and a section name is copied verbatim into the assembler's input. Each of these built `fork()` (or raw
+# assembly: a `syscall` instruction, `.incbin` of a host file) into the module.
+HIDDEN_FROM_THE_SCAN = {
+    "line_directive": '#line 1 "/usr/include/stdio.h"\n' + FORK,
+    "gnu_line_marker": '# 1 "/usr/include/stdio.h" 1 3 4\n' + FORK,
+    "line_directive_by_ucn": '#l\\u0069ne 1 "/usr/include/stdio.h"\n' + FORK,
+    "line_directive_spliced_and_commented": '/*\n*/ %:/**/li\\\nne 1 "/usr/include/stdio.h"\n' + FORK,
+    "marker_text_from_ucn_hash": '\\u0023 1 "/usr/include/stdio.h" 1 3 4\n' + FORK,
+    "marker_text_in_raw_string": 'const char* s = R"x(\n# 1 "/usr/include/stdio.h" 1 3 4\n)x";\n' + FORK,
+    "section_name_assembly": '__attribute__((used, section(".text\\n.globl evil\\nevil: mov $57, %eax\\nsyscall\\nret\\n'
+                             '.section .data\\n#"))) int x = 1;\n',
+    "cxx11_section_incbin": '[[gnu::used, gnu::section(".rodata\\n.incbin \\"/etc/hostname\\"\\n#")]] char y = 1;\n',
+}
+
+
+@pytest.mark.parametrize("name", sorted(HIDDEN_FROM_THE_SCAN))
+def test_attack_scan_reads_every_line_of_the_workspace(name):
+    b = env.build({"kernels/x.cpp": MODULE + HIDDEN_FROM_THE_SCAN[name]}, "cpu")
+    assert not b.ok and b.violations and b.rebuilt == [], b.log
+
+
+def test_attack_directives_check_keeps_honest_sources():
+    """Every kernel source in the repository passes the directive check (pragmas, stringizing, comments with #)."""
+    sources = [f for f in ROOT.rglob("*") if f.suffix in {".cpp", ".cu", ".h", ".cuh", ".hpp"} and f.is_file()
+               and CASES not in f.parents]
+    assert len(sources) > 5
+    for f in sources:
+        assert scan.check_directives(f.name, f.read_text()) == [], f
+    assert scan.check_directives("x.cpp", '#define S(a) #a\n#  pragma omp parallel for\n# /* c */ include <cmath>\n'
+                                 'int a = 1; // see #12\n') == []
