@@ -468,6 +468,12 @@ def build(files: dict, backend: str, timeout: float = 600.0) -> Build:
             r = run_sandboxed(cmd, tmp, max(1.0, deadline - time.monotonic()), mem_gb=None, writable=[objdir])
             if r.returncode != 0:
                 return Build(False, None, "link failed:\n" + error_excerpt(r.stderr + r.stdout), time.monotonic() - t0, rebuilt)
+            # What the module imports is what it can call, whatever the sources spelled (scan.check_imports).
+            r = run_sandboxed(["nm", "-D", "--undefined-only", "-C", str(part)], tmp, 120, mem_gb=None, output_limit=1 << 24)
+            bad = scan.check_imports([l.split(None, 1)[-1] for l in r.stdout.splitlines() if l.strip()], IMPORT_OPS) \
+                if r.returncode == 0 else [f"the linked module cannot be read by nm: {error_excerpt(r.stderr)}"]
+            if bad:
+                return Build(False, None, "\n".join(bad), time.monotonic() - t0, rebuilt, bad)
             shutil.copy(part, so.with_suffix(".part"))
             os.replace(so.with_suffix(".part"), so)
     return Build(True, so, "", time.monotonic() - t0, rebuilt)
@@ -579,6 +585,10 @@ ALLOWED_OPS = frozenset({  # aten ops that allocate, view or describe; everythin
     "resize_", "lift_fresh", "view_as_real", "view_as_complex", "record_stream",
     "is_same_size", "equal_size", "fill_", "full", "full_like", "ones", "ones_like", "new_full", "new_ones",
 })
+# What the linked module may import from PyTorch (scan.check_imports): the allowed operators and the composite ones
+# that only view (a reshape that must copy shows up at run time as a clone, which the monitor refuses).
+IMPORT_OPS = ALLOWED_OPS | {"reshape", "flatten", "contiguous", "view_as", "reshape_as", "expand_as", "unflatten",
+                            "movedim", "moveaxis", "swapaxes", "swapdims", "tensor_split", "to"}
 # Not allowed: _local_scalar_dense (.item(), float(t)): a value read into Python can be computed on there and written
 # back with fill_, element by element.
 # While the candidate's module loads and ModelNew is built: also random initialisation and copies (parameters

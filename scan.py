@@ -364,3 +364,65 @@ def check_tokens(path: str, tokens: list[str]) -> list[str]:
                                   "(a PyTorch compute op or internal; write the kernel yourself)"))
                     break
     return list(dict.fromkeys(out))
+
+
+# ---------------------------------------------------------------------------------------------- the linked module
+# What the module imports from other libraries is what it can call, however the source spelled it (an alias, a
+# wrapper inline in a system header such as libstdc++'s __gthread_create, an operator on tensors, a Tensor method).
+# Checked on the linked module's undefined symbols (`nm -D --undefined-only -C`):
+#   - PyTorch operators: `at::_ops::<op>_<overload>::call` (every Tensor method, operator and at::/torch:: function
+#     ends there) and a backend's own functions (`at::cpu::add`) only for operators that allocate or view. The
+#     dispatch monitor sees only the thread that runs forward(); this check holds for OpenMP workers and any thread;
+#   - the dispatcher by name (c10::Dispatcher, OperatorHandle) and PyTorch's thread pools;
+#   - C functions that open the doors the token scan closes (threads, processes, files, signals, mapping...), under
+#     glibc's other names too (__open64_2, __libc_system, thrd_create).
+IMPORT_DOORS = BANNED_TOKENS | {
+    "pthread_create", "thrd_create", "pthread_kill", "pthread_sigqueue", "tgkill", "tkill", "sigqueue", "rt_sigqueueinfo",
+    "getauxval", "dl_iterate_phdr", "r_debug", "setcontext", "makecontext", "swapcontext", "process_madvise",
+    "aio_read", "aio_write", "lio_listio", "mq_open", "sem_open", "sched_setaffinity", "setrlimit", "prlimit",
+}
+_IMPORT_SUFFIX_RE = re.compile(r"(_chk|_2|64)+$")
+_OPS_STRUCT_RE = re.compile(r"(?:^|[\s*&])at::_ops::(\w+)::")
+_TORCH_FN_RE = re.compile(r"(?:^|[\s*&])at::(?:(?:native|cpu|cuda|meta|mps|composite\w*)::)?(\w+)\(")
+_TORCH_DOOR_RE = re.compile(r"(?:^|[\s*&])(c10::Dispatcher::|c10::OperatorHandle|c10::KernelFunction|c10::impl::OperatorEntry|"
+                            r"at::launch\(|at::intraop_launch|at::internal::launch_no_thread_state|c10::\w*ThreadPool|"
+                            r"at::\w*ThreadPool|std::thread::|std::jthread)")
+_ATEN: dict = {}
+
+
+def aten_structs() -> dict:
+    """{"mul_Tensor": "mul", "empty_memory_format": "empty", ...}: the C++ struct of every aten overload, named as
+    torchgen names it (name, then _overload), and the operator the dispatch monitor reports it as."""
+    if not _ATEN:
+        torch = importlib.import_module("torch")
+        for s in torch._C._jit_get_all_schemas():
+            if s.name.startswith("aten::"):
+                name = s.name[len("aten::"):]
+                _ATEN[f"{name}_{s.overload_name}" if s.overload_name else name] = name
+    return _ATEN
+
+
+def check_imports(symbols: list[str], allowed_ops) -> list[str]:
+    """Violations among the undefined (imported) symbols of the linked module, demangled."""
+    structs = aten_structs()
+    ops = set(structs.values())
+    out = []
+    for sym in symbols:
+        name = sym.split("@")[0].strip()
+        if not name:
+            continue
+        if re.fullmatch(r"[A-Za-z_]\w*", name):  # a C function or variable
+            base = LIBC_ALIAS_RE.sub("", name)
+            if name in IMPORT_DOORS or base in IMPORT_DOORS or _IMPORT_SUFFIX_RE.sub("", base) in IMPORT_DOORS:
+                out.append(f"the module calls `{name}` (processes, threads, files, signals and the like are closed doors)")
+            continue
+        m = _OPS_STRUCT_RE.search(name) or _TORCH_FN_RE.search(name)
+        op = (structs.get(m.group(1)) if m.re is _OPS_STRUCT_RE else m.group(1) if m.group(1) in ops else None) if m else None
+        if m and m.re is _OPS_STRUCT_RE and op is None:
+            op = m.group(1)  # an operator this torch does not list: not allowed either
+        if op is not None and op not in allowed_ops:
+            out.append(f"the module calls the PyTorch operator aten.{op} (`{name[:120]}`); only allocation and views "
+                       "may come from PyTorch, on any thread: write the computation as a kernel")
+        elif _TORCH_DOOR_RE.search(name):
+            out.append(f"the module calls `{name[:120]}` (the dispatcher by name and PyTorch's threads are closed doors)")
+    return list(dict.fromkeys(out))

@@ -56,3 +56,41 @@ def test_attack_directives_check_keeps_honest_sources():
         assert scan.check_directives(f.name, f.read_text()) == [], f
     assert scan.check_directives("x.cpp", '#define S(a) #a\n#  pragma omp parallel for\n# /* c */ include <cmath>\n'
                                  'int a = 1; // see #12\n') == []
+
+
+# ------------------------------------------------------------------ 4. PyTorch where the monitor does not look
+# The dispatch monitor watches the thread that runs forward(). A kernel that ran `(x * scale).relu()` in an OpenMP
+# worker, or inside at::parallel_for (on the scan's allow-list), got reward 3 for a PyTorch fallback (CPU, relu:
+# 1.2x and 2.3x "faster" than eager). A background thread needs no banned word either: libstdc++'s
+# __gthread_create (inline in <mutex>) or C11's thrd_create. The linked module's imports are checked instead.
+@pytest.mark.parametrize("fn", ["fallback_in_omp_worker", "fallback_in_parallel_for"])
+def test_attack_pytorch_in_another_thread_is_refused(tmp_path, fn):
+    src = (CASES / "hidden_fallback.cpp").read_text()
+    v = env.evaluate(make_ws(tmp_path, "relu", model_new("relu", f"cuda_extension.{fn}(x, self.scale)"), {"ops.cpp": src}),
+                     backend="cpu")
+    assert v.reward == -1 and not v.correct and "aten.mul" in " ".join(v.violations), v.summary()
+
+
+THREADS = {
+    "gthread_create": '#include <mutex>\nstatic void* g(void*) { return nullptr; }\n'
+                      'int f() { __gthread_t t; return __gthread_create(&t, g, nullptr); }\n',
+    "c11_thrd_create": 'extern "C" int thrd_create(unsigned long*, int (*)(void*), void*);\n'
+                       'static int g(void*) { return 0; }\nint f() { unsigned long t; return thrd_create(&t, g, nullptr); }\n',
+    "glibc_alias_of_open": 'extern "C" int __open64_2(const char*, int);\nint f() { return __open64_2("/etc/hostname", 0); }\n',
+}
+
+
+@pytest.mark.parametrize("name", sorted(THREADS))
+def test_attack_doors_without_a_banned_word_are_refused_at_link(name):
+    b = env.build({"kernels/x.cpp": MODULE + THREADS[name]}, "cpu")
+    assert not b.ok and b.violations and "the module calls" in b.log, b.log
+
+
+def test_attack_import_check_keeps_allocation_and_views():
+    ok = ["at::_ops::empty_like::call(at::Tensor const&)", "at::_ops::view::call(at::Tensor const&)", "memcpy",
+          "at::_ops::reshape::call(at::Tensor const&)", "float* at::TensorBase::data_ptr<float>() const", "expf",
+          "pthread_mutex_lock", "GOMP_parallel", "at::get_num_threads()", "PyObject_GetAttrString"]
+    assert scan.check_imports(ok, env.IMPORT_OPS) == []
+    bad = ["at::_ops::mm::call(at::Tensor const&, at::Tensor const&)", "at::cpu::relu(at::Tensor const&)",
+           "c10::Dispatcher::realSingleton()", "fork@GLIBC_2.2.5", "__libc_system"]
+    assert len(scan.check_imports(bad, env.IMPORT_OPS)) == len(bad)
