@@ -153,8 +153,11 @@ def run_tool(name: str, args: dict, ws: Path, task_code: str, backend: str, cfg:
     try:
         if name == "bash":
             # kind: on a CUDA backend the shell gets the namespaces in which a CUDA context can start
-            r = env.run_sandboxed(["/bin/bash", "-c", args["command"]], ws, cfg.bash_timeout, mem_gb=8.0,
-                                  output_limit=cfg.obs_chars, kind=env.resolve_backend(backend))
+            # and it counts as a candidate on the device: no baseline is timed while it runs (it could spin every
+            # core, or a GPU, to slow the eager and compile timings that every later verdict of the task reuses)
+            with env.candidate_alive(env.resolve_backend(backend)):
+                r = env.run_sandboxed(["/bin/bash", "-c", args["command"]], ws, cfg.bash_timeout, mem_gb=8.0,
+                                      output_limit=cfg.obs_chars, kind=env.resolve_backend(backend))
             out = (r.stdout + (("\n[stderr]\n" + r.stderr) if r.stderr.strip() else "")).strip()
             if restore_reference(ws, task_code):  # bash can write anything in the workspace
                 out += "\n[model.py is read-only: your change was reverted]"

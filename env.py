@@ -382,7 +382,14 @@ def error_excerpt(text: str, max_lines: int = 16) -> str:
 def build(files: dict, backend: str, timeout: float = 600.0) -> Build:
     """Preprocess, scan and compile every source into the object cache, then link the module. Killed builds
     leave nothing behind: objects are renamed into place only when complete, locks are flocks. A cached object
-    passed the same scan (the scan's version is part of its key); its metadata says whether it holds the module."""
+    passed the same scan (the scan's version is part of its key); its metadata says whether it holds the module.
+    A build counts as a candidate on its device: the sources decide how long the compiler keeps every core busy,
+    so no baseline is timed meanwhile."""
+    with candidate_alive(backend):
+        return _build(files, backend, timeout)
+
+
+def _build(files: dict, backend: str, timeout: float) -> Build:
     t0 = time.monotonic()
     tc = toolchain(backend)
     sources = sorted(p for p in files if Path(p).suffix in SOURCE_EXT)

@@ -94,3 +94,48 @@ def test_attack_import_check_keeps_allocation_and_views():
     bad = ["at::_ops::mm::call(at::Tensor const&, at::Tensor const&)", "at::cpu::relu(at::Tensor const&)",
            "c10::Dispatcher::realSingleton()", "fork@GLIBC_2.2.5", "__libc_system"]
     assert len(scan.check_imports(bad, env.IMPORT_OPS)) == len(bad)
+
+
+# ------------------------------------------------------------------ 6. slowing the baselines from outside the candidate
+# Baselines were timed only while no candidate CHILD lived; the agent's bash tool (which can compile and run a
+# program that spins every core, or the GPU) and a build (whose sources decide how long the compiler keeps the
+# cores busy) were not counted. In training, many rollouts of one task run at once, and the first verdict's
+# baselines are cached for all the others: a slowed eager/compile time is reward 3 for every later kernel.
+def _record_alive(monkeypatch, module):
+    """Replaces module.candidate_alive by one that records, and env.run_sandboxed by one that notes whether a
+    candidate_alive was held when each sandboxed command started."""
+    held, seen = [], []
+    real_alive, real_run = module.candidate_alive, env.run_sandboxed
+
+    @__import__("contextlib").contextmanager
+    def alive(backend):
+        with real_alive(backend):
+            held.append(backend)
+            try:
+                yield
+            finally:
+                held.pop()
+
+    def run(argv, *a, **k):
+        seen.append((Path(argv[0]).name if argv else "", bool(held)))
+        return real_run(argv, *a, **k)
+
+    monkeypatch.setattr(module, "candidate_alive", alive)
+    monkeypatch.setattr(env, "run_sandboxed", run)
+    return seen
+
+
+def test_attack_bash_tool_counts_as_a_candidate(tmp_path, monkeypatch):
+    import agent
+    seen = _record_alive(monkeypatch, env)
+    ws = env.new_workspace(tmp_path / "ws", RELU, "cpu")
+    obs, _, ok = agent.run_tool("bash", {"command": "echo spinning"}, ws, RELU, "cpu", agent.AgentConfig())
+    assert ok and "spinning" in obs
+    assert seen == [("bash", True)], seen
+
+
+def test_attack_build_counts_as_a_candidate(monkeypatch):
+    seen = _record_alive(monkeypatch, env)
+    b = env.build({"kernels/x.cpp": f"int x = {time.time_ns() % 10**9};\n" + MODULE}, "cpu")
+    assert b.ok, b.log
+    assert seen and all(h for _, h in seen), seen
