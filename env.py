@@ -280,7 +280,7 @@ class Build:
 
 
 _TOOLCHAIN: dict = {}
-SCAN_VERSION = "5"  # part of every object's cache key: an object built under an older scan is never reused
+SCAN_VERSION = "6"  # part of every object's cache key: an object built under an older scan is never reused
 
 
 def toolchain(backend: str) -> dict:
@@ -336,7 +336,9 @@ def preprocess(tc: dict, src: Path, out: Path, timeout: float):
         cmd = [str(out) if a == "OUT" else str(src) if a == "SRC" else a for a in tc["nvcc_pp"]]
     else:
         cmd = [*tc["cxx"], "-E", "-o", str(out), str(src)]
-    cmd += [f"-I{src.parent}", f"-I{out.parent}", f"-I{out.parent}/kernels"]
+    # -dD keeps every #define in the text, where it was written: the body of a macro that a workspace file defines is
+    # scanned as its code, also when the macro is only ever expanded inside a system header (which is not scanned).
+    cmd += ["-dD", f"-I{src.parent}", f"-I{out.parent}", f"-I{out.parent}/kernels"]
     r = run_sandboxed(cmd, out.parent, timeout, mem_gb=None, output_limit=40_000)
     return r, (out.read_text(errors="replace") if r.returncode == 0 and out.exists() else "")
 
@@ -479,6 +481,9 @@ def _build(files: dict, backend: str, timeout: float) -> Build:
             r = run_sandboxed(["nm", "-D", "--undefined-only", "-C", str(part)], tmp, 120, mem_gb=None, output_limit=1 << 24)
             bad = scan.check_imports([l.split(None, 1)[-1] for l in r.stdout.splitlines() if l.strip()], IMPORT_OPS) \
                 if r.returncode == 0 else [f"the linked module cannot be read by nm: {error_excerpt(r.stderr)}"]
+            # and a system call needs no import: only an instruction, which no compiler emits for C++ or CUDA code
+            r = run_sandboxed(["objdump", "-d", "--no-show-raw-insn", str(part)], tmp, 120, mem_gb=None, output_limit=1 << 28)
+            bad += scan.check_instructions(r.stdout) if r.returncode == 0 else ["the linked module cannot be disassembled"]
             if bad:
                 return Build(False, None, "\n".join(bad), time.monotonic() - t0, rebuilt, bad)
             shutil.copy(part, so.with_suffix(".part"))

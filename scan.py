@@ -426,3 +426,14 @@ def check_imports(symbols: list[str], allowed_ops) -> list[str]:
         elif _TORCH_DOOR_RE.search(name):
             out.append(f"the module calls `{name[:120]}` (the dispatcher by name and PyTorch's threads are closed doors)")
     return list(dict.fromkeys(out))
+
+
+SYSCALL_INSN_RE = re.compile(r"^\s*[0-9a-f]+:\s+(syscall|sysenter|int\s+\$0x80|svc\s+#?0x0?\b|svc\s+#0\b)", re.M)
+
+
+def check_instructions(disassembly: str) -> list[str]:
+    """Violations in the linked module's machine code (`objdump -d`): a system call instruction, which only inline
+    assembly can put there (however it got past the scan: a macro expanded inside a header, a section name)."""
+    m = SYSCALL_INSN_RE.search(disassembly)
+    return [f"the module's machine code makes a system call itself (`{m.group(1)}`); inline assembly in host code "
+            "is not allowed"] if m else []

@@ -47,6 +47,29 @@ def test_attack_scan_reads_every_line_of_the_workspace(name):
     assert not b.ok and b.violations and b.rebuilt == [], b.log
 
 
+def test_attack_macro_expanded_only_inside_a_header_is_scanned():
+    """A workspace macro that pybind11's inline code expands (PyErr_Occurred) put 29 `syscall` instructions into the
+    module: its body was in no line the scan read. Its #define is scanned now (and the machine code is checked)."""
+    b = env.build({"kernels/x.cpp": (CASES / "macro_in_header.cpp").read_text()}, "cpu")
+    assert not b.ok and "__asm__" in b.log and b.rebuilt == [], b.log
+
+
+def test_attack_system_call_instructions_are_refused(tmp_path):
+    """However inline assembly got into the module, its system calls show in the machine code."""
+    obj = tmp_path / "s.o"
+    src = tmp_path / "s.cpp"
+    src.write_text('extern "C" long raw(long n) { long r; __asm__ volatile("syscall" : "=a"(r) : "a"(n) : "rcx", "r11"); return r; }\n')
+    import subprocess
+    if subprocess.run(["g++", "-c", str(src), "-o", str(obj)]).returncode != 0 or os.uname().machine != "x86_64":
+        pytest.skip("needs g++ on x86-64")
+    dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(obj)], capture_output=True, text=True).stdout
+    assert scan.check_instructions(dis) and "syscall" in scan.check_instructions(dis)[0]
+    honest = env.build({"kernels/ops.cpp": (ROOT / "tests" / "env_cases" / "ops.cpp").read_text()}, "cpu")
+    assert honest.ok, honest.log
+    dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(honest.so_path)], capture_output=True, text=True).stdout
+    assert "GOMP_parallel" in dis and scan.check_instructions(dis) == []
+
+
 def test_attack_directives_check_keeps_honest_sources():
     """Every kernel source in the repository passes the directive check (pragmas, stringizing, comments with #)."""
     sources = [f for f in ROOT.rglob("*") if f.suffix in {".cpp", ".cu", ".h", ".cuh", ".hpp"} and f.is_file()
