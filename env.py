@@ -12,11 +12,16 @@ What one verdict does, in order
   2. scan      model_new.py against an allow-list of Python (scan.py): allowed imports, nn.Module
                classes, plain statements; no underscore attributes, no getattr/eval/open, no torch.X
                outside allocation, dtypes and torch.nn.
-  3. build     every source is run through the compiler's own preprocessor and its tokens checked
-               (scan.py: allowed includes only, no doors out of the process, no compute ops by name,
-               exactly one real PYBIND11_MODULE); then compiled on its own (nvcc for .cu, g++ for .cpp,
-               -O3, OpenMP on the CPU backend) into a content-hash cache and linked into one module
-               `cuda_extension`. Editing one kernel rebuilds only that object.
+  3. build     every workspace file's directives are checked as written (no #line or line markers: the scan
+               trusts the preprocessed text's markers), every source is run through the compiler's own
+               preprocessor (-dD: macro bodies stay where they were defined) and its tokens checked
+               (scan.py: allowed includes only, no doors out of the process, no compute ops by name, no
+               Python object model, exactly one real PYBIND11_MODULE); then compiled on its own (nvcc for .cu,
+               g++ for .cpp, -O3, OpenMP on the CPU backend) into a content-hash cache and linked into one
+               module `cuda_extension`, whose imported symbols (no PyTorch compute operator, thread, process,
+               file or dispatcher entry, whatever the source spelled) and machine code (no system call
+               instruction) are checked. Editing one kernel rebuilds only that object. A build counts as a
+               candidate on its device (step 5).
   4. verify    a trusted REFERENCE child computes the outputs of 5 check inputs and of the timing inputs
                (each drawn from a fresh secret seed) and sends them to this process over a pipe. The
                CANDIDATE child starts afterwards, knowing no seed: it loads ModelNew under a dispatch
@@ -48,18 +53,26 @@ What the sandbox protects against (sandbox.py has the layers)
     no capabilities, no_new_privs, no network; a killed child takes all its descendants with it.
   - crashes, hangs, fork bombs, huge allocations, megabytes of output: a fresh process per verdict, wall
     clock timeouts, cgroups or rlimits, truncated logs.
-  - slowing the baselines: they are never timed while a candidate is alive on that device.
+  - slowing the baselines: they are never timed while a candidate is alive on that device, and every process
+    the policy controls counts as one: the candidate child, a build, the agent's bash tool.
   - hiding a cheat from the scan: the scan reads the preprocessed tokens, so aliases, token pasting,
-    digraphs, computed includes and comments change nothing.
+    digraphs, computed includes and comments change nothing; no directive can re-attribute lines to a system
+    header (#line, line markers, text that reads as a marker), a workspace macro is scanned where it is
+    defined even when only a header expands it, and what the linked module imports and executes is checked
+    whatever the source looked like.
+  - PyTorch from another thread (OpenMP workers, at::parallel_for, CUDA host callbacks): the module may import
+    no PyTorch operator but allocation and views, so no thread has one to call.
 
 What it does NOT protect against (be honest; RL will look)
   - native code in the candidate's own process can, in principle, write anything in that process's memory,
     including the harness's monitor, and speak the pipe protocol itself. The scan closes the doors it would
-    need (raw syscalls, I/O functions, signals, mmap, inline assembly in host code, the Python C API); a
-    determined attacker using raw pointer arithmetic on the interpreter's memory is not stopped. What it
-    cannot forge: the clock, the sampled positions, the comparison.
-  - PyTorch operators issued from a thread other than the one running forward() are invisible to the
-    monitor (threads are closed statically; OpenMP regions are not).
+    need (raw syscalls, I/O functions, signals, mmap, inline assembly in host code, the Python C API and the
+    object model's fields, threads, PyTorch operators in its imports); a determined attacker using raw
+    pointer arithmetic on the interpreter's or libc's memory (fixed offsets into a PyObject, a function
+    pointer computed from an allowed one) is not stopped. What it cannot forge: the clock, the sampled
+    positions, the comparison.
+  - an OpenMP worker still runs the kernel's own code outside the monitor's thread (it may call only the
+    allocation and view operators the module imports).
   - a content-keyed output cache when the inputs are so large that fewer distinct input sets than timed
     runs fit in `input_budget_mb`: the sets are then reused in turn.
   - reduced precision inside a kernel that stays within atol/rtol (and the RMS bound) passes, as in the paper.
@@ -280,7 +293,7 @@ class Build:
 
 
 _TOOLCHAIN: dict = {}
-SCAN_VERSION = "6"  # part of every object's cache key: an object built under an older scan is never reused
+SCAN_VERSION = "7"  # part of every object's cache key: an object built under an older scan is never reused
 
 
 def toolchain(backend: str) -> dict:

@@ -10,19 +10,32 @@ is reached; no attribute that starts with "_" or names a frame or code object (g
 reaches torch.sys, torch.os, torch.utils, torch._C or a function's globals; no getattr/setattr/globals/vars/
 eval/exec/open. What the allowed Python computes is judged at run time by the dispatch monitor.
 
-C++/CUDA (`check_tokens` on `split_preprocessed` output): the sources are run through the compiler's own preprocessor, so macros,
-token pasting, digraphs, line continuations and computed includes are already resolved, and then:
+C++/CUDA. First `check_directives` on every workspace file as written: only #include, #define, #undef, the
+conditionals, #pragma, #error and #warning (after joining line splices, skipping comments, reading digraphs and
+universal character names), and no `\u0023`. The scan below attributes the preprocessed text to files by its
+line markers; a #line directive, a `# 1 "/usr/include/stdio.h" 1` marker, or text that prints as one (a raw
+string line, a `\u0023`) would move the workspace's own code into a "system header" that is not scanned.
+Then `check_tokens` on `split_preprocessed` output: the sources are run through the compiler's own
+preprocessor with -dD, so macros, token pasting, digraphs, line continuations and computed includes are already
+resolved, and a macro that a workspace file defines is scanned where it is defined (its body would otherwise be
+read only where a header expands it: a `#define PyErr_Occurred()` expanded inside pybind11), and then:
   - every file a workspace file includes must be a workspace file, a torch/pybind11/Python/CUDA toolkit
     header, or a standard header from an allow-list (no <unistd.h>, <dlfcn.h>, <thread>, "/etc/passwd");
   - the tokens that come from workspace files (strings and comments removed) may not name the doors out of
     the process or around the monitor: processes, threads, signals, memory mapping, raw syscalls and inline
-    assembly in host code, dynamic loading, files and the environment, the Python C API or pybind11 beyond
-    `m.def`, dispatch-key guards, thread pools. `#pragma` lines are scanned too; symbol renaming
+    assembly in host code, dynamic loading, files and the environment, the Python C API (its functions, and
+    the object model's types and fields: `o->ob_type->tp_getattro` and `tp_call` reach exec) or pybind11
+    beyond `m.def`, dispatch-key guards, thread pools, section names (copied verbatim into the assembler's
+    input). `#pragma` lines are scanned too; symbol renaming
     (redefine_extname, weakref, alias, ifunc, symver) is refused, and a name with leading underscores or
     `__libc_` is checked without them (glibc's `__open`, `__libc_system`). Qualified names in
     torch/at/c10/pybind11 must be on an allow-list, so a namespace alias, `using` or a reopened `namespace at`
     cannot rename a compute op;
   - exactly one source contains the real expansion of PYBIND11_MODULE(TORCH_EXTENSION_NAME, m).
+Finally the linked module, where spelling no longer matters: `check_imports` on its undefined symbols (no
+PyTorch operator but allocation and views, on whatever thread it would run; no dispatcher by name, no thread
+pool; no C function behind a closed door, under any of glibc's names, nor a thread: pthread_create,
+thrd_create), and `check_instructions` on its machine code (no system call instruction).
 """
 from __future__ import annotations
 
@@ -246,7 +259,9 @@ BANNED_TOKENS = {
     "section", "__section__",
 }
 LIBC_ALIAS_RE = re.compile(r"^_+(libc_)?")
-BANNED_TOKEN_RE = re.compile(r"^(_?Py[A-Z]?\w*_\w+|pthread_\w+|__NR_\w+|_Py\w+|THP\w+)$")  # C API, threads, syscalls
+# The Python C API (functions, and the object model: PyObject, PyTypeObject and their fields, through which
+# `o->ob_type->tp_getattro` and `tp_call` reach exec without naming a function), threads, raw syscall numbers.
+BANNED_TOKEN_RE = re.compile(r"^(_?Py[A-Z_]\w*|pthread_\w+|__NR_\w+|THP\w+|(ob|tp)_\w+|_typeobject|_object)$")
 # Calls torch::X / at::X that allocate or describe tensors; anything else computes.
 CPP_ALLOWED_TORCH = {"empty", "empty_like", "empty_strided", "zeros", "zeros_like", "ones", "ones_like", "full",
                      "full_like", "from_blob", "parallel_for", "get_num_threads", "device", "dtype", "elementSize",

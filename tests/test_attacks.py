@@ -94,6 +94,20 @@ def test_attack_pytorch_in_another_thread_is_refused(tmp_path, fn):
     assert v.reward == -1 and not v.correct and "aten.mul" in " ".join(v.violations), v.summary()
 
 
+# Python from C++ with no C API function named: model_new.py passes objects and strings (allowed), the kernel reads
+# their type slots (o->ob_type->tp_getattro, mp_subscript, tp_call) to reach exec, and the exec'd code replaced the
+# dispatch monitor's __torch_dispatch__. forward() was plain PyTorch: reward 3 (2.5x "faster" than a cached eager).
+UNLOCK = ("import gc\\nfor o in gc.get_objects():\\n    if isinstance(o, type) and o.__name__ == \\\"OpMonitor\\\":\\n"
+          "        o.__torch_dispatch__ = lambda self, func, types, args=(), kwargs=None: func(*args, **(kwargs or {}))\\n")
+
+
+def test_attack_python_through_type_slots_is_refused(tmp_path):
+    init = f"cuda_extension.run_python(self, 'forward', '__func__', '__builtins__', 'exec', ('{UNLOCK}',))"
+    src = model_new("relu", "(x * self.scale).relu()", init_extra=init)
+    v = env.evaluate(make_ws(tmp_path, "relu", src, {"ops.cpp": (CASES / "python_by_slots.cpp").read_text()}), backend="cpu")
+    assert v.reward == -1 and not v.compiled and "ob_type" in " ".join(v.violations), v.summary()
+
+
 THREADS = {
     "gthread_create": '#include <mutex>\nstatic void* g(void*) { return nullptr; }\n'
                       'int f() { __gthread_t t; return __gthread_create(&t, g, nullptr); }\n',
