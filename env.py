@@ -975,6 +975,9 @@ def evaluate(workspace, backend: str = "auto", reference: str | None = None, cfg
     if (ws / "model_new.py").is_symlink() or (ws / "model.py").is_symlink():  # (its target would be read, and quoted)
         v.error = "model_new.py and model.py must be files in the workspace, not symbolic links"
         return done()
+    if (ws / "model_new.py").stat().st_size > 1 << 20:  # (read and parsed here, in the trainer: 1 GiB of it is an OOM)
+        v.error = "model_new.py is larger than 1 MiB"
+        return done()
     try:
         files, notes = collect(ws, backend)
     except (ValueError, UnicodeDecodeError) as e:

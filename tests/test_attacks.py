@@ -176,3 +176,13 @@ def test_attack_build_counts_as_a_candidate(monkeypatch):
     b = env.build({"kernels/x.cpp": f"int x = {time.time_ns() % 10**9};\n" + MODULE}, "cpu")
     assert b.ok, b.log
     assert seen and all(h for _, h in seen), seen
+
+
+# ------------------------------------------------------------------ the trusted parent's memory
+def test_attack_huge_model_new_is_not_parsed(tmp_path):
+    """The bash tool can leave a model_new.py of up to 1 GiB (its file size limit); the trainer read and parsed it
+    whole (an AST of a gigabyte of statements does not fit in memory). Sources are capped at 1 MiB; so is it."""
+    ws = make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)"))
+    (ws / "model_new.py").write_text(model_new("relu", "cuda_extension.relu_scale(x, self.scale)") + "y = 1\n" * 400_000)
+    v = env.evaluate(ws, backend="cpu", stage="compile")
+    assert v.reward == -1 and "larger than 1 MiB" in (v.error or ""), v.summary()
