@@ -49,8 +49,9 @@ What the sandbox protects against (sandbox.py has the layers)
     /dev/shm are its own, and the next input arrives only after the previous run's result.
   - forging the verdict: only this process measures time and judges; a child's replies are validated
     field by field (a malformed one is reward -1, never a crash).
-  - reaching the host: fresh PID namespace with its own /proc, read-only mounts (/sys and /proc too),
-    no capabilities, no_new_privs, no network; a killed child takes all its descendants with it.
+  - reaching the host: fresh PID namespace with its own /proc, read-only mounts (/sys, and /proc but for the
+    processes' own entries), a /dev of its own with an allow-list of device nodes, no capabilities,
+    no_new_privs, no network; a killed child takes all its descendants with it.
   - crashes, hangs, fork bombs, huge allocations, megabytes of output: a fresh process per verdict, wall
     clock timeouts, cgroups or rlimits, truncated logs.
   - slowing the baselines: they are never timed while a candidate is alive on that device, and every process

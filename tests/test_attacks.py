@@ -186,3 +186,48 @@ def test_attack_huge_model_new_is_not_parsed(tmp_path):
     (ws / "model_new.py").write_text(model_new("relu", "cuda_extension.relu_scale(x, self.scale)") + "y = 1\n" * 400_000)
     v = env.evaluate(ws, backend="cpu", stage="compile")
     assert v.reward == -1 and "larger than 1 MiB" in (v.error or ""), v.summary()
+
+
+# ------------------------------------------------------------------ 1. escape: what root may still write without capabilities
+# Every capability is dropped, but a child that keeps uid 0 (where the interpreter is not reachable by an unprivileged
+# uid) still OWNS the host's root-owned files. Mounts are read-only except /dev (left writable for the GPU's nodes)
+# and /proc (CUDA needs it): a child created a file in the host's /dev (a devtmpfs here: it outlives every sandbox,
+# a channel between verdicts), opened /dev/kvm, /dev/zram0 and /dev/cpu_dma_latency, and wrote host-wide knobs
+# under /proc/irq. /dev is now a fresh read-only tmpfs with an allow-list of nodes, and /proc is read-only but for
+# the processes' own entries.
+DEV_PROBE = r"""
+import glob, os, sys
+found = []
+try:
+    open("/dev/" + sys.argv[1], "w").write("x"); found.append("created /dev/" + sys.argv[1])
+except OSError:
+    pass
+for path in ("/dev/kvm", "/dev/cpu_dma_latency", "/dev/zram0", "/dev/loop0", "/dev/vda", "/dev/sda", "/dev/kmsg", "/dev/mem"):
+    try:
+        os.close(os.open(path, os.O_RDONLY)); found.append("opened " + path)
+    except OSError:
+        pass
+for path in glob.glob("/proc/irq/*/smp_affinity") + glob.glob("/proc/irq/default_smp_affinity"):
+    try:
+        with open(path, "r+") as f:
+            f.write(f.read())  # (the value it holds: nothing changes)
+        found.append("wrote " + path)
+    except OSError:
+        pass
+open("/dev/null", "w").write("still usable")
+print("FOUND", found)
+"""
+
+
+def test_attack_root_without_capabilities_writes_no_host_device_or_knob(tmp_path):
+    if not env.isolation().mount:
+        pytest.skip("no mount namespace here")
+    name = f"written-from-inside-{os.urandom(4).hex()}"
+    (tmp_path / "box").mkdir()
+    try:
+        r = env.run_sandboxed([sys.executable, "-c", DEV_PROBE, name], tmp_path / "box", timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert "FOUND []" in r.stdout, r.stdout
+        assert not Path("/dev", name).exists()
+    finally:
+        Path("/dev", name).unlink(missing_ok=True)
