@@ -400,8 +400,8 @@ _IMPORT_SUFFIX_RE = re.compile(r"(_chk|_2|64)+$")
 _OPS_STRUCT_RE = re.compile(r"(?:^|[\s*&])at::_ops::(\w+)::")
 _TORCH_FN_RE = re.compile(r"(?:^|[\s*&])at::(?:(?:native|cpu|cuda|meta|mps|composite\w*)::)?(\w+)\(")
 _TORCH_DOOR_RE = re.compile(r"(?:^|[\s*&])(c10::Dispatcher::|c10::OperatorHandle|c10::KernelFunction|c10::impl::OperatorEntry|"
-                            r"at::launch\(|at::intraop_launch|at::internal::launch_no_thread_state|c10::\w*ThreadPool|"
-                            r"at::\w*ThreadPool|std::thread::|std::jthread)")
+                            r"torch::jit::|at::launch\(|at::intraop_launch|at::internal::launch_no_thread_state|"
+                            r"c10::\w*ThreadPool|at::\w*ThreadPool|std::thread::|std::jthread)")
 _ATEN: dict = {}
 
 
@@ -432,7 +432,8 @@ def check_imports(symbols: list[str], allowed_ops) -> list[str]:
                 out.append(f"the module calls `{name}` (processes, threads, files, signals and the like are closed doors)")
             continue
         m = _OPS_STRUCT_RE.search(name) or _TORCH_FN_RE.search(name)
-        op = (structs.get(m.group(1)) if m.re is _OPS_STRUCT_RE else m.group(1) if m.group(1) in ops else None) if m else None
+        fn = re.sub(r"(_outf?|_symint)+$", "", m.group(1)) if m else None  # (at::cpu::add_out computes too)
+        op = (structs.get(m.group(1)) if m.re is _OPS_STRUCT_RE else fn if fn in ops else None) if m else None
         if m and m.re is _OPS_STRUCT_RE and op is None:
             op = m.group(1)  # an operator this torch does not list: not allowed either
         if op is not None and op not in allowed_ops:
