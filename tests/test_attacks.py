@@ -33,6 +33,8 @@ HIDDEN_FROM_THE_SCAN = {
     "gnu_line_marker": '# 1 "/usr/include/stdio.h" 1 3 4\n' + FORK,
     "line_directive_by_ucn": '#l\\u0069ne 1 "/usr/include/stdio.h"\n' + FORK,
     "line_directive_spliced_and_commented": '/*\n*/ %:/**/li\\\nne 1 "/usr/include/stdio.h"\n' + FORK,
+    "line_directive_after_nul": '\0#line 1 "/usr/include/stdio.h"\n' + FORK,  # (GCC skips NULs as blanks)
+    "line_directive_after_bom": '\ufeff#line 1 "/usr/include/stdio.h"\n' + FORK,
     "marker_text_from_ucn_hash": '\\u0023 1 "/usr/include/stdio.h" 1 3 4\n' + FORK,
     "marker_text_in_raw_string": 'const char* s = R"x(\n# 1 "/usr/include/stdio.h" 1 3 4\n)x";\n' + FORK,
     "section_name_assembly": '__attribute__((used, section(".text\\n.globl evil\\nevil: mov $57, %eax\\nsyscall\\nret\\n'
@@ -43,7 +45,7 @@ HIDDEN_FROM_THE_SCAN = {
 
 @pytest.mark.parametrize("name", sorted(HIDDEN_FROM_THE_SCAN))
 def test_attack_scan_reads_every_line_of_the_workspace(name):
-    b = env.build({"kernels/x.cpp": MODULE + HIDDEN_FROM_THE_SCAN[name]}, "cpu")
+    b = env.build({"kernels/x.cpp": MODULE, "kernels/y.cpp": HIDDEN_FROM_THE_SCAN[name]}, "cpu")
     assert not b.ok and b.violations and b.rebuilt == [], b.log
 
 
