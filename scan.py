@@ -281,7 +281,7 @@ MARKER_RE = re.compile(r'^#\s*(\d+)\s+"((?:\\.|[^"\\])*)"((?:\s+\d+)*)\s*$')
 # comes from a system header (which is not scanned).
 ALLOWED_DIRECTIVES = {"", "include", "define", "undef", "if", "ifdef", "ifndef", "elif", "else", "endif", "pragma",
                       "error", "warning"}
-_SPLICE_RE = re.compile(r"\\[ \t\f\v]*\n")  # backslash-newline (GCC accepts blanks between them)
+_SPLICE_RE = re.compile(r"(?:\\|\?\?/)[ \t\f\v]*\n")  # backslash-newline (blanks between; ??/ where trigraphs are on)
 _GAP = r"(?:[ \t\f\v\0\ufeff]|/\*.*?\*/)*"  # blanks (GCC skips NULs, and a byte order mark) and block comments
 # A `#` (or `%:`, `??=`) that the preprocessor may take as a directive's: first on a line, or after a comment's end.
 _DIRECTIVE_RE = re.compile(rf"(?:^|(?<=\*/)){_GAP}(?:#|%:|\?\?=){_GAP}([\w\\$]*)", re.M | re.S)
