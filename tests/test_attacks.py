@@ -31,11 +31,9 @@ FORK = 'extern "C" int fork(); int f() { return fork(); }\n'
 HIDDEN_FROM_THE_SCAN = {
     "line_directive": '#line 1 "/usr/include/stdio.h"\n' + FORK,
     "gnu_line_marker": '# 1 "/usr/include/stdio.h" 1 3 4\n' + FORK,
-    "line_directive_by_ucn": '#l\\u0069ne 1 "/usr/include/stdio.h"\n' + FORK,
     "line_directive_spliced_and_commented": '/*\n*/ %:/**/li\\\nne 1 "/usr/include/stdio.h"\n' + FORK,
     "line_directive_after_nul": '\0#line 1 "/usr/include/stdio.h"\n' + FORK,  # (GCC skips NULs as blanks)
     "line_directive_after_bom": '\ufeff#line 1 "/usr/include/stdio.h"\n' + FORK,
-    "marker_text_from_ucn_hash": '\\u0023 1 "/usr/include/stdio.h" 1 3 4\n' + FORK,
     "marker_text_in_raw_string": 'const char* s = R"x(\n# 1 "/usr/include/stdio.h" 1 3 4\n)x";\n' + FORK,
     "section_name_assembly": '__attribute__((used, section(".text\\n.globl evil\\nevil: mov $57, %eax\\nsyscall\\nret\\n'
                              '.section .data\\n#"))) int x = 1;\n',
@@ -81,6 +79,10 @@ def test_attack_directives_check_keeps_honest_sources():
         assert scan.check_directives(f.name, f.read_text()) == [], f
     assert scan.check_directives("x.cpp", '#define S(a) #a\n#  pragma omp parallel for\n# /* c */ include <cmath>\n'
                                  'int a = 1; // see #12\n') == []
+    # Universal character names: `#l\u0069ne` is a #line and `\u0023 1 "f" 1` prints a line marker with compilers that
+    # accept a UCN for a basic character (g++ 12 in C++20 mode refuses both itself).
+    assert scan.check_directives("x.cpp", '#l\\u0069ne 1 "/usr/include/stdio.h"\n')
+    assert scan.check_directives("x.cpp", '\\u0023 1 "/usr/include/stdio.h" 1 3 4\n')
 
 
 # ------------------------------------------------------------------ 4. PyTorch where the monitor does not look
