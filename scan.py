@@ -242,6 +242,12 @@ BANNED_TOKENS = {
     "chmod", "chown", "symlink", "link", "truncate", "ftruncate", "memfd_create", "shm_open", "filesystem", "tmpfile",
     "dprintf", "vdprintf", "mkstemp", "mkostemp", "mkstemps", "mkostemps", "mkdtemp", "tmpnam", "tempnam",
     "posix_openpt", "renameat", "renameat2", "unsetenv", "clearenv",  # (<cstdio>/<cstdlib> under _GNU_SOURCE)
+    # the same doors under glibc's other names: a signal handler (__sysv_signal, bsd_signal), mprotect
+    # (pkey_mprotect with key -1 is mprotect), exec, the loader: with them, lazily computed pages come back
+    "sysv_signal", "bsd_signal", "ssignal", "sigvec", "sigprocmask", "sigaltstack", "sigsetjmp", "siglongjmp",
+    "signalfd", "sigwait", "sigwaitinfo", "sigtimedwait", "sigsuspend", "sigqueue", "pkey_mprotect", "pkey_alloc",
+    "pkey_set", "posix_madvise", "remap_file_pages", "brk", "sbrk", "execveat", "wordexp", "dladdr", "dlinfo",
+    "dl_iterate_phdr", "getauxval", "personality",
     # Python from C++, the dispatcher's thread-local state
     "import", "exec", "eval", "globals", "builtins", "attr", "getattr", "setattr", "hasattr", "delattr",
     "reinterpret_borrow", "reinterpret_steal", "ExcludeDispatchKeyGuard", "IncludeDispatchKeyGuard",
@@ -397,6 +403,10 @@ IMPORT_DOORS = BANNED_TOKENS | {
     "aio_read", "aio_write", "lio_listio", "mq_open", "sem_open", "sched_setaffinity", "setrlimit", "prlimit",
 }
 _IMPORT_SUFFIX_RE = re.compile(r"(_chk|_2|64)+$")
+# whole families of C functions, whatever glibc version adds next: signals, page protection, exec and spawn, the
+# dynamic loader, processes
+_IMPORT_FAMILY_RE = re.compile(r"^(sig(?!nbit|nificand)|pkey_|mprotect|mmap|madvise|mremap|exec|posix_spawn|dl|clone|v?fork|"
+                               r"_?Fork|pthread_(create|kill|sigqueue|sigmask)|thrd_create)")
 _OPS_STRUCT_RE = re.compile(r"(?:^|[\s*&])at::_ops::(\w+)::")
 _TORCH_FN_RE = re.compile(r"(?:^|[\s*&])at::(?:(?:native|cpu|cuda|meta|mps|composite\w*)::)?(\w+)\(")
 _TORCH_DOOR_RE = re.compile(r"(?:^|[\s*&])(c10::Dispatcher::|c10::OperatorHandle|c10::KernelFunction|c10::impl::OperatorEntry|"
@@ -428,7 +438,8 @@ def check_imports(symbols: list[str], allowed_ops) -> list[str]:
             continue
         if re.fullmatch(r"[A-Za-z_]\w*", name):  # a C function or variable
             base = LIBC_ALIAS_RE.sub("", name)
-            if name in IMPORT_DOORS or base in IMPORT_DOORS or _IMPORT_SUFFIX_RE.sub("", base) in IMPORT_DOORS:
+            if name in IMPORT_DOORS or base in IMPORT_DOORS or _IMPORT_SUFFIX_RE.sub("", base) in IMPORT_DOORS \
+                    or _IMPORT_FAMILY_RE.match(base):
                 out.append(f"the module calls `{name}` (processes, threads, files, signals and the like are closed doors)")
             continue
         m = _OPS_STRUCT_RE.search(name) or _TORCH_FN_RE.search(name)

@@ -90,6 +90,9 @@ def test_attack_directives_check_keeps_honest_sources():
 # worker, or inside at::parallel_for (on the scan's allow-list), got reward 3 for a PyTorch fallback (CPU, relu:
 # 1.2x and 2.3x "faster" than eager). A background thread needs no banned word either: libstdc++'s
 # __gthread_create (inline in <mutex>) or C11's thrd_create. The linked module's imports are checked instead.
+# The same for the other doors: `__open64_2` opens a file, and `pkey_mprotect(p, n, PROT_NONE, -1)` (mprotect) with a
+# SIGSEGV handler from `__sysv_signal` brings back lazily computed pages (a timed run then computes only the pages
+# its sampled elements fall in: a quarter of them for an output of 256M elements).
 @pytest.mark.parametrize("fn", ["fallback_in_omp_worker", "fallback_in_parallel_for"])
 def test_attack_pytorch_in_another_thread_is_refused(tmp_path, fn):
     src = (CASES / "hidden_fallback.cpp").read_text()
@@ -117,24 +120,27 @@ THREADS = {
                       'int f() { __gthread_t t; return __gthread_create(&t, g, nullptr); }\n',
     "c11_thrd_create": 'extern "C" int thrd_create(unsigned long*, int (*)(void*), void*);\n'
                        'static int g(void*) { return 0; }\nint f() { unsigned long t; return thrd_create(&t, g, nullptr); }\n',
+    "lazy_pages_by_other_names": 'extern "C" int pkey_mprotect(void*, unsigned long, int, int);\n'
+                                 'extern "C" void* __sysv_signal(int, void (*)(int));\nstatic void h(int) {}\n'
+                                 'int f(void* p) { __sysv_signal(11, h); return pkey_mprotect(p, 4096, 0, -1); }\n',
     "glibc_alias_of_open": 'extern "C" int __open64_2(const char*, int);\nint f() { return __open64_2("/etc/hostname", 0); }\n',
 }
 
 
 @pytest.mark.parametrize("name", sorted(THREADS))
-def test_attack_doors_without_a_banned_word_are_refused_at_link(name):
+def test_attack_doors_under_other_names_are_refused(name):
     b = env.build({"kernels/x.cpp": MODULE + THREADS[name]}, "cpu")
-    assert not b.ok and b.violations and "the module calls" in b.log, b.log
+    assert not b.ok and b.violations, b.log
 
 
 def test_attack_import_check_keeps_allocation_and_views():
-    ok = ["at::_ops::empty_like::call(at::Tensor const&)", "at::_ops::view::call(at::Tensor const&)", "memcpy",
+    ok = ["__signbitf", "sinf", "sqrtf", "at::_ops::empty_like::call(at::Tensor const&)", "at::_ops::view::call(at::Tensor const&)", "memcpy",
           "at::_ops::reshape::call(at::Tensor const&)", "float* at::TensorBase::data_ptr<float>() const", "expf",
           "pthread_mutex_lock", "GOMP_parallel", "at::get_num_threads()", "PyObject_GetAttrString"]
     assert scan.check_imports(ok, env.IMPORT_OPS) == []
     bad = ["at::_ops::mm::call(at::Tensor const&, at::Tensor const&)", "at::cpu::relu(at::Tensor const&)",
            "at::native::add_out(at::Tensor const&, at::Tensor const&, c10::Scalar const&, at::Tensor&)",
-           "torch::jit::getAllOperators()",
+           "torch::jit::getAllOperators()", "__sysv_signal@GLIBC_2.2.5", "pkey_mprotect", "sigaction", "execveat",
            "c10::Dispatcher::realSingleton()", "fork@GLIBC_2.2.5", "__libc_system"]
     assert len(scan.check_imports(bad, env.IMPORT_OPS)) == len(bad)
 
