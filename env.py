@@ -8,7 +8,8 @@ Python API (one scorer everywhere): `evaluate(workspace, backend=...) -> Verdict
 
 What one verdict does, in order
   1. collect   only model_new.py and the kernel sources (*.cu *.cpp *.h *.cuh *.hpp in the root and in
-               kernels/, no symbolic links) are taken; anything else is ignored.
+               kernels/, no symbolic links; 1 MiB each, 256 files and 8 MiB in all) are taken; anything else
+               is ignored.
   2. scan      model_new.py against an allow-list of Python (scan.py): allowed imports, nn.Module
                classes, plain statements; no underscore attributes, no getattr/eval/open, no torch.X
                outside allocation, dtypes and torch.nn.
@@ -124,6 +125,7 @@ from sandbox import (CACHE_DIR, SandboxResult, candidate_alive, file_lock, gpu_l
 ENV_PY = Path(__file__).resolve()
 
 SOURCE_EXT = {".cu", ".cpp"}
+MAX_SOURCES, MAX_SOURCE_BYTES = 256, 8 << 20  # what one candidate's kernel sources may add up to
 HEADER_EXT = {".h", ".cuh", ".hpp"}
 
 
@@ -270,6 +272,9 @@ def collect(workspace: Path, backend: str) -> tuple[dict, list]:
                 continue
             if f.stat().st_size > 1 << 20:
                 raise ValueError(f"{f.relative_to(workspace)} is larger than 1 MiB")
+            # In all, too: the bash tool can leave any number of files, and they are read here, in the trainer.
+            if len(files) >= MAX_SOURCES or sum(map(len, files.values())) + f.stat().st_size > MAX_SOURCE_BYTES:
+                raise ValueError(f"the kernel sources are more than {MAX_SOURCES} files or {MAX_SOURCE_BYTES >> 20} MiB in all")
             files[str(f.relative_to(workspace))] = f.read_text(errors="replace")
     return files, notes
 

@@ -243,3 +243,13 @@ def test_attack_root_without_capabilities_writes_no_host_device_or_knob(tmp_path
         assert not Path("/dev", name).exists()
     finally:
         Path("/dev", name).unlink(missing_ok=True)
+
+
+def test_attack_many_sources_are_not_read(tmp_path):
+    """Each source was capped at 1 MiB, but not their number: files the bash tool leaves in kernels/ (thousands of
+    1 MiB headers in its 30 s) were all read into the trainer's memory. Their count and total size are capped."""
+    ws = make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)"), {})
+    for i in range(12):
+        (ws / "kernels" / f"h{i}.h").write_text("// padding\n" * 70_000)  # 770 kB each, 9 MB in all
+    v = env.evaluate(ws, backend="cpu", stage="compile")
+    assert v.reward == -1 and "in all" in (v.error or ""), v.summary()
