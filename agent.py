@@ -170,6 +170,8 @@ def run_tool(name: str, args: dict, ws: Path, task_code: str, backend: str, cfg:
             if not p.is_file():
                 files = sorted(str(f.relative_to(ws)) for f in ws.rglob("*") if f.is_file() and not f.name.startswith("."))
                 return f"error: no such file {args['path']!r}; files: {', '.join(files)}", None, False
+            if p.stat().st_size > 1 << 20:  # (the bash tool can leave a 1 GiB file; it is read here, in the trainer)
+                return f"error: {args['path']!r} is larger than 1 MiB; read parts of it with bash (head, sed -n)", None, False
             return p.read_text(errors="replace"), None, True
         if name in ("write_file", "edit_file"):
             p = confine(ws, args["path"])
@@ -187,6 +189,8 @@ def run_tool(name: str, args: dict, ws: Path, task_code: str, backend: str, cfg:
             old, new = args["old"], args["new"]
             if not p.is_file():
                 return f"error: no such file {args['path']!r}", None, False
+            if p.stat().st_size > 1 << 20:
+                return "error: files are limited to 1 MiB", None, False
             text = p.read_text()
             n = text.count(old) if old else 0
             if n != 1:

@@ -253,3 +253,14 @@ def test_attack_many_sources_are_not_read(tmp_path):
         (ws / "kernels" / f"h{i}.h").write_text("// padding\n" * 70_000)  # 770 kB each, 9 MB in all
     v = env.evaluate(ws, backend="cpu", stage="compile")
     assert v.reward == -1 and "in all" in (v.error or ""), v.summary()
+
+
+def test_attack_agent_file_tools_read_no_huge_file(tmp_path):
+    """read_file and edit_file read a whole file into the trainer's memory, and the bash tool can leave one of up to
+    1 GiB (its file size limit). Both refuse files larger than write_file may write (1 MiB)."""
+    import agent
+    ws = env.new_workspace(tmp_path / "ws", RELU, "cpu")
+    (ws / "big.cpp").write_text("x" * (3 << 20))
+    for tool, args in (("read_file", {"path": "big.cpp"}), ("edit_file", {"path": "big.cpp", "old": "x", "new": "y"})):
+        obs, _, ok = agent.run_tool(tool, args, ws, RELU, "cpu", agent.AgentConfig())
+        assert not ok and "1 MiB" in obs and len(obs) < 1000, (tool, len(obs))
