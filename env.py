@@ -83,6 +83,14 @@ What it does NOT protect against (be honest; RL will look)
   - where a layer is unavailable (no namespaces in some containers; an unprivileged uid only where the
     interpreter is reachable by it), isolation falls back to the rest; this is said once on stderr.
   - GPU memory is not capped per candidate on the CUDA backend (RLIMIT_AS breaks CUDA).
+  - outputs whose RMS is below RMS_FLOOR (a softmax over 2M columns or more): the floor that lets float noise
+    around zero pass lets zeros pass too.
+  - disk: the bash tool writes its workspace on the host's disk (1 GiB per file, any number of files, for
+    its time limit); a child's stdout and stderr go to files of up to 1 GiB each.
+  - load from outside the policy's processes (other users of the machine) while a baseline is timed: a
+    uniformly loaded machine gives a slow baseline with a small spread, and it is cached.
+  - a build sees the host's files read-only (the cache root hidden): `__has_include` tells it whether a file
+    exists.
 """
 from __future__ import annotations
 
