@@ -8,15 +8,21 @@ Python API (one scorer everywhere): `evaluate(workspace, backend=...) -> Verdict
 
 What one verdict does, in order
   1. collect   only model_new.py and the kernel sources (*.cu *.cpp *.h *.cuh *.hpp in the root and in
-               kernels/, no symbolic links) are taken; anything else is ignored.
+               kernels/, no symbolic links; 1 MiB each, 256 files and 8 MiB in all) are taken; anything else
+               is ignored.
   2. scan      model_new.py against an allow-list of Python (scan.py): allowed imports, nn.Module
                classes, plain statements; no underscore attributes, no getattr/eval/open, no torch.X
                outside allocation, dtypes and torch.nn.
-  3. build     every source is run through the compiler's own preprocessor and its tokens checked
-               (scan.py: allowed includes only, no doors out of the process, no compute ops by name,
-               exactly one real PYBIND11_MODULE); then compiled on its own (nvcc for .cu, g++ for .cpp,
-               -O3, OpenMP on the CPU backend) into a content-hash cache and linked into one module
-               `cuda_extension`. Editing one kernel rebuilds only that object.
+  3. build     every workspace file's directives are checked as written (no #line or line markers: the scan
+               trusts the preprocessed text's markers), every source is run through the compiler's own
+               preprocessor (-dD: macro bodies stay where they were defined) and its tokens checked
+               (scan.py: allowed includes only, no doors out of the process, no compute ops by name, no
+               Python object model, exactly one real PYBIND11_MODULE); then compiled on its own (nvcc for .cu,
+               g++ for .cpp, -O3, OpenMP on the CPU backend) into a content-hash cache and linked into one
+               module `cuda_extension`, whose imported symbols (no PyTorch compute operator, thread, process,
+               file or dispatcher entry, whatever the source spelled) and machine code (no system call
+               instruction) are checked. Editing one kernel rebuilds only that object. A build counts as a
+               candidate on its device (step 5).
   4. verify    a trusted REFERENCE child computes the outputs of 5 check inputs and of the timing inputs
                (each drawn from a fresh secret seed) and sends them to this process over a pipe. The
                CANDIDATE child starts afterwards, knowing no seed: it loads ModelNew under a dispatch
@@ -46,22 +52,31 @@ What the sandbox protects against (sandbox.py has the layers)
     /dev/shm are its own, and the next input arrives only after the previous run's result.
   - forging the verdict: only this process measures time and judges; a child's replies are validated
     field by field (a malformed one is reward -1, never a crash).
-  - reaching the host: fresh PID namespace with its own /proc, read-only mounts (/sys and /proc too),
-    no capabilities, no_new_privs, no network; a killed child takes all its descendants with it.
+  - reaching the host: fresh PID namespace with its own /proc, read-only mounts (/sys, and /proc but for the
+    processes' own entries), a /dev of its own with an allow-list of device nodes, no capabilities,
+    no_new_privs, no network; a killed child takes all its descendants with it.
   - crashes, hangs, fork bombs, huge allocations, megabytes of output: a fresh process per verdict, wall
     clock timeouts, cgroups or rlimits, truncated logs.
-  - slowing the baselines: they are never timed while a candidate is alive on that device.
+  - slowing the baselines: they are never timed while a candidate is alive on that device, and every process
+    the policy controls counts as one: the candidate child, a build, the agent's bash tool.
   - hiding a cheat from the scan: the scan reads the preprocessed tokens, so aliases, token pasting,
-    digraphs, computed includes and comments change nothing.
+    digraphs, computed includes and comments change nothing; no directive can re-attribute lines to a system
+    header (#line, line markers, text that reads as a marker), a workspace macro is scanned where it is
+    defined even when only a header expands it, and what the linked module imports and executes is checked
+    whatever the source looked like.
+  - PyTorch from another thread (OpenMP workers, at::parallel_for, CUDA host callbacks): the module may import
+    no PyTorch operator but allocation and views, so no thread has one to call.
 
 What it does NOT protect against (be honest; RL will look)
   - native code in the candidate's own process can, in principle, write anything in that process's memory,
     including the harness's monitor, and speak the pipe protocol itself. The scan closes the doors it would
-    need (raw syscalls, I/O functions, signals, mmap, inline assembly in host code, the Python C API); a
-    determined attacker using raw pointer arithmetic on the interpreter's memory is not stopped. What it
-    cannot forge: the clock, the sampled positions, the comparison.
-  - PyTorch operators issued from a thread other than the one running forward() are invisible to the
-    monitor (threads are closed statically; OpenMP regions are not).
+    need (raw syscalls, I/O functions, signals, mmap, inline assembly in host code, the Python C API and the
+    object model's fields, threads, PyTorch operators in its imports); a determined attacker using raw
+    pointer arithmetic on the interpreter's or libc's memory (fixed offsets into a PyObject, a function
+    pointer computed from an allowed one) is not stopped. What it cannot forge: the clock, the sampled
+    positions, the comparison.
+  - an OpenMP worker still runs the kernel's own code outside the monitor's thread (it may call only the
+    allocation and view operators the module imports).
   - a content-keyed output cache when the inputs are so large that fewer distinct input sets than timed
     runs fit in `input_budget_mb`: the sets are then reused in turn.
   - reduced precision inside a kernel that stays within atol/rtol (and the RMS bound) passes, as in the paper.
@@ -70,6 +85,14 @@ What it does NOT protect against (be honest; RL will look)
   - where a layer is unavailable (no namespaces in some containers; an unprivileged uid only where the
     interpreter is reachable by it), isolation falls back to the rest; this is said once on stderr.
   - GPU memory is not capped per candidate on the CUDA backend (RLIMIT_AS breaks CUDA).
+  - outputs whose RMS is below RMS_FLOOR (a softmax over 2M columns or more): the floor that lets float noise
+    around zero pass lets zeros pass too.
+  - disk: the bash tool writes its workspace on the host's disk (1 GiB per file, any number of files, for
+    its time limit); a child's stdout and stderr go to files of up to 1 GiB each.
+  - load from outside the policy's processes (other users of the machine) while a baseline is timed: a
+    uniformly loaded machine gives a slow baseline with a small spread, and it is cached.
+  - a build sees the host's files read-only (the cache root hidden): `__has_include` tells it whether a file
+    exists.
 """
 from __future__ import annotations
 
@@ -112,6 +135,7 @@ from sandbox import (CACHE_DIR, SandboxResult, candidate_alive, file_lock, gpu_l
 ENV_PY = Path(__file__).resolve()
 
 SOURCE_EXT = {".cu", ".cpp"}
+MAX_SOURCES, MAX_SOURCE_BYTES = 256, 8 << 20  # what one candidate's kernel sources may add up to
 HEADER_EXT = {".h", ".cuh", ".hpp"}
 
 
@@ -260,6 +284,9 @@ def collect(workspace: Path, backend: str) -> tuple[dict, list]:
                 continue
             if f.stat().st_size > 1 << 20:
                 raise ValueError(f"{f.relative_to(workspace)} is larger than 1 MiB")
+            # In all, too: the bash tool can leave any number of files, and they are read here, in the trainer.
+            if len(files) >= MAX_SOURCES or sum(map(len, files.values())) + f.stat().st_size > MAX_SOURCE_BYTES:
+                raise ValueError(f"the kernel sources are more than {MAX_SOURCES} files or {MAX_SOURCE_BYTES >> 20} MiB in all")
             files[str(f.relative_to(workspace))] = f.read_text(errors="replace")
     return files, notes
 
@@ -284,7 +311,7 @@ class Build:
 
 
 _TOOLCHAIN: dict = {}
-SCAN_VERSION = "4"  # part of every object's cache key: an object built under an older scan is never reused
+SCAN_VERSION = "7"  # part of every object's cache key: an object built under an older scan is never reused
 
 
 def toolchain(backend: str) -> dict:
@@ -340,7 +367,9 @@ def preprocess(tc: dict, src: Path, out: Path, timeout: float):
         cmd = [str(out) if a == "OUT" else str(src) if a == "SRC" else a for a in tc["nvcc_pp"]]
     else:
         cmd = [*tc["cxx"], "-E", "-o", str(out), str(src)]
-    cmd += [f"-I{src.parent}", f"-I{out.parent}", f"-I{out.parent}/kernels"]
+    # -dD keeps every #define in the text, where it was written: the body of a macro that a workspace file defines is
+    # scanned as its code, also when the macro is only ever expanded inside a system header (which is not scanned).
+    cmd += ["-dD", f"-I{src.parent}", f"-I{out.parent}", f"-I{out.parent}/kernels"]
     r = run_sandboxed(cmd, out.parent, timeout, mem_gb=None, output_limit=40_000)
     return r, (out.read_text(errors="replace") if r.returncode == 0 and out.exists() else "")
 
@@ -386,7 +415,14 @@ def error_excerpt(text: str, max_lines: int = 16) -> str:
 def build(files: dict, backend: str, timeout: float = 600.0) -> Build:
     """Preprocess, scan and compile every source into the object cache, then link the module. Killed builds
     leave nothing behind: objects are renamed into place only when complete, locks are flocks. A cached object
-    passed the same scan (the scan's version is part of its key); its metadata says whether it holds the module."""
+    passed the same scan (the scan's version is part of its key); its metadata says whether it holds the module.
+    A build counts as a candidate on its device: the sources decide how long the compiler keeps every core busy,
+    so no baseline is timed meanwhile."""
+    with candidate_alive(backend):
+        return _build(files, backend, timeout)
+
+
+def _build(files: dict, backend: str, timeout: float) -> Build:
     t0 = time.monotonic()
     tc = toolchain(backend)
     sources = sorted(p for p in files if Path(p).suffix in SOURCE_EXT)
@@ -398,6 +434,10 @@ def build(files: dict, backend: str, timeout: float = 600.0) -> Build:
     keys = {p: hashlib.sha256(f"{tc['id']}\0{p}\0{files[p]}\0{headers}".encode()).hexdigest()[:32] for p in sources}
     rebuilt, errors, violations, has_module = [], [], [], {}
     deadline = time.monotonic() + timeout
+    # Directives first, on the text as written: the scan below trusts the line markers of the preprocessed text.
+    bad = [v for p in sorted(files) for v in scan.check_directives(p, files[p])]
+    if bad:
+        return Build(False, None, "\n".join(bad), time.monotonic() - t0, [], bad)
 
     with tempfile.TemporaryDirectory(prefix="build-", dir=CACHE_DIR) as tmp:
         tmp = Path(tmp).resolve()
@@ -468,6 +508,15 @@ def build(files: dict, backend: str, timeout: float = 600.0) -> Build:
             r = run_sandboxed(cmd, tmp, max(1.0, deadline - time.monotonic()), mem_gb=None, writable=[objdir])
             if r.returncode != 0:
                 return Build(False, None, "link failed:\n" + error_excerpt(r.stderr + r.stdout), time.monotonic() - t0, rebuilt)
+            # What the module imports is what it can call, whatever the sources spelled (scan.check_imports).
+            r = run_sandboxed(["nm", "-D", "--undefined-only", "-C", str(part)], tmp, 120, mem_gb=None, output_limit=1 << 24)
+            bad = scan.check_imports([l.split(None, 1)[-1] for l in r.stdout.splitlines() if l.strip()], IMPORT_OPS) \
+                if r.returncode == 0 else [f"the linked module cannot be read by nm: {error_excerpt(r.stderr)}"]
+            # and a system call needs no import: only an instruction, which no compiler emits for C++ or CUDA code
+            r = run_sandboxed(["objdump", "-d", "--no-show-raw-insn", str(part)], tmp, 120, mem_gb=None, output_limit=1 << 28)
+            bad += scan.check_instructions(r.stdout) if r.returncode == 0 else ["the linked module cannot be disassembled"]
+            if bad:
+                return Build(False, None, "\n".join(bad), time.monotonic() - t0, rebuilt, bad)
             mine = so.with_suffix(f".{uuid.uuid4().hex}.part")  # builds of the same sources may link at the same time
             shutil.copy(part, mine)
             os.replace(mine, so)
@@ -580,6 +629,10 @@ ALLOWED_OPS = frozenset({  # aten ops that allocate, view or describe; everythin
     "resize_", "lift_fresh", "view_as_real", "view_as_complex", "record_stream",
     "is_same_size", "equal_size", "fill_", "full", "full_like", "ones", "ones_like", "new_full", "new_ones",
 })
+# What the linked module may import from PyTorch (scan.check_imports): the allowed operators and the composite ones
+# that only view (a reshape that must copy shows up at run time as a clone, which the monitor refuses).
+IMPORT_OPS = ALLOWED_OPS | {"reshape", "flatten", "contiguous", "view_as", "reshape_as", "expand_as", "unflatten",
+                            "movedim", "moveaxis", "swapaxes", "swapdims", "tensor_split", "to"}
 # Not allowed: _local_scalar_dense (.item(), float(t)): a value read into Python can be computed on there and written
 # back with fill_, element by element.
 # While the candidate's module loads and ModelNew is built: also random initialisation and copies (parameters
@@ -949,6 +1002,9 @@ def evaluate(workspace, backend: str = "auto", reference: str | None = None, cfg
         return done()
     if (ws / "model_new.py").is_symlink() or (ws / "model.py").is_symlink():  # (its target would be read, and quoted)
         v.error = "model_new.py and model.py must be files in the workspace, not symbolic links"
+        return done()
+    if (ws / "model_new.py").stat().st_size > 1 << 20:  # (read and parsed here, in the trainer: 1 GiB of it is an OOM)
+        v.error = "model_new.py is larger than 1 MiB"
         return done()
     try:
         files, notes = collect(ws, backend)

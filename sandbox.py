@@ -7,10 +7,12 @@ Layers, each probed once per process (`isolation(kind)`) and reported once on st
   namespaces   net (no interfaces), pid (the child is init: killing it kills every descendant, setsid or
                not) with a FRESH /proc that shows only the sandbox's own processes, mount, ipc; a user
                namespace when not run by root. CUDA needs the fresh /proc to start inside a PID namespace.
-  filesystem   every mount read-only (/sys and /proc/sys included) except `cwd` and `writable`; fresh private
-               tmpfs on /tmp, /var/tmp and /dev/shm; `hide` paths (by default the cache root, which holds
-               reference outputs, baselines and other runs) covered by an empty tmpfs, with any writable
-               folder inside them bound back.
+  filesystem   every mount read-only (/sys included) except `cwd` and `writable`; /proc read-only but for the
+               processes' own entries (its kernel knobs: sys, irq, bus...); a fresh read-only /dev that holds only
+               null, zero, full, random, urandom, tty and the GPU's nodes (root owns the host's /dev: it could
+               create files there or open kvm, zram, disks); fresh private tmpfs on /tmp, /var/tmp and /dev/shm;
+               `hide` paths (by default the cache root, which holds reference outputs, baselines and other runs)
+               covered by an empty tmpfs, with any writable folder inside them bound back.
   credentials  no_new_privs; every capability dropped (bounding set included), so root inside cannot
                remount, override file permissions, ptrace or write /proc/sys; when run by root and the
                interpreter is reachable by it, an unprivileged uid (65534) as well.
@@ -151,6 +153,7 @@ def _jail(cfg: dict, argv: list[str]):
     writable = [w for w in cfg["writable"] if os.path.isdir(w)]
     if cfg["mount"]:
         mount(None, "/", None, MS_REC | MS_PRIVATE)
+        _private_dev(mount)
         under = lambda p, tops: any(p == t or p.startswith(t.rstrip("/") + "/") for t in tops)
         visible = [v for v in cfg.get("visible", []) if os.path.isdir(v)]
         keep = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in writable + visible}  # reachable after covers
@@ -186,9 +189,14 @@ def _jail(cfg: dict, argv: list[str]):
             keep_flags = sum(f for name, f in MNT_FLAGS.items() if name in fields[5].split(","))
             with contextlib.suppress(OSError):  # best effort per mount point (some refuse remounts)
                 mount(None, mp, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | keep_flags)
-        for d in ("/proc/sys", "/proc/sysrq-trigger"):  # the kernel's knobs, read-only even for root inside
+        # The kernel's knobs (/proc/sys, /proc/irq, /proc/bus, /proc/mtrr, /proc/pressure...) are read-only even for
+        # root inside: everything in /proc but the processes' own entries (where CUDA writes) and their links.
+        for name in sorted(os.listdir("/proc")):
+            d = f"/proc/{name}"
+            if name.isdigit() or os.path.islink(d):
+                continue
             with contextlib.suppress(OSError):
-                mount(d, d, None, MS_BIND)
+                mount(d, d, None, MS_BIND | MS_REC)
                 mount(None, d, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | 8)
         os.chdir(cwd)  # re-enter the cwd through its writable bind mount
     if cfg["uid"] is not None:  # its folders become the unprivileged uid's (only they are visible and writable)
@@ -197,6 +205,32 @@ def _jail(cfg: dict, argv: list[str]):
                 _chown_tree(w, cfg["uid"])
     _drop_privileges(libc, cfg["uid"])
     os.execvp(argv[0], argv)
+
+
+DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")  # and /dev/nvidia* (the GPU), nothing else
+
+
+def _private_dev(mount):
+    """A fresh, read-only /dev that holds only DEV_NODES and the GPU's nodes (bound from the host's /dev), the
+    /proc/self/fd links, and a mount point for the private /dev/shm. The host's /dev may be a devtmpfs that root
+    can write (a file created there outlives every sandbox) with nodes that root may open (kvm, zram, disks)."""
+    names = [n for n in DEV_NODES if os.path.exists(f"/dev/{n}")]
+    names += sorted(n for n in os.listdir("/dev") if n.startswith("nvidia"))
+    keep = {n: os.open(f"/dev/{n}", os.O_PATH) for n in names}  # reachable after the cover
+    mount("tmpfs", "/dev", "tmpfs", MS_NOSUID, "size=64k,mode=755")
+    for n, fd in keep.items():
+        target = f"/dev/{n}"
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            os.makedirs(target)
+        else:
+            open(target, "w").close()
+        mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC)
+        os.close(fd)
+    for link, to in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                     ("stderr", "/proc/self/fd/2")):
+        os.symlink(to, f"/dev/{link}")
+    os.makedirs("/dev/shm")
+    mount(None, "/dev", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID, "size=64k,mode=755")
 
 
 def _chown_tree(top: str, uid: int):

@@ -10,19 +10,32 @@ is reached; no attribute that starts with "_" or names a frame or code object (g
 reaches torch.sys, torch.os, torch.utils, torch._C or a function's globals; no getattr/setattr/globals/vars/
 eval/exec/open. What the allowed Python computes is judged at run time by the dispatch monitor.
 
-C++/CUDA (`check_tokens` on `split_preprocessed` output): the sources are run through the compiler's own preprocessor, so macros,
-token pasting, digraphs, line continuations and computed includes are already resolved, and then:
+C++/CUDA. First `check_directives` on every workspace file as written: only #include, #define, #undef, the
+conditionals, #pragma, #error and #warning (after joining line splices, skipping comments, reading digraphs and
+universal character names), and no `\u0023`. The scan below attributes the preprocessed text to files by its
+line markers; a #line directive, a `# 1 "/usr/include/stdio.h" 1` marker, or text that prints as one (a raw
+string line, a `\u0023`) would move the workspace's own code into a "system header" that is not scanned.
+Then `check_tokens` on `split_preprocessed` output: the sources are run through the compiler's own
+preprocessor with -dD, so macros, token pasting, digraphs, line continuations and computed includes are already
+resolved, and a macro that a workspace file defines is scanned where it is defined (its body would otherwise be
+read only where a header expands it: a `#define PyErr_Occurred()` expanded inside pybind11), and then:
   - every file a workspace file includes must be a workspace file, a torch/pybind11/Python/CUDA toolkit
     header, or a standard header from an allow-list (no <unistd.h>, <dlfcn.h>, <thread>, "/etc/passwd");
   - the tokens that come from workspace files (strings and comments removed) may not name the doors out of
     the process or around the monitor: processes, threads, signals, memory mapping, raw syscalls and inline
-    assembly in host code, dynamic loading, files and the environment, the Python C API or pybind11 beyond
-    `m.def`, dispatch-key guards, thread pools. `#pragma` lines are scanned too; symbol renaming
+    assembly in host code, dynamic loading, files and the environment, the Python C API (its functions, and
+    the object model's types and fields: `o->ob_type->tp_getattro` and `tp_call` reach exec) or pybind11
+    beyond `m.def`, dispatch-key guards, thread pools, section names (copied verbatim into the assembler's
+    input). `#pragma` lines are scanned too; symbol renaming
     (redefine_extname, weakref, alias, ifunc, symver) is refused, and a name with leading underscores or
     `__libc_` is checked without them (glibc's `__open`, `__libc_system`). Qualified names in
     torch/at/c10/pybind11 must be on an allow-list, so a namespace alias, `using` or a reopened `namespace at`
     cannot rename a compute op;
   - exactly one source contains the real expansion of PYBIND11_MODULE(TORCH_EXTENSION_NAME, m).
+Finally the linked module, where spelling no longer matters: `check_imports` on its undefined symbols (no
+PyTorch operator but allocation and views, on whatever thread it would run; no dispatcher by name, no thread
+pool; no C function behind a closed door, under any of glibc's names, nor a thread: pthread_create,
+thrd_create), and `check_instructions` on its machine code (no system call instruction).
 """
 from __future__ import annotations
 
@@ -229,6 +242,12 @@ BANNED_TOKENS = {
     "chmod", "chown", "symlink", "link", "truncate", "ftruncate", "memfd_create", "shm_open", "filesystem", "tmpfile",
     "dprintf", "vdprintf", "mkstemp", "mkostemp", "mkstemps", "mkostemps", "mkdtemp", "tmpnam", "tempnam",
     "posix_openpt", "renameat", "renameat2", "unsetenv", "clearenv",  # (<cstdio>/<cstdlib> under _GNU_SOURCE)
+    # the same doors under glibc's other names: a signal handler (__sysv_signal, bsd_signal), mprotect
+    # (pkey_mprotect with key -1 is mprotect), exec, the loader: with them, lazily computed pages come back
+    "sysv_signal", "bsd_signal", "ssignal", "sigvec", "sigprocmask", "sigaltstack", "sigsetjmp", "siglongjmp",
+    "signalfd", "sigwait", "sigwaitinfo", "sigtimedwait", "sigsuspend", "sigqueue", "pkey_mprotect", "pkey_alloc",
+    "pkey_set", "posix_madvise", "remap_file_pages", "brk", "sbrk", "execveat", "wordexp", "dladdr", "dlinfo",
+    "dl_iterate_phdr", "getauxval", "personality",
     # Python from C++, the dispatcher's thread-local state
     "import", "exec", "eval", "globals", "builtins", "attr", "getattr", "setattr", "hasattr", "delattr",
     "reinterpret_borrow", "reinterpret_steal", "ExcludeDispatchKeyGuard", "IncludeDispatchKeyGuard",
@@ -242,9 +261,13 @@ BANNED_TOKENS = {
     # symbol renaming: a declaration under another name that links to a closed door (`#pragma redefine_extname
     # my_open open`, `__attribute__((weakref("open")))`: the real name is a string or a pragma)
     "redefine_extname", "weakref", "__weakref__", "alias", "__alias__", "ifunc", "__ifunc__", "symver", "__symver__",
+    # a section name is copied into the assembler's input verbatim: `section(".text\nsyscall")` is inline assembly
+    "section", "__section__",
 }
 LIBC_ALIAS_RE = re.compile(r"^_+(libc_)?")
-BANNED_TOKEN_RE = re.compile(r"^(_?Py[A-Z]?\w*_\w+|pthread_\w+|__NR_\w+|_Py\w+|THP\w+)$")  # C API, threads, syscalls
+# The Python C API (functions, and the object model: PyObject, PyTypeObject and their fields, through which
+# `o->ob_type->tp_getattro` and `tp_call` reach exec without naming a function), threads, raw syscall numbers.
+BANNED_TOKEN_RE = re.compile(r"^(_?Py[A-Z_]\w*|pthread_\w+|__NR_\w+|THP\w+|(ob|tp)_\w+|_typeobject|_object)$")
 # Calls torch::X / at::X that allocate or describe tensors; anything else computes.
 CPP_ALLOWED_TORCH = {"empty", "empty_like", "empty_strided", "zeros", "zeros_like", "ones", "ones_like", "full",
                      "full_like", "from_blob", "parallel_for", "get_num_threads", "device", "dtype", "elementSize",
@@ -257,6 +280,34 @@ ROOT_NAMESPACES = {"torch", "at", "aten", "c10", "caffe2", "pybind11", "py"}
 TOKEN_RE = re.compile(r'R"([^()\\\s]{0,16})\(.*?\)\1"|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|'
                       r"[A-Za-z_]\w*|\d[\w.]*|::|\S", re.S)
 MARKER_RE = re.compile(r'^#\s*(\d+)\s+"((?:\\.|[^"\\])*)"((?:\s+\d+)*)\s*$')
+
+
+# Directives a kernel source may use. Not `#line` nor GCC's `# 33 "file" 1` line markers: the scan attributes the
+# preprocessed text to files by the line markers in it, and those two would let a source claim that its own code
+# comes from a system header (which is not scanned).
+ALLOWED_DIRECTIVES = {"", "include", "define", "undef", "if", "ifdef", "ifndef", "elif", "else", "endif", "pragma",
+                      "error", "warning"}
+_SPLICE_RE = re.compile(r"(?:\\|\?\?/)[ \t\f\v]*\n")  # backslash-newline (blanks between; ??/ where trigraphs are on)
+_GAP = r"(?:[ \t\f\v\0\ufeff]|/\*.*?\*/)*"  # blanks (GCC skips NULs, and a byte order mark) and block comments
+# A `#` (or `%:`, `??=`) that the preprocessor may take as a directive's: first on a line, or after a comment's end.
+_DIRECTIVE_RE = re.compile(rf"(?:^|(?<=\*/)){_GAP}(?:#|%:|\?\?=){_GAP}([\w\\$]*)", re.M | re.S)
+_UCN_HASH_RE = re.compile(r"\\(?:u0023|U00000023)")
+
+
+def check_directives(path: str, text: str) -> list[str]:
+    """Violations among the directives of one workspace file, read as the preprocessor reads them (line splices
+    joined, comments skipped, digraphs, universal character names). Conservative: a line of a raw string that
+    looks like a directive counts as one. `\\u0023` (a `#` the preprocessor does not take as a directive but
+    prints at the start of a line, where it reads as a line marker) is refused anywhere."""
+    text = _SPLICE_RE.sub("", text.replace("\r\n", "\n").replace("\r", "\n"))
+    out = []
+    if _UCN_HASH_RE.search(text):
+        out.append(f"{path}: `\\u0023` (a universal character name for `#`) is not allowed")
+    for m in _DIRECTIVE_RE.finditer(text):
+        if m.group(1) not in ALLOWED_DIRECTIVES:
+            out.append(f"{path}: the directive `#{m.group(1)}` is not allowed in kernel sources (allowed: "
+                       + ", ".join(f"#{d}" for d in sorted(ALLOWED_DIRECTIVES) if d) + ")")
+    return list(dict.fromkeys(out))
 
 
 def split_preprocessed(text: str, is_user) -> tuple[list[str], list[tuple[str, str]]]:
@@ -334,3 +385,82 @@ def check_tokens(path: str, tokens: list[str]) -> list[str]:
                                   "(a PyTorch compute op or internal; write the kernel yourself)"))
                     break
     return list(dict.fromkeys(out))
+
+
+# ---------------------------------------------------------------------------------------------- the linked module
+# What the module imports from other libraries is what it can call, however the source spelled it (an alias, a
+# wrapper inline in a system header such as libstdc++'s __gthread_create, an operator on tensors, a Tensor method).
+# Checked on the linked module's undefined symbols (`nm -D --undefined-only -C`):
+#   - PyTorch operators: `at::_ops::<op>_<overload>::call` (every Tensor method, operator and at::/torch:: function
+#     ends there) and a backend's own functions (`at::cpu::add`) only for operators that allocate or view. The
+#     dispatch monitor sees only the thread that runs forward(); this check holds for OpenMP workers and any thread;
+#   - the dispatcher by name (c10::Dispatcher, OperatorHandle) and PyTorch's thread pools;
+#   - C functions that open the doors the token scan closes (threads, processes, files, signals, mapping...), under
+#     glibc's other names too (__open64_2, __libc_system, thrd_create).
+IMPORT_DOORS = BANNED_TOKENS | {
+    "pthread_create", "thrd_create", "pthread_kill", "pthread_sigqueue", "tgkill", "tkill", "sigqueue", "rt_sigqueueinfo",
+    "getauxval", "dl_iterate_phdr", "r_debug", "setcontext", "makecontext", "swapcontext", "process_madvise",
+    "aio_read", "aio_write", "lio_listio", "mq_open", "sem_open", "sched_setaffinity", "setrlimit", "prlimit",
+}
+_IMPORT_SUFFIX_RE = re.compile(r"(_chk|_2|64)+$")
+# whole families of C functions, whatever glibc version adds next: signals, page protection, exec and spawn, the
+# dynamic loader, processes
+_IMPORT_FAMILY_RE = re.compile(r"^(sig(?!nbit|nificand)|pkey_|mprotect|mmap|madvise|mremap|exec|posix_spawn|dl|clone|v?fork|"
+                               r"_?Fork|pthread_(create|kill|sigqueue|sigmask)|thrd_create)")
+_OPS_STRUCT_RE = re.compile(r"(?:^|[\s*&])at::_ops::(\w+)::")
+_TORCH_FN_RE = re.compile(r"(?:^|[\s*&])at::(?:(?:native|cpu|cuda|meta|mps|composite\w*)::)?(\w+)\(")
+_TORCH_DOOR_RE = re.compile(r"(?:^|[\s*&])(c10::Dispatcher::|c10::OperatorHandle|c10::KernelFunction|c10::impl::OperatorEntry|"
+                            r"torch::jit::|at::launch\(|at::intraop_launch|at::internal::launch_no_thread_state|"
+                            r"c10::\w*ThreadPool|at::\w*ThreadPool|std::thread::|std::jthread)")
+_ATEN: dict = {}
+
+
+def aten_structs() -> dict:
+    """{"mul_Tensor": "mul", "empty_memory_format": "empty", ...}: the C++ struct of every aten overload, named as
+    torchgen names it (name, then _overload), and the operator the dispatch monitor reports it as."""
+    if not _ATEN:
+        torch = importlib.import_module("torch")
+        for s in torch._C._jit_get_all_schemas():
+            if s.name.startswith("aten::"):
+                name = s.name[len("aten::"):]
+                _ATEN[f"{name}_{s.overload_name}" if s.overload_name else name] = name
+    return _ATEN
+
+
+def check_imports(symbols: list[str], allowed_ops) -> list[str]:
+    """Violations among the undefined (imported) symbols of the linked module, demangled."""
+    structs = aten_structs()
+    ops = set(structs.values())
+    out = []
+    for sym in symbols:
+        name = sym.split("@")[0].strip()
+        if not name:
+            continue
+        if re.fullmatch(r"[A-Za-z_]\w*", name):  # a C function or variable
+            base = LIBC_ALIAS_RE.sub("", name)
+            if name in IMPORT_DOORS or base in IMPORT_DOORS or _IMPORT_SUFFIX_RE.sub("", base) in IMPORT_DOORS \
+                    or _IMPORT_FAMILY_RE.match(base):
+                out.append(f"the module calls `{name}` (processes, threads, files, signals and the like are closed doors)")
+            continue
+        m = _OPS_STRUCT_RE.search(name) or _TORCH_FN_RE.search(name)
+        fn = re.sub(r"(_outf?|_symint)+$", "", m.group(1)) if m else None  # (at::cpu::add_out computes too)
+        op = (structs.get(m.group(1)) if m.re is _OPS_STRUCT_RE else fn if fn in ops else None) if m else None
+        if m and m.re is _OPS_STRUCT_RE and op is None:
+            op = m.group(1)  # an operator this torch does not list: not allowed either
+        if op is not None and op not in allowed_ops:
+            out.append(f"the module calls the PyTorch operator aten.{op} (`{name[:120]}`); only allocation and views "
+                       "may come from PyTorch, on any thread: write the computation as a kernel")
+        elif _TORCH_DOOR_RE.search(name):
+            out.append(f"the module calls `{name[:120]}` (the dispatcher by name and PyTorch's threads are closed doors)")
+    return list(dict.fromkeys(out))
+
+
+SYSCALL_INSN_RE = re.compile(r"^\s*[0-9a-f]+:\s+(syscall|sysenter|int\s+\$0x80|svc\s+#?0x0?\b|svc\s+#0\b)", re.M)
+
+
+def check_instructions(disassembly: str) -> list[str]:
+    """Violations in the linked module's machine code (`objdump -d`): a system call instruction, which only inline
+    assembly can put there (however it got past the scan: a macro expanded inside a header, a section name)."""
+    m = SYSCALL_INSN_RE.search(disassembly)
+    return [f"the module's machine code makes a system call itself (`{m.group(1)}`); inline assembly in host code "
+            "is not allowed"] if m else []

@@ -105,8 +105,11 @@ def run_tool(name: str, args: dict, ws: Path, task_code: str, backend: str, cfg)
     try:
         if name == "bash":
             # kind: on a CUDA backend the shell gets the namespaces in which a CUDA context can start
-            r = env.run_sandboxed(["/bin/bash", "-c", args["command"]], ws, cfg.bash_timeout, mem_gb=8.0,
-                                  output_limit=cfg.obs_chars, kind=env.resolve_backend(backend))
+            # and it counts as a candidate on the device: no baseline is timed while it runs (it could spin every
+            # core, or a GPU, to slow the eager and compile timings that every later verdict of the task reuses)
+            with env.candidate_alive(env.resolve_backend(backend)):
+                r = env.run_sandboxed(["/bin/bash", "-c", args["command"]], ws, cfg.bash_timeout, mem_gb=8.0,
+                                      output_limit=cfg.obs_chars, kind=env.resolve_backend(backend))
             out = (r.stdout + (("\n[stderr]\n" + r.stderr) if r.stderr.strip() else "")).strip()
             if restore_reference(ws, task_code):  # bash can write anything in the workspace
                 out += "\n[model.py is read-only: your change was reverted]"
@@ -119,6 +122,8 @@ def run_tool(name: str, args: dict, ws: Path, task_code: str, backend: str, cfg)
             if not p.is_file():
                 files = sorted(str(f.relative_to(ws)) for f in ws.rglob("*") if f.is_file() and not f.name.startswith("."))
                 return f"error: no such file {args['path']!r}; files: {', '.join(files)}", None, False
+            if p.stat().st_size > 1 << 20:  # (the bash tool can leave a 1 GiB file; it is read here, in the trainer)
+                return f"error: {args['path']!r} is larger than 1 MiB; read parts of it with bash (head, sed -n)", None, False
             return p.read_text(errors="replace"), None, True
         if name in ("write_file", "edit_file"):
             p = confine(ws, args["path"])
@@ -136,6 +141,8 @@ def run_tool(name: str, args: dict, ws: Path, task_code: str, backend: str, cfg)
             old, new = args["old"], args["new"]
             if not p.is_file():
                 return f"error: no such file {args['path']!r}", None, False
+            if p.stat().st_size > 1 << 20:
+                return "error: files are limited to 1 MiB", None, False
             text = p.read_text()
             n = text.count(old) if old else 0
             if n != 1:

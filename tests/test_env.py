@@ -81,7 +81,6 @@ CHEATS = {
     "torch_add_in_python": ("add", model_new("add", "torch.add(a, b)"), "torch.add is not allowed"),
     "tensor_method_in_python": ("relu", model_new("relu", "(x * self.scale).relu()"), "aten.mul"),
     "functional_in_python": ("softmax", model_new("softmax", "F.softmax(x, -1)", "import torch.nn.functional as F"), "aten._softmax"),
-    "torch_op_called_from_cpp": ("add", model_new("add", "cuda_extension.add_by_fallback(a, b)"), "aten.add"),
     "decoy_kernel": ("relu", model_new("relu", "(cuda_extension.relu_scale(x, self.scale), (x * self.scale).relu())[1]"), "aten.mul"),
     "precision_downcast": ("relu", model_new("relu", "cuda_extension.relu_scale(x.half().float(), self.scale)"), "aten._to_copy"),
     # caching and skipped work, caught by re-checking every timed run with fresh values in the same buffers
@@ -115,12 +114,14 @@ def test_cheats_are_rejected(tmp_path, name):
 
 TORCH_H = "#include <torch/extension.h>\n"
 MODULE = "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def(\"matmul\", &f); }\n"
-CPP_CHEATS = {  # kernel sources that the preprocessed scan refuses (nothing is compiled)
+CPP_CHEATS = {  # kernel sources that the preprocessed scan (or, once linked, the import check) refuses
     "cpp_torch_matmul": (TORCH_H + "torch::Tensor f(torch::Tensor a, torch::Tensor b) { return torch::matmul(a, b); }\n" + MODULE,
                          "torch::matmul is not allowed"),
     "cpp_side_thread": (TORCH_H + "#include <thread>\nvoid f() { std::thread t([]{}); t.detach(); }\n" + MODULE, "`thread` is not allowed"),
     "cpp_calls_python": (TORCH_H + "void f() { pybind11::module_::import(\"gc\"); }\n" + MODULE, "`import` is not allowed"),
     "cpp_reads_outside": ("#include </etc/passwd>\n" + MODULE, "#include of /etc/passwd is not allowed"),
+    "torch_op_called_from_cpp": (TORCH_H + "torch::Tensor f(torch::Tensor a, torch::Tensor b) { return a.add(b); }\n" + MODULE,
+                                 "aten.add"),
 }
 
 

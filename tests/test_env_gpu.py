@@ -28,12 +28,11 @@ def test_honest_cuda_kernels(tmp_path, problem, body):
 
 @pytest.mark.parametrize("problem,body,expect", [
     ("add", "torch.add(a, b)", "torch.add is not allowed"),  # the static allow-list refuses it before any run
-    ("add", "cuda_extension.add_by_fallback(a, b)", "aten.add"),
     ("relu", "cuda_extension.relu_scale_cached(x, self.scale)", "values differ"),
     ("relu", "torch.empty_like(x)", "values differ"),
     ("relu", "cuda_extension.relu_scale_part_after_checks(x, self.scale)", "timed run"),
     ("softmax_wide", "torch.zeros_like(x)", "RMS error"),
-], ids=["python_fallback", "cpp_fallback", "pointer_cache", "freed_memory", "part_after_checks", "zeros_wide_softmax"])
+], ids=["python_fallback", "pointer_cache", "freed_memory", "part_after_checks", "zeros_wide_softmax"])
 def test_cuda_cheats_rejected(tmp_path, problem, body, expect):
     v = env.evaluate(ws_for(tmp_path, problem, body), backend="cuda")
     assert v.reward == -1 and expect in " ".join(v.violations) + (v.error or ""), v.summary()
@@ -77,3 +76,33 @@ def test_escape_from_a_cuda_child(tmp_path):
     assert r.returncode == 0, r.stderr
     assert_nothing_escaped(mark, r.stdout)
     assert "--pid" in env.isolation("cuda").prefix, env.isolation("cuda")
+
+
+# Red team (tests/test_attacks.py has the CPU side): PyTorch called from C++ on a thread the monitor does not watch,
+# here CUDA's own host-callback thread, is refused when the module is linked (its imports name aten.mul).
+HOST_CALLBACK = r"""
+#include <torch/extension.h>
+#include <cuda_runtime.h>
+struct Job { torch::Tensor x, s, out; };
+static void job(void* p) { auto* j = static_cast<Job*>(p); j->out = (j->x * j->s).relu(); }
+torch::Tensor f(torch::Tensor x, torch::Tensor s) {
+  Job j{x.cpu(), s.cpu(), {}};
+  cudaLaunchHostFunc(0, job, &j);
+  cudaDeviceSynchronize();
+  return j.out.to(x.device());
+}
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("f", &f); }
+"""
+
+
+def test_pytorch_in_a_cuda_host_callback_is_refused(tmp_path):
+    v = env.evaluate(make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.f(x, self.scale)"), {"ops_binding.cpp": HOST_CALLBACK}),
+                     backend="cuda")
+    assert v.reward == -1 and not v.compiled and "aten.mul" in " ".join(v.violations), v.summary()
+
+
+def test_line_marker_in_a_cu_file_is_refused():
+    cu = '#line 1 "/usr/include/stdio.h"\nextern "C" int fork(); int g() { return fork(); }\n__global__ void k() {}\n'
+    b = env.build({"kernels/a.cu": cu, "kernels/b.cpp": "#include <torch/extension.h>\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}\n"},
+                  "cuda")
+    assert not b.ok and "#line" in b.log, b.log

@@ -33,7 +33,6 @@ Tensor relu_scale_cached(Tensor x, Tensor s) {
   if (it != cache.end()) return it->second;
   return cache[x.data_ptr()] = relu_scale(x, s);
 }
-Tensor add_by_fallback(Tensor a, Tensor b) { return a.add(b); }
 Tensor relu_scale_side_stream(Tensor x, Tensor s) {
   auto y = torch::empty_like(x);
   side_stream_relu_scale_launcher(x.data_ptr<float>(), s.data_ptr<float>(), y.data_ptr<float>(), x.numel(), s.numel());
@@ -53,7 +52,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add", &add);
   m.def("matmul", &matmul);
   m.def("relu_scale_cached", &relu_scale_cached);
-  m.def("add_by_fallback", &add_by_fallback);
   m.def("relu_scale_side_stream", &relu_scale_side_stream);
   m.def("oob", &oob);
   m.def("relu_scale_part_after_checks", &relu_scale_part_after_checks);
