@@ -12,7 +12,9 @@ Layers, each probed once per process (`isolation(kind)`) and reported once on st
                null, zero, full, random, urandom, tty and the GPU's nodes (root owns the host's /dev: it could
                create files there or open kvm, zram, disks); fresh private tmpfs on /tmp, /var/tmp and /dev/shm;
                `hide` paths (by default the cache root, which holds reference outputs, baselines and other runs)
-               covered by an empty tmpfs, with any writable folder inside them bound back.
+               covered by an empty tmpfs, with any writable folder inside them bound back. Where a child (a CUDA
+               context) does not start under the private /dev and read-only /proc knobs, the probe keeps the
+               namespaces without those two before it gives up any namespace, and says so.
   credentials  no_new_privs; every capability dropped (bounding set included), so root inside cannot
                remount, override file permissions, ptrace or write /proc/sys; when run by root and the
                interpreter is reachable by it, an unprivileged uid (65534) as well.
@@ -78,6 +80,7 @@ class Isolation:
     prefix: tuple  # the unshare command prefix
     uid: int | None  # the uid to drop to (root only), None to keep the uid and drop capabilities
     missing: tuple  # layers not available here, for the one-line notice
+    strict: bool = True  # a private /dev and read-only /proc knobs (see _jail); False only where they stop a child
 
     @property
     def mount(self) -> bool:
@@ -108,9 +111,12 @@ def _probe_isolation(kind: str) -> Isolation:
     found = Isolation((), None, ())
     with tempfile.TemporaryDirectory() as d:
         os.chmod(d, 0o777)
-        for flags in tries:
+        # Before a weaker set of namespaces, the same set without the private /dev and read-only /proc knobs: a
+        # GPU driver that needs a node or a /proc entry they leave out then keeps the mount namespace.
+        plans = [(flags, strict) for flags in tries for strict in ((True, False) if "--mount" in flags else (True,))]
+        for flags, strict in plans:
             for uid in ([NOBODY, None] if root else [None]):
-                iso = Isolation(("unshare", *user, *flags) if flags else (), uid, ())
+                iso = Isolation(("unshare", *user, *flags) if flags else (), uid, (), strict)
                 r = run_sandboxed(probe, d, 120, mem_gb=None, kind=kind, iso=iso)
                 if r.returncode == 0:
                     found = iso
@@ -121,6 +127,8 @@ def _probe_isolation(kind: str) -> Isolation:
             break
     missing = [name for name, flag in (("network", "--net"), ("pid", "--pid"), ("filesystem", "--mount"))
                if flag not in found.prefix]
+    if found.mount and not found.strict:
+        missing.append("a private /dev and read-only /proc knobs")
     if root and found.uid is None:
         missing.append(f"unprivileged uid ({sys.executable} is not reachable by uid {NOBODY})")
     if missing:
@@ -153,7 +161,8 @@ def _jail(cfg: dict, argv: list[str]):
     writable = [w for w in cfg["writable"] if os.path.isdir(w)]
     if cfg["mount"]:
         mount(None, "/", None, MS_REC | MS_PRIVATE)
-        _private_dev(mount)
+        if cfg.get("strict", True):
+            _private_dev(mount)
         under = lambda p, tops: any(p == t or p.startswith(t.rstrip("/") + "/") for t in tops)
         visible = [v for v in cfg.get("visible", []) if os.path.isdir(v)]
         keep = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in writable + visible}  # reachable after covers
@@ -191,7 +200,7 @@ def _jail(cfg: dict, argv: list[str]):
                 mount(None, mp, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | keep_flags)
         # The kernel's knobs (/proc/sys, /proc/irq, /proc/bus, /proc/mtrr, /proc/pressure...) are read-only even for
         # root inside: everything in /proc but the processes' own entries (where CUDA writes) and their links.
-        for name in sorted(os.listdir("/proc")):
+        for name in sorted(os.listdir("/proc")) if cfg.get("strict", True) else ("sys", "sysrq-trigger"):
             d = f"/proc/{name}"
             if name.isdigit() or os.path.islink(d):
                 continue
@@ -315,7 +324,8 @@ def run_sandboxed(argv: list[str], cwd: str | Path, timeout: float, *, writable=
     child_env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
     child_env.update(HOME=cwd, TMPDIR=cwd, LANG="C.UTF-8", PYTHONDONTWRITEBYTECODE="1", **(env or {}))
     cfg = {"mount": iso.mount, "writable": [cwd, *[str(Path(w).resolve()) for w in writable]], "uid": iso.uid,
-           "hide": [str(Path(h).resolve()) for h in ([CACHE_DIR] if hide is None else hide)], "visible": _code_dirs()}
+           "hide": [str(Path(h).resolve()) for h in ([CACHE_DIR] if hide is None else hide)], "visible": _code_dirs(),
+           "strict": iso.strict}
     cmd = [*iso.prefix, sys.executable, "-E", "-S", str(SANDBOX_PY), "_jail", json.dumps(cfg), *argv]
     groups = _cgroup(uuid.uuid4().hex, max_tasks, int(mem_gb * 2**30) if mem_gb else None)
     # RLIMIT_AS breaks CUDA's address-space reservations; a memory cgroup (where writable) is used instead.

@@ -245,6 +245,24 @@ def test_attack_root_without_capabilities_writes_no_host_device_or_knob(tmp_path
         Path("/dev", name).unlink(missing_ok=True)
 
 
+def test_a_driver_that_refuses_the_private_dev_keeps_the_mount_namespace(monkeypatch):
+    """The private /dev and read-only /proc knobs are probed like every layer: where a child (a CUDA context) does not
+    start under them, the probe keeps the same namespaces without them before it gives up the mount namespace (which
+    would leave the host's filesystem writable), and says so."""
+    real = sandbox.run_sandboxed
+
+    def picky(argv, cwd, timeout, **kw):  # a "driver" that fails under the strict jail only
+        if kw["iso"].mount and kw["iso"].strict:
+            return sandbox.SandboxResult(1, "", "cudaErrorOperatingSystem", False, 0.0)
+        return real(argv, cwd, timeout, **kw)
+    monkeypatch.setattr(sandbox, "run_sandboxed", picky)
+    iso = sandbox._probe_isolation("cpu")
+    if "--mount" not in sandbox.isolation("cpu").prefix:
+        pytest.skip("no mount namespace here")
+    assert iso.mount and not iso.strict and iso.prefix == sandbox.isolation("cpu").prefix, iso
+    assert "a private /dev and read-only /proc knobs" in iso.missing
+
+
 def test_attack_many_sources_are_not_read(tmp_path):
     """Each source was capped at 1 MiB, but not their number: files the bash tool leaves in kernels/ (thousands of
     1 MiB headers in its 30 s) were all read into the trainer's memory. Their count and total size are capped."""
