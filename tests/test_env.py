@@ -623,8 +623,12 @@ def test_compare_scales():
     ref = torch.softmax(torch.rand(4, 65536), -1)
     assert env.compare(torch.zeros_like(ref), ref, 1e-2, 1e-2, "x") is not None
     assert env.compare(ref * 1.001, ref, 1e-2, 1e-2, "x") is None
-    noise = torch.randn(1000) * 1e-8  # outputs that are float noise around zero: any noise of that size is fine
-    assert env.compare(torch.randn(1000) * 1e-8, noise, 1e-2, 1e-2, "x") is None
+    noise = torch.randn(1000) * 1e-9  # outputs that are rounding noise around zero: any noise of that size is fine
+    assert env.compare(torch.randn(1000) * 1e-9, noise, 1e-2, 1e-2, "x") is None
+    for cols in (2**21, 2**22):  # zeros beside a softmax whose every value is far below atol, and below 1e-6 in RMS
+        wide = torch.softmax(torch.rand(1, cols), -1)
+        assert env.compare(torch.zeros_like(wide), wide, 1e-2, 1e-2, "x") is not None, cols
+        assert env.compare(wide * 1.001, wide, 1e-2, 1e-2, "x") is None
 
 
 def test_replies_cannot_exhaust_the_parent():
