@@ -766,16 +766,27 @@ def _child_main(spec_path: str):
 # ----------------------------------------------------------------------------------------------
 # The parent's side: children, their pipes, the clock
 # ----------------------------------------------------------------------------------------------
+# What every child gets, the reference (eager, torch.compile) and the candidate alike, so all three are timed under
+# the same threading. One OpenMP thread per core; idle workers sleep instead of spinning. libgomp's default spins a
+# worker for milliseconds after each parallel region: on a shared host such a worker is preempted, and the next
+# barrier waits a scheduler slice for it (a 1-element `omp parallel for` took ~15 ms a run on 2 loaded cores, ~1 ms
+# passive; eager's 1-element ops open no parallel region, so the spin fell on the candidate alone).
+CHILD_ENV = {"OMP_NUM_THREADS": str(os.cpu_count() or 1), "OMP_WAIT_POLICY": "passive"}
+PIPE_BYTES = 1 << 20  # a pipe holds a whole sample (65536 elements of 8 bytes = 512 KiB): one write, one wake-up
+
+
 class Child:
     """A sandboxed child (run_sandboxed in a thread) and the two pipes the parent drives it through."""
 
     def __init__(self, spec: dict, run_dir: Path, backend: str, cfg: Config, writable=(), env=None):
         self.cmd_r, self.cmd_w = os.pipe()
         self.rep_r, self.rep_w = os.pipe()
+        with contextlib.suppress(OSError, AttributeError):  # Linux; elsewhere the default size (more round trips)
+            fcntl.fcntl(self.rep_w, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
         spec = dict(spec, cmd_fd=self.cmd_r, rep_fd=self.rep_w)
         (run_dir / "spec.json").write_text(json.dumps(spec))
         argv = [sys.executable, "-E", "-B", str(ENV_PY), "_child", str(run_dir / "spec.json")]
-        extra = dict(env or {}, OMP_NUM_THREADS=str(os.cpu_count() or 1))
+        extra = dict(env or {}, **CHILD_ENV)
         self.result = None
         self.pgid = None
 

@@ -1,0 +1,107 @@
+"""Where the timing floor goes: a 1-element task's runs, driven through env.py's own children and pipes.
+
+    python bench/floor_diag.py                 # CPU backend, examples/relu_cpu at BATCH = DIM = 1
+    python bench/floor_diag.py --runs 200      # steadier medians
+
+Each row drives one sandboxed child (env.Child, the real harness) through the run protocol of env.timed_runs
+("load" untimed; then "run" and "sample" on the parent's clock) and splits the medians per exchange. Rows vary
+one thing at a time: which function runs (eager in the reference child, the candidate's extension, a forward
+that computes nothing), and the OpenMP settings the child gets (env.CHILD_ENV: the harness's, or libgomp's default wait policy). Prints a table.
+"""
+import argparse
+import os
+import secrets
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+work = Path(tempfile.mkdtemp(prefix="floor-diag-"))
+os.environ.setdefault("CUDA_AGENT_CACHE", str(work / "cache"))
+import env  # noqa: E402
+
+p = argparse.ArgumentParser()
+p.add_argument("--backend", default="cpu")
+p.add_argument("--runs", type=int, default=60)
+args = p.parse_args()
+backend = env.resolve_backend(args.backend)
+
+ex = ROOT / "examples" / ("relu_cpu" if backend == "cpu" else "relu")
+model = (ex / "model.py").read_text().replace("BATCH = 64", "BATCH = 1").replace("DIM = 4096", "DIM = 1")
+files, _ = env.collect(ex, backend)
+b = env.build(files, backend)
+assert b.ok, b.log
+KERNEL = (ex / "model_new.py").read_text()
+NOTHING = KERNEL.replace("return cuda_extension.forward(x, *self.parameters())", "return x")  # the monitor, no op
+
+
+def drive(mode, model_new=None, extra=None):
+    """Medians (ms) of the parent's clock around "run", around "sample", and both (the verdict's figure)."""
+    cfg = env.Config(backend=backend)
+    run = Path(tempfile.mkdtemp(dir=env.CACHE_DIR))
+    (run / "ext").mkdir()
+    (run / "model.py").write_text(model)
+    spec = dict(backend=backend, seed0=1, mode=mode, reference=str(run / "model.py"))
+    seeds = [secrets.randbelow(2**31) for _ in range(4)]
+    if mode == "reference":
+        spec.update(seeds=seeds, n_checks=0, budget_mb=64)
+    else:
+        (run / "model_new.py").write_text(model_new)
+        shutil.copy(b.so_path, run / "ext" / "cuda_extension.so")
+        spec.update(model_new=str(run / "model_new.py"), ext_dir=str(run / "ext"), cand_dir=str(run))
+    env.CHILD_ENV = extra  # this row's setting, for this child only
+    child = env.Child(spec, run, backend, cfg)
+    try:
+        if mode == "reference":
+            n = child.answer()[0]["timed_sets"]
+            for _ in range(n):
+                child.answer()
+            child.ask({"op": "use", "fn": "eager"})
+        else:
+            assert child.answer()[0].get("ready"), "candidate did not load"
+            child.ask({"op": "use", "fn": "candidate"})
+        child.ask({"op": "load", "seed": seeds[0]})
+        for _ in range(cfg.warmup):
+            child.ask({"op": "run"})
+        t_run, t_sample = [], []
+        for i in range(args.runs):
+            child.ask({"op": "load", "seed": seeds[i % 2]})
+            t0 = env._clock()
+            child.ask({"op": "run"})
+            t1 = env._clock()
+            child.ask({"op": "sample", "offset": secrets.randbelow(1 << 30)})
+            t2 = env._clock()
+            t_run.append((t1 - t0) * 1e3)
+            t_sample.append((t2 - t1) * 1e3)
+        med = statistics.median
+        return med(t_run), med(t_sample), med([a + s for a, s in zip(t_run, t_sample)]), min(a + s for a, s in zip(t_run, t_sample))
+    finally:
+        env.CHILD_ENV = HARNESS
+        child.close()
+        shutil.rmtree(run, ignore_errors=True)
+
+
+HARNESS = dict(env.CHILD_ENV)  # what env.Child gives every child
+DEFAULT_WAIT = {k: v for k, v in HARNESS.items() if k != "OMP_WAIT_POLICY"}  # libgomp's default: spin, then sleep
+ROWS = [
+    ("eager (reference child)", "reference", None, HARNESS),
+    ("candidate, forward computes nothing (monitor only)", "candidate", NOTHING, HARNESS),
+    ("candidate, relu.cpp (omp parallel for)", "candidate", KERNEL, HARNESS),
+    ("candidate relu.cpp, OMP_NUM_THREADS=1 (no thread team)", "candidate", KERNEL, dict(HARNESS, OMP_NUM_THREADS="1")),
+    ("eager, libgomp default wait policy", "reference", None, DEFAULT_WAIT),
+    ("candidate relu.cpp, libgomp default wait policy", "candidate", KERNEL, DEFAULT_WAIT),
+]
+out = []
+for name, mode, src, extra in ROWS:
+    r = drive(mode, src, extra)
+    out.append((name, *r))
+    print(f"  {name}: run {r[0]:.4f} ms, sample {r[1]:.4f} ms, total {r[2]:.4f} ms (min {r[3]:.4f})", flush=True)
+print(f"\n## timing floor, 1-element relu ({backend}, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}, "
+      f"{args.runs} runs each)\n")
+print("| child / setting | run (ms) | sample (ms) | run + sample, median (ms) | min (ms) |\n|---|---|---|---|---|")
+for name, a, s, t, m in out:
+    print(f"| {name} | {a:.4f} | {s:.4f} | {t:.4f} | {m:.4f} |")
+shutil.rmtree(work, ignore_errors=True)
