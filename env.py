@@ -34,7 +34,8 @@ What one verdict does, in order
                checks, and work deferred past the run are caught or timed. Two more runs, which ones
                drawn after each run returned, are read in full and not timed (work skipped in a pattern
                a sample can miss). Median of 20 runs, each on inputs of its own. One timed section
-               per device at a time (a lock this process holds). Baselines are timed while no
+               per device at a time (a lock this process holds). Every child gets the same threading
+               settings (CHILD_ENV: one OpenMP thread per core, idle workers sleep). Baselines are timed while no
                candidate lives on the device, cached per reference with their spread, and measured
                again (up to 3 times) while noisy.
   6. reward    the paper's milestones: -1 incorrect; 3 if >5% faster than eager AND compile;
@@ -65,8 +66,9 @@ What it does NOT protect against (be honest; RL will look)
   - a content-keyed output cache when the inputs are so large that fewer distinct input sets than timed
     runs fit in `input_budget_mb`: the sets are then reused in turn.
   - reduced precision inside a kernel that stays within atol/rtol (and the RMS bound) passes, as in the paper.
-  - the time includes two pipe round trips (tens of microseconds): for tiny kernels the reward sees host
-    overhead. It is the same for the candidate and both baselines.
+  - the time includes two pipe round trips and the sample's copy: for tiny kernels the reward sees host
+    overhead (bench/env_bench.py states this floor; bench/floor_diag.py splits it). It is the same for the
+    candidate and both baselines, except the candidate's dispatch monitor (tens of microseconds a run).
   - where a layer is unavailable (no namespaces in some containers; an unprivileged uid only where the
     interpreter is reachable by it), isolation falls back to the rest; this is said once on stderr.
   - GPU memory is not capped per candidate on the CUDA backend (RLIMIT_AS breaks CUDA).
