@@ -648,7 +648,7 @@ def _child_main(spec_path: str):
     cmd_fd, rep_fd = spec["cmd_fd"], spec["rep_fd"]
     device = torch.device("cuda" if spec["backend"] == "cuda" else "cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))  # CHILD_ENV, from the parent
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=device) if device.type == "cuda" else None  # > 2x the L2
 
     def load(path, name):
@@ -769,11 +769,13 @@ def _child_main(spec_path: str):
 # The parent's side: children, their pipes, the clock
 # ----------------------------------------------------------------------------------------------
 # What every child gets, the reference (eager, torch.compile) and the candidate alike, so all three are timed under
-# the same threading. One OpenMP thread per core; idle workers sleep instead of spinning. libgomp's default spins a
-# worker for milliseconds after each parallel region: on a shared host such a worker is preempted, and the next
-# barrier waits a scheduler slice for it (a 1-element `omp parallel for` took ~15 ms a run on 2 loaded cores, ~1 ms
-# passive; eager's 1-element ops open no parallel region, so the spin fell on the candidate alone).
-CHILD_ENV = {"OMP_NUM_THREADS": str(os.cpu_count() or 1), "OMP_WAIT_POLICY": "passive"}
+# the same threading: one OpenMP thread per core this process may run on (a lent slice of a big host has fewer than
+# os.cpu_count()), and idle workers that sleep instead of spinning. libgomp's default spins a worker for
+# milliseconds after each parallel region: on a shared host such a worker is preempted, and the next barrier waits a
+# scheduler slice for it (a 1-element `omp parallel for` took ~15 ms a run on 2 loaded cores, ~0.2 ms passive;
+# eager's 1-element ops open no parallel region, so the spin fell on the candidate alone).
+CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # the cores we may use
+CHILD_ENV = {"OMP_NUM_THREADS": str(CPUS), "OMP_WAIT_POLICY": "passive"}
 PIPE_BYTES = 1 << 20  # a pipe holds a whole sample (65536 elements of 8 bytes = 512 KiB): one write, one wake-up
 
 

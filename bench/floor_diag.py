@@ -1,12 +1,13 @@
 """Where the timing floor goes: a 1-element task's runs, driven through env.py's own children and pipes.
 
-    python bench/floor_diag.py                 # CPU backend, examples/relu_cpu at BATCH = DIM = 1
-    python bench/floor_diag.py --runs 200      # steadier medians
+    python bench/floor_diag.py                           # CPU backend, examples/relu.py at BATCH = DIM = 1
+    python bench/floor_diag.py --backend cuda --runs 200  # on the GPU, steadier medians
 
 Each row drives one sandboxed child (env.Child, the real harness) through the run protocol of env.timed_runs
 ("load" untimed; then "run" and "sample" on the parent's clock) and splits the medians per exchange. Rows vary
-one thing at a time: which function runs (eager in the reference child, the candidate's extension, a forward
-that computes nothing), and the OpenMP settings the child gets (env.CHILD_ENV: the harness's, or libgomp's default wait policy). Prints a table.
+one thing at a time: which function runs (eager in the reference child, the candidate's extension
+tests/env_cases/ops.cpp or cuda/ops.cu, a forward that computes nothing), the output's size, the reply pipe's
+size (env.PIPE_BYTES), and the OpenMP settings the child gets (env.CHILD_ENV: the harness's, or libgomp's default wait policy). Prints a table.
 """
 import argparse
 import os
@@ -29,16 +30,25 @@ p.add_argument("--runs", type=int, default=60)
 args = p.parse_args()
 backend = env.resolve_backend(args.backend)
 
-ex = ROOT / "examples" / ("relu_cpu" if backend == "cpu" else "relu")
-model = (ex / "model.py").read_text().replace("BATCH = 64", "BATCH = 1").replace("DIM = 4096", "DIM = 1")
-files, _ = env.collect(ex, backend)
+CASES = ROOT / "tests" / "env_cases"
+RELU = (ROOT / "examples" / "relu.py").read_text()
+if backend == "cuda":
+    files = {f"kernels/{f.name}": f.read_text() for f in (CASES / "cuda").glob("ops*")}
+else:
+    files = {"kernels/ops.cpp": (CASES / "ops.cpp").read_text()}  # relu_scale: an `omp parallel for` over rows
 b = env.build(files, backend)
 assert b.ok, b.log
-KERNEL = (ex / "model_new.py").read_text()
-NOTHING = KERNEL.replace("return cuda_extension.forward(x, *self.parameters())", "return x")  # the monitor, no op
+KERNEL = ("import torch\nimport torch.nn as nn\nimport cuda_extension\n\n\nclass ModelNew(nn.Module):\n"
+          "    def __init__(self, dim):\n        super().__init__()\n        self.scale = nn.Parameter(torch.randn(dim))\n\n"
+          "    def forward(self, x):\n        return cuda_extension.relu_scale(x, self.scale)\n")
+NOTHING = KERNEL.replace("return cuda_extension.relu_scale(x, self.scale)", "return x")  # the monitor, no op
 
 
-def drive(mode, model_new=None, extra=None):
+def task(batch, dim):
+    return RELU.replace("BATCH = 64", f"BATCH = {batch}").replace("DIM = 4096", f"DIM = {dim}")
+
+
+def drive(mode, model_new, extra, model, pipe_bytes):
     """Medians (ms) of the parent's clock around "run", around "sample", and both (the verdict's figure)."""
     cfg = env.Config(backend=backend)
     run = Path(tempfile.mkdtemp(dir=env.CACHE_DIR))
@@ -52,7 +62,7 @@ def drive(mode, model_new=None, extra=None):
         (run / "model_new.py").write_text(model_new)
         shutil.copy(b.so_path, run / "ext" / "cuda_extension.so")
         spec.update(model_new=str(run / "model_new.py"), ext_dir=str(run / "ext"), cand_dir=str(run))
-    env.CHILD_ENV = extra  # this row's setting, for this child only
+    env.CHILD_ENV, env.PIPE_BYTES = extra, pipe_bytes  # this row's settings, for this child only
     child = env.Child(spec, run, backend, cfg)
     try:
         if mode == "reference":
@@ -79,27 +89,31 @@ def drive(mode, model_new=None, extra=None):
         med = statistics.median
         return med(t_run), med(t_sample), med([a + s for a, s in zip(t_run, t_sample)]), min(a + s for a, s in zip(t_run, t_sample))
     finally:
-        env.CHILD_ENV = HARNESS
+        env.CHILD_ENV, env.PIPE_BYTES = HARNESS, PIPE
         child.close()
         shutil.rmtree(run, ignore_errors=True)
 
 
-HARNESS = dict(env.CHILD_ENV)  # what env.Child gives every child
+HARNESS, PIPE = dict(env.CHILD_ENV), env.PIPE_BYTES  # what env.Child gives every child
 DEFAULT_WAIT = {k: v for k, v in HARNESS.items() if k != "OMP_WAIT_POLICY"}  # libgomp's default: spin, then sleep
-ROWS = [
-    ("eager (reference child)", "reference", None, HARNESS),
-    ("candidate, forward computes nothing (monitor only)", "candidate", NOTHING, HARNESS),
-    ("candidate, relu.cpp (omp parallel for)", "candidate", KERNEL, HARNESS),
-    ("candidate relu.cpp, OMP_NUM_THREADS=1 (no thread team)", "candidate", KERNEL, dict(HARNESS, OMP_NUM_THREADS="1")),
-    ("eager, libgomp default wait policy", "reference", None, DEFAULT_WAIT),
-    ("candidate relu.cpp, libgomp default wait policy", "candidate", KERNEL, DEFAULT_WAIT),
+ONE, BIG = task(1, 1), task(64, 4096)  # 1 element; 262144 elements (the sample: 65536 floats, 256 KiB)
+ROWS = [  # (name, child, model_new, child env, task, reply pipe bytes)
+    ("eager (reference child)", "reference", None, HARNESS, ONE, PIPE),
+    ("candidate, forward computes nothing (monitor only)", "candidate", NOTHING, HARNESS, ONE, PIPE),
+    ("candidate, relu_scale kernel", "candidate", KERNEL, HARNESS, ONE, PIPE),
+    ("candidate relu_scale, OMP_NUM_THREADS=1 (no thread team)", "candidate", KERNEL, dict(HARNESS, OMP_NUM_THREADS="1"), ONE, PIPE),
+    ("eager, libgomp default wait policy", "reference", None, DEFAULT_WAIT, ONE, PIPE),
+    ("candidate relu_scale, libgomp default wait policy", "candidate", KERNEL, DEFAULT_WAIT, ONE, PIPE),
+    ("64x4096: eager", "reference", None, HARNESS, BIG, PIPE),
+    ("64x4096: candidate relu_scale", "candidate", KERNEL, HARNESS, BIG, PIPE),
+    ("64x4096: candidate relu_scale, 64 KiB pipe", "candidate", KERNEL, HARNESS, BIG, 1 << 16),
 ]
 out = []
-for name, mode, src, extra in ROWS:
-    r = drive(mode, src, extra)
+for name, *how in ROWS:
+    r = drive(*how)
     out.append((name, *r))
     print(f"  {name}: run {r[0]:.4f} ms, sample {r[1]:.4f} ms, total {r[2]:.4f} ms (min {r[3]:.4f})", flush=True)
-print(f"\n## timing floor, 1-element relu ({backend}, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}, "
+print(f"\n## timing floor, relu_scale, 1 element unless said ({backend}, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}, "
       f"{args.runs} runs each)\n")
 print("| child / setting | run (ms) | sample (ms) | run + sample, median (ms) | min (ms) |\n|---|---|---|---|---|")
 for name, a, s, t, m in out:
