@@ -467,7 +467,7 @@ def test_forged_replies_are_rejected(replies, expect):
     v = env.Verdict()
     replies = [r if isinstance(r, (tuple, Exception)) else (r, []) for r in replies]
     with pytest.raises(expect):
-        env._drive_candidate(v, FakeChild(replies), [1, 2], [torch_zeros()] * 2, [], [], env.Config(), "cpu")
+        env._drive_candidate(v, FakeChild(replies), [1, 2], [torch_zeros()] * 2, [], [], env.Config(), "cpu", lambda name: None)
     assert v.reward == -1 and not v.correct
 
 
