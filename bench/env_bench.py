@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 work = Path(tempfile.mkdtemp(prefix="env-bench-"))
 os.environ["CUDA_AGENT_CACHE"] = str(work / "cache")  # a cold cache: nothing built before this run
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # the in-process timer, threaded as env.CHILD_ENV threads children
 import env  # noqa: E402
 
 CASES = ROOT / "tests" / "env_cases"

@@ -1,4 +1,4 @@
-"""Where the timing floor goes: a 1-element task's runs, driven through env.py's own children and pipes.
+"""Where the timing floor goes: small tasks' runs, driven through env.py's own children and pipes.
 
     python bench/floor_diag.py                           # CPU backend, examples/relu.py at BATCH = DIM = 1
     python bench/floor_diag.py --backend cuda --runs 200  # on the GPU, steadier medians
@@ -6,7 +6,8 @@
 Each row drives one sandboxed child (env.Child, the real harness) through the run protocol of env.timed_runs
 ("load" untimed; then "run" and "sample" on the parent's clock) and splits the medians per exchange. Rows vary
 one thing at a time: which function runs (eager in the reference child, the candidate's extension
-tests/env_cases/ops.cpp or cuda/ops.cu, a forward that computes nothing), the output's size, the reply pipe's
+tests/env_cases/ops.cpp or cuda/ops.cu, a forward that computes nothing), the task (relu_scale at 1 element
+and at 64x4096, the tests' matmul; matmul1k on cuda), the output's size, the reply pipe's
 size (env.PIPE_BYTES), and the OpenMP settings the child gets (env.CHILD_ENV: the harness's, or libgomp's default wait policy). Prints a table.
 """
 import argparse
@@ -22,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 work = Path(tempfile.mkdtemp(prefix="floor-diag-"))
 os.environ.setdefault("CUDA_AGENT_CACHE", str(work / "cache"))
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # the in-process timer, threaded as env.CHILD_ENV threads children
 import env  # noqa: E402
 
 p = argparse.ArgumentParser()
@@ -38,10 +40,21 @@ else:
     files = {"kernels/ops.cpp": (CASES / "ops.cpp").read_text()}  # relu_scale: an `omp parallel for` over rows
 b = env.build(files, backend)
 assert b.ok, b.log
-KERNEL = ("import torch\nimport torch.nn as nn\nimport cuda_extension\n\n\nclass ModelNew(nn.Module):\n"
-          "    def __init__(self, dim):\n        super().__init__()\n        self.scale = nn.Parameter(torch.randn(dim))\n\n"
-          "    def forward(self, x):\n        return cuda_extension.relu_scale(x, self.scale)\n")
-NOTHING = KERNEL.replace("return cuda_extension.relu_scale(x, self.scale)", "return x")  # the monitor, no op
+
+
+def model_new(init, forward):
+    """A ModelNew with relu's parameters (init=True) or none, whose forward returns `forward`."""
+    params = ("self, dim):\n        super().__init__()\n        self.scale = nn.Parameter(torch.randn(dim))" if init
+              else "self):\n        super().__init__()")
+    args = "x" if init else "a, b"
+    return ("import torch\nimport torch.nn as nn\nimport cuda_extension\n\n\nclass ModelNew(nn.Module):\n"
+            f"    def __init__({params}\n\n    def forward(self, {args}):\n        return {forward}\n")
+
+
+KERNEL = model_new(True, "cuda_extension.relu_scale(x, self.scale)")
+NOTHING = model_new(True, "x")  # the monitor, no op
+MATMUL, MATMUL_NOTHING = model_new(False, "cuda_extension.matmul(a, b)"), model_new(False, "a")
+MM = (CASES / ("cuda/matmul1k.py" if backend == "cuda" else "matmul.py")).read_text()
 
 
 def task(batch, dim):
@@ -107,12 +120,25 @@ ROWS = [  # (name, child, model_new, child env, task, reply pipe bytes)
     ("64x4096: eager", "reference", None, HARNESS, BIG, PIPE),
     ("64x4096: candidate relu_scale", "candidate", KERNEL, HARNESS, BIG, PIPE),
     ("64x4096: candidate relu_scale, 64 KiB pipe", "candidate", KERNEL, HARNESS, BIG, 1 << 16),
+    ("matmul: eager", "reference", None, HARNESS, MM, PIPE),
+    ("matmul: candidate, forward computes nothing (returns a)", "candidate", MATMUL_NOTHING, HARNESS, MM, PIPE),
+    ("matmul: candidate cuda_extension.matmul", "candidate", MATMUL, HARNESS, MM, PIPE),
 ]
 out = []
 for name, *how in ROWS:
     r = drive(*how)
     out.append((name, *r))
     print(f"  {name}: run {r[0]:.4f} ms, sample {r[1]:.4f} ms, total {r[2]:.4f} ms (min {r[3]:.4f})", flush=True)
+# The trusted in-process timer (env.time_callable: no pipes, no monitor, this process's threads) on eager, per task.
+dev = "cuda" if backend == "cuda" else "cpu"
+for name, code in (("eager in-process (env.time_callable), 1 element", ONE), ("eager in-process, 64x4096", BIG),
+                   ("eager in-process, matmul", MM)):
+    ns = {}
+    exec(compile(code, name, "exec"), ns)
+    m = ns["Model"](*ns["get_init_inputs"]()).to(dev).eval()
+    t, _ = env.time_callable(m, [[x.to(dev) for x in ns["get_inputs"]()] for _ in range(4)], n_timed=args.runs)
+    out.append((name, t, float("nan"), t, float("nan")))
+    print(f"  {name}: {t:.4f} ms", flush=True)
 print(f"\n## timing floor, relu_scale, 1 element unless said ({backend}, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}, "
       f"{args.runs} runs each)\n")
 print("| child / setting | run (ms) | sample (ms) | run + sample, median (ms) | min (ms) |\n|---|---|---|---|---|")
