@@ -40,7 +40,8 @@ What one verdict does, in order
                checks, and work deferred past the run are caught or timed. Two more runs, which ones
                drawn after each run returned, are read in full and not timed (work skipped in a pattern
                a sample can miss). Median of 20 runs, each on inputs of its own. One timed section
-               per device at a time (a lock this process holds). Baselines are timed while no
+               per device at a time (a lock this process holds). Every child gets the same threading
+               settings (CHILD_ENV: one OpenMP thread per core, idle workers sleep). Baselines are timed while no
                candidate lives on the device, cached per reference with their spread, and measured
                again (up to 3 times) while noisy.
   6. reward    the paper's milestones: -1 incorrect; 3 if >5% faster than eager AND compile;
@@ -80,8 +81,9 @@ What it does NOT protect against (be honest; RL will look)
   - a content-keyed output cache when the inputs are so large that fewer distinct input sets than timed
     runs fit in `input_budget_mb`: the sets are then reused in turn.
   - reduced precision inside a kernel that stays within atol/rtol (and the RMS bound) passes, as in the paper.
-  - the time includes two pipe round trips (tens of microseconds): for tiny kernels the reward sees host
-    overhead. It is the same for the candidate and both baselines.
+  - the time includes two pipe round trips and the sample's copy: for tiny kernels the reward sees host
+    overhead (bench/env_bench.py states this floor; bench/floor_diag.py splits it). It is the same for the
+    candidate and both baselines, except the candidate's dispatch monitor (tens of microseconds a run).
   - where a layer is unavailable (no namespaces in some containers; an unprivileged uid only where the
     interpreter is reachable by it), isolation falls back to the rest; this is said once on stderr.
   - GPU memory is not capped per candidate on the CUDA backend (RLIMIT_AS breaks CUDA).
@@ -699,7 +701,7 @@ def _child_main(spec_path: str):
     cmd_fd, rep_fd = spec["cmd_fd"], spec["rep_fd"]
     device = torch.device("cuda" if spec["backend"] == "cuda" else "cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))  # CHILD_ENV, from the parent
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=device) if device.type == "cuda" else None  # > 2x the L2
 
     def load(path, name):
@@ -819,16 +821,29 @@ def _child_main(spec_path: str):
 # ----------------------------------------------------------------------------------------------
 # The parent's side: children, their pipes, the clock
 # ----------------------------------------------------------------------------------------------
+# What every child gets, the reference (eager, torch.compile) and the candidate alike, so all three are timed under
+# the same threading: one OpenMP thread per core this process may run on (a lent slice of a big host has fewer than
+# os.cpu_count()), and idle workers that sleep instead of spinning. libgomp's default spins a worker for
+# milliseconds after each parallel region: on a shared host such a worker is preempted, and the next barrier waits a
+# scheduler slice for it (a 1-element `omp parallel for` took ~15 ms a run on 2 loaded cores, ~0.2 ms passive;
+# eager's 1-element ops open no parallel region, so the spin fell on the candidate alone).
+CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # the cores we may use
+CHILD_ENV = {"OMP_NUM_THREADS": str(CPUS), "OMP_WAIT_POLICY": "passive"}
+PIPE_BYTES = 1 << 20  # a pipe holds a whole sample (65536 elements of 8 bytes = 512 KiB): one write, one wake-up
+
+
 class Child:
     """A sandboxed child (run_sandboxed in a thread) and the two pipes the parent drives it through."""
 
     def __init__(self, spec: dict, run_dir: Path, backend: str, cfg: Config, writable=(), env=None):
         self.cmd_r, self.cmd_w = os.pipe()
         self.rep_r, self.rep_w = os.pipe()
+        with contextlib.suppress(OSError, AttributeError):  # Linux; elsewhere the default size (more round trips)
+            fcntl.fcntl(self.rep_w, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
         spec = dict(spec, cmd_fd=self.cmd_r, rep_fd=self.rep_w)
         (run_dir / "spec.json").write_text(json.dumps(spec))
         argv = [sys.executable, "-E", "-B", str(ENV_PY), "_child", str(run_dir / "spec.json")]
-        extra = dict(env or {}, OMP_NUM_THREADS=str(os.cpu_count() or 1))
+        extra = dict(env or {}, **CHILD_ENV)
         self.result = None
         self.pgid = None
 
@@ -1064,7 +1079,7 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
     seed0 = rng.randrange(2**31)
     check_seeds = [rng.randrange(2**31) for _ in range(cfg.n_checks)]
     timed_seeds = [rng.randrange(2**31) for _ in range(max(cfg.n_timed, 2) + cfg.n_audits)] if timed else []
-    base_key = hashlib.sha256(f"{ref_code}\0{backend}\0{toolchain_id_light(backend)}\0{cfg.n_timed}\0pipe-clock-1".encode()).hexdigest()[:24]
+    base_key = hashlib.sha256(f"{ref_code}\0{backend}\0{toolchain_id_light(backend)}\0{cfg.n_timed}\0{sorted(CHILD_ENV.items())}\0pipe-clock-1".encode()).hexdigest()[:24]
     base_file = CACHE_DIR / "baselines" / f"{base_key}.json"
     cached = json.loads(base_file.read_text()) if base_file.exists() else None
     # Re-measured while noisy, up to 3 times; the least noisy measurement is kept.

@@ -6,7 +6,8 @@ scratch each time, as KernelBench does), side by side in one run. Prints a table
 
 Measures: cold compile of a small kernel (CUDA-Agent layout: pure kernel + torch binding), rebuild after
 editing one kernel, full verdict time with the build cached (first with baselines to time, then steady
-state), the spread (max/min) of runtime_ms over 5 repeated verdicts of the same >= 0.5 ms kernel, and where a
+state), the spread (max/min) of runtime_ms over 5 repeated verdicts of the same >= 0.5 ms kernel, the timing floor
+(a 1-element task's candidate and eager runtime by the verdict's protocol, and eager in-process), and where a
 verdict's time goes (env.Verdict.phases: scan, build, reference outputs, baselines, candidate start, checks,
 timed runs).
 """
@@ -23,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 work = Path(tempfile.mkdtemp(prefix="env-bench-"))
 os.environ["CUDA_AGENT_CACHE"] = str(work / "cache")  # a cold cache: nothing built before this run
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # the in-process timer, threaded as env.CHILD_ENV threads children
 import env  # noqa: E402
 
 CASES = ROOT / "tests" / "env_cases"
@@ -110,12 +112,37 @@ for i in range(args.repeats + 1):
     assert v.correct, v.summary()
     verdicts.append((time.monotonic() - t0, v.runtime_ms, v.phases))
     print(f"  verdict {i}: {verdicts[-1][0]:.2f} s, runtime {v.runtime_ms:.4f} ms (eager {v.eager_ms:.4f}, compile {v.compile_ms:.4f})", flush=True)
+# 6. the timing floor: a 1-element task (relu of one float) through the same protocol, candidate and eager alike.
+# Every verdict pays it (two pipe round trips, the sample copy, the candidate's dispatch monitor); the trusted
+# in-process timer (env.time_callable, no pipes) on the same eager model says how much of it is the protocol.
+floor = work / "floor"
+shutil.copytree(ws / "kernels", floor / "kernels")
+relu_1 = (ROOT / "examples" / "relu.py").read_text().replace("BATCH = 64", "BATCH = 1").replace("DIM = 4096", "DIM = 1")
+(floor / "model.py").write_text(relu_1)
+(floor / "model_new.py").write_text("import torch\nimport torch.nn as nn\nimport cuda_extension\n\n\nclass ModelNew(nn.Module):\n"
+                                    "    def __init__(self, dim):\n        super().__init__()\n        self.scale = nn.Parameter(torch.randn(dim))\n\n"
+                                    "    def forward(self, x):\n        return cuda_extension.relu_scale(x, self.scale)\n")
+floors = []
+for i in range(3):
+    v = env.evaluate(floor, backend=backend)
+    assert v.correct, v.summary()
+    floors.append((v.runtime_ms, v.eager_ms))
+    print(f"  floor verdict {i}: runtime {v.runtime_ms:.4f} ms (eager {v.eager_ms:.4f})", flush=True)
+ns = {}
+exec(compile(relu_1, "relu_1", "exec"), ns)
+dev = "cuda" if cuda else "cpu"
+eager_1 = ns["Model"](*ns["get_init_inputs"]()).to(dev).eval()
+inproc, _ = env.time_callable(eager_1, [[x.to(dev) for x in ns["get_inputs"]()] for _ in range(4)])
+
 row("full verdict, build cached, baselines timed (first)", verdicts[0][0], "s")
 steady = sorted(t for t, _, _ in verdicts[1:])
 row("full verdict, build + baselines cached (median)", steady[len(steady) // 2], "s", "<= 10 s")
 rt = [r for _, r, _ in verdicts]
 row(f"kernel runtime_ms (median of {len(rt)} verdicts)", sorted(rt)[len(rt) // 2], "ms", ">= 0.5 ms")
 row(f"spread max/min of runtime_ms over {len(rt)} verdicts", max(rt) / min(rt), "x", "<= 1.03")
+row("timing floor: 1-element relu, candidate (pipe clock, median of 3 verdicts)", sorted(f[0] for f in floors)[1], "ms")
+row("timing floor: 1-element relu, eager (pipe clock, same protocol)", floors[0][1], "ms")
+row("timing floor: 1-element relu, eager in-process (env.time_callable, no pipes)", inproc, "ms")
 
 print(f"\n## env.py benchmark ({backend}, {env.toolchain_id_light(backend)})\n")
 print("| measure | value | target |\n|---|---|---|")

@@ -468,7 +468,7 @@ def test_forged_replies_are_rejected(replies, expect):
     v = env.Verdict()
     replies = [r if isinstance(r, (tuple, Exception)) else (r, []) for r in replies]
     with pytest.raises(expect):
-        env._drive_candidate(v, FakeChild(replies), [1, 2], [torch_zeros()] * 2, [], [], env.Config(), "cpu")
+        env._drive_candidate(v, FakeChild(replies), [1, 2], [torch_zeros()] * 2, [], [], env.Config(), "cpu", lambda name: None)
     assert v.reward == -1 and not v.correct
 
 
@@ -595,6 +595,42 @@ def test_baselines_are_timed_while_no_candidate_lives(tmp_path, monkeypatch):
     assert v.correct and v.eager_ms and v.compile_ms, v.summary()
     ref_times = [i for i, e in enumerate(events) if e == ("time", "reference")]
     assert len(ref_times) == 2 and events.index(("start", "candidate")) > max(ref_times), events
+
+
+def test_every_child_gets_the_same_threading_settings(tmp_path, monkeypatch):
+    """Candidate and reference (eager, torch.compile) children run under the same harness settings, idle OpenMP
+    workers sleeping (a spinning one, preempted on a busy host, made every candidate parallel region wait ~ms)."""
+    seen = []
+    real = env.run_sandboxed
+
+    def spy(argv, *a, **k):
+        if "_child" in argv:
+            seen.append(dict(k.get("env") or {}))
+        return real(argv, *a, **k)
+
+    monkeypatch.setattr(env, "run_sandboxed", spy)
+    v = env.evaluate(make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)")),
+                     backend="cpu", stage="verify")
+    assert v.correct, v.summary()
+    assert len(seen) == 2 and env.CHILD_ENV["OMP_WAIT_POLICY"] == "passive"
+    for e in seen:
+        assert {k: e.get(k) for k in env.CHILD_ENV} == env.CHILD_ENV
+
+
+def test_kernels_use_torchs_own_openmp_runtime(tmp_path):
+    """The extension brings no OpenMP runtime of its own: loaded next to torch, the process maps the same OpenMP
+    libraries as torch alone (two runtimes would mean two thread pools competing for the cores)."""
+    b = env.build({"kernels/ops.cpp": OPS}, "cpu")
+    assert b.ok, b.log
+    probe = ("import importlib.util, sys, torch\n"
+             "if sys.argv[1]:\n"
+             "    s = importlib.util.spec_from_file_location('cuda_extension', sys.argv[1])\n"
+             "    s.loader.exec_module(importlib.util.module_from_spec(s))\n"
+             "torch.set_num_threads(2)\n"
+             "print(*sorted({l.split()[-1] for l in open('/proc/self/maps') if 'omp' in l.split()[-1].rsplit('/', 1)[-1]}))\n")
+    maps = [subprocess.run([sys.executable, "-c", probe, so], capture_output=True, text=True, check=True).stdout.split()
+            for so in ("", str(b.so_path))]
+    assert maps[0] == maps[1] and len(maps[1]) <= 1, maps  # (the paths of the OpenMP libraries mapped)
 
 
 def test_no_candidates_waits_for_live_candidates(tmp_path):

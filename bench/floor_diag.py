@@ -1,0 +1,147 @@
+"""Where the timing floor goes: small tasks' runs, driven through env.py's own children and pipes.
+
+    python bench/floor_diag.py                           # CPU backend, examples/relu.py at BATCH = DIM = 1
+    python bench/floor_diag.py --backend cuda --runs 200  # on the GPU, steadier medians
+
+Each row drives one sandboxed child (env.Child, the real harness) through the run protocol of env.timed_runs
+("load" untimed; then "run" and "sample" on the parent's clock) and splits the medians per exchange. Rows vary
+one thing at a time: which function runs (eager in the reference child, the candidate's extension
+tests/env_cases/ops.cpp or cuda/ops.cu, a forward that computes nothing), the task (relu_scale at 1 element
+and at 64x4096, the tests' matmul; matmul1k on cuda), the output's size, the reply pipe's
+size (env.PIPE_BYTES), and the OpenMP settings the child gets (env.CHILD_ENV: the harness's, or libgomp's default wait policy). Prints a table.
+"""
+import argparse
+import os
+import secrets
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+work = Path(tempfile.mkdtemp(prefix="floor-diag-"))
+os.environ.setdefault("CUDA_AGENT_CACHE", str(work / "cache"))
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # the in-process timer, threaded as env.CHILD_ENV threads children
+import env  # noqa: E402
+
+p = argparse.ArgumentParser()
+p.add_argument("--backend", default="cpu")
+p.add_argument("--runs", type=int, default=60)
+args = p.parse_args()
+backend = env.resolve_backend(args.backend)
+
+CASES = ROOT / "tests" / "env_cases"
+RELU = (ROOT / "examples" / "relu.py").read_text()
+if backend == "cuda":
+    files = {f"kernels/{f.name}": f.read_text() for f in (CASES / "cuda").glob("ops*")}
+else:
+    files = {"kernels/ops.cpp": (CASES / "ops.cpp").read_text()}  # relu_scale: an `omp parallel for` over rows
+b = env.build(files, backend)
+assert b.ok, b.log
+
+
+def model_new(init, forward):
+    """A ModelNew with relu's parameters (init=True) or none, whose forward returns `forward`."""
+    params = ("self, dim):\n        super().__init__()\n        self.scale = nn.Parameter(torch.randn(dim))" if init
+              else "self):\n        super().__init__()")
+    args = "x" if init else "a, b"
+    return ("import torch\nimport torch.nn as nn\nimport cuda_extension\n\n\nclass ModelNew(nn.Module):\n"
+            f"    def __init__({params}\n\n    def forward(self, {args}):\n        return {forward}\n")
+
+
+KERNEL = model_new(True, "cuda_extension.relu_scale(x, self.scale)")
+NOTHING = model_new(True, "x")  # the monitor, no op
+MATMUL, MATMUL_NOTHING = model_new(False, "cuda_extension.matmul(a, b)"), model_new(False, "a")
+MM = (CASES / ("cuda/matmul1k.py" if backend == "cuda" else "matmul.py")).read_text()
+
+
+def task(batch, dim):
+    return RELU.replace("BATCH = 64", f"BATCH = {batch}").replace("DIM = 4096", f"DIM = {dim}")
+
+
+def drive(mode, model_new, extra, model, pipe_bytes):
+    """Medians (ms) of the parent's clock around "run", around "sample", and both (the verdict's figure)."""
+    cfg = env.Config(backend=backend)
+    run = Path(tempfile.mkdtemp(dir=env.CACHE_DIR))
+    (run / "ext").mkdir()
+    (run / "model.py").write_text(model)
+    spec = dict(backend=backend, seed0=1, mode=mode, reference=str(run / "model.py"))
+    seeds = [secrets.randbelow(2**31) for _ in range(4)]
+    if mode == "reference":
+        spec.update(seeds=seeds, n_checks=0, budget_mb=64)
+    else:
+        (run / "model_new.py").write_text(model_new)
+        shutil.copy(b.so_path, run / "ext" / "cuda_extension.so")
+        spec.update(model_new=str(run / "model_new.py"), ext_dir=str(run / "ext"), cand_dir=str(run))
+    env.CHILD_ENV, env.PIPE_BYTES = extra, pipe_bytes  # this row's settings, for this child only
+    child = env.Child(spec, run, backend, cfg)
+    try:
+        if mode == "reference":
+            n = child.answer()[0]["timed_sets"]
+            for _ in range(n):
+                child.answer()
+            child.ask({"op": "use", "fn": "eager"})
+        else:
+            assert child.answer()[0].get("ready"), "candidate did not load"
+            child.ask({"op": "use", "fn": "candidate"})
+        child.ask({"op": "load", "seed": seeds[0]})
+        for _ in range(cfg.warmup):
+            child.ask({"op": "run"})
+        t_run, t_sample = [], []
+        for i in range(args.runs):
+            child.ask({"op": "load", "seed": seeds[i % 2]})
+            t0 = env._clock()
+            child.ask({"op": "run"})
+            t1 = env._clock()
+            child.ask({"op": "sample", "offset": secrets.randbelow(1 << 30)})
+            t2 = env._clock()
+            t_run.append((t1 - t0) * 1e3)
+            t_sample.append((t2 - t1) * 1e3)
+        med = statistics.median
+        return med(t_run), med(t_sample), med([a + s for a, s in zip(t_run, t_sample)]), min(a + s for a, s in zip(t_run, t_sample))
+    finally:
+        env.CHILD_ENV, env.PIPE_BYTES = HARNESS, PIPE
+        child.close()
+        shutil.rmtree(run, ignore_errors=True)
+
+
+HARNESS, PIPE = dict(env.CHILD_ENV), env.PIPE_BYTES  # what env.Child gives every child
+DEFAULT_WAIT = {k: v for k, v in HARNESS.items() if k != "OMP_WAIT_POLICY"}  # libgomp's default: spin, then sleep
+ONE, BIG = task(1, 1), task(64, 4096)  # 1 element; 262144 elements (the sample: 65536 floats, 256 KiB)
+ROWS = [  # (name, child, model_new, child env, task, reply pipe bytes)
+    ("eager (reference child)", "reference", None, HARNESS, ONE, PIPE),
+    ("candidate, forward computes nothing (monitor only)", "candidate", NOTHING, HARNESS, ONE, PIPE),
+    ("candidate, relu_scale kernel", "candidate", KERNEL, HARNESS, ONE, PIPE),
+    ("candidate relu_scale, OMP_NUM_THREADS=1 (no thread team)", "candidate", KERNEL, dict(HARNESS, OMP_NUM_THREADS="1"), ONE, PIPE),
+    ("eager, libgomp default wait policy", "reference", None, DEFAULT_WAIT, ONE, PIPE),
+    ("candidate relu_scale, libgomp default wait policy", "candidate", KERNEL, DEFAULT_WAIT, ONE, PIPE),
+    ("64x4096: eager", "reference", None, HARNESS, BIG, PIPE),
+    ("64x4096: candidate relu_scale", "candidate", KERNEL, HARNESS, BIG, PIPE),
+    ("64x4096: candidate relu_scale, 64 KiB pipe", "candidate", KERNEL, HARNESS, BIG, 1 << 16),
+    ("matmul: eager", "reference", None, HARNESS, MM, PIPE),
+    ("matmul: candidate, forward computes nothing (returns a)", "candidate", MATMUL_NOTHING, HARNESS, MM, PIPE),
+    ("matmul: candidate cuda_extension.matmul", "candidate", MATMUL, HARNESS, MM, PIPE),
+]
+out = []
+for name, *how in ROWS:
+    r = drive(*how)
+    out.append((name, *r))
+    print(f"  {name}: run {r[0]:.4f} ms, sample {r[1]:.4f} ms, total {r[2]:.4f} ms (min {r[3]:.4f})", flush=True)
+# The trusted in-process timer (env.time_callable: no pipes, no monitor, this process's threads) on eager, per task.
+dev = "cuda" if backend == "cuda" else "cpu"
+for name, code in (("eager in-process (env.time_callable), 1 element", ONE), ("eager in-process, 64x4096", BIG),
+                   ("eager in-process, matmul", MM)):
+    ns = {}
+    exec(compile(code, name, "exec"), ns)
+    m = ns["Model"](*ns["get_init_inputs"]()).to(dev).eval()
+    t, _ = env.time_callable(m, [[x.to(dev) for x in ns["get_inputs"]()] for _ in range(4)], n_timed=args.runs)
+    out.append((name, t, float("nan"), t, float("nan")))
+    print(f"  {name}: {t:.4f} ms", flush=True)
+print(f"\n## timing floor, relu_scale, 1 element unless said ({backend}, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}, "
+      f"{args.runs} runs each)\n")
+print("| child / setting | run (ms) | sample (ms) | run + sample, median (ms) | min (ms) |\n|---|---|---|---|---|")
+for name, a, s, t, m in out:
+    print(f"| {name} | {a:.4f} | {s:.4f} | {t:.4f} | {m:.4f} |")
+shutil.rmtree(work, ignore_errors=True)
