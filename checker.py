@@ -51,7 +51,7 @@ class Checker:
             caches = []
         # CPU: one thread per child (workers use the cores; OpenMP teams on a busy machine make timings erratic).
         threads = 1 if backend == "cpu" else max(1, (os.cpu_count() or 1) // max(1, cfg.workers))
-        extra.update(OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        extra.update(OMP_NUM_THREADS=str(threads), OMP_WAIT_POLICY="passive", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         # no inductor compile-worker pool per child: the workers already compile in parallel, and 12 children
         # each starting a pool of one process per core (each importing torch) would swamp the CPUs
         extra["TORCHINDUCTOR_COMPILE_THREADS"] = "1"

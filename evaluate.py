@@ -404,7 +404,7 @@ def time_reference(job: dict) -> dict:
             Path(run, "spec.json").write_text(json.dumps({"backend": backend, "lock_fd": fd, "n_timed": env.Config.n_timed,
                                                           "dir": run}))
             extra, writable = env.compile_caches()
-            extra["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
+            extra.update(env.CHILD_ENV)  # the threading a verdict's baselines get (OpenMP workers sleep when idle)
             # kind=backend: CUDA children get the namespaces in which a CUDA context works (env.isolation)
             r = env.run_sandboxed([sys.executable, "-E", "-B", str(EVAL_PY), "_reference", f"{run}/spec.json"], run, job["timeout"],
                                   writable=writable, env=extra, pass_fds=[fd], kind=backend)
