@@ -197,18 +197,25 @@ def test_cli_agent_teacher(tasks, tok, tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_agent_teacher_url_on_loopback_server(tasks, tok, tmp_path):
-    """--teacher-url: a chat server's structured tool calls become the student's tokens (here: the scripted
-    teacher's files, served by a fake server)."""
-    t = tasks[0]
-    steps = E.parse(t["code"])
+def serve_teacher_files(code: str):
+    """A fake chat server (test_agent.FakeOpenAI) whose structured tool calls write the scripted teacher's files for
+    the task `code`, then verify and finish. Returns (server, files); the caller shuts the server down."""
+    steps = E.parse(code)
     files = {"kernels/binding.cpp": E.binding("cpu"), "kernels/op.cpp": E.kernel_source(steps, "cpu", "rows"),
-             "model_new.py": E.model_new(t["code"], steps, "cpu")}
+             "model_new.py": E.model_new(code, steps, "cpu")}
     FakeOpenAI.script = [structured("write_file", i, path=p, content=c) for i, (p, c) in enumerate(files.items())] + \
         [{"content": "Check it. " + teacher.call("", "verify").strip()}, structured("finish", 4)]
     FakeOpenAI.requests = []
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeOpenAI)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, files
+
+
+def test_cli_agent_teacher_url_on_loopback_server(tasks, tok, tmp_path):
+    """--teacher-url: a chat server's structured tool calls become the student's tokens (here: the scripted
+    teacher's files, served by a fake server)."""
+    t = tasks[0]
+    srv, files = serve_teacher_files(t["code"])
     tok.save_pretrained(tmp_path / "tok")
     (tmp_path / "task.py").write_text(t["code"])
     try:

@@ -483,21 +483,11 @@ def test_sft_with_teacher_url_on_loopback_server(tmp_path, elem_dataset):
     """--teacher-url / --teacher-model: a chat server writes the demonstrations (here it serves the scripted
     teacher's files for the one training task of the tiny preset). The server is shown the training task only,
     never the held-out one; its episode is scored by env.py and becomes the demonstration sft trains on."""
-    import http.server
-    import threading
-    import elementwise as E
-    import teacher
     from tasks import load_split
-    from test_agent import FakeOpenAI, structured
+    from test_agent import FakeOpenAI
+    from test_curriculum import serve_teacher_files
     task, held = load_split(str(elem_dataset), "train")[0], load_split(str(elem_dataset), "test")[0]
-    steps = E.parse(task["code"])
-    files = {"kernels/binding.cpp": E.binding("cpu"), "kernels/op.cpp": E.kernel_source(steps, "cpu", "rows"),
-             "model_new.py": E.model_new(task["code"], steps, "cpu")}
-    FakeOpenAI.script = [structured("write_file", i, path=p, content=c) for i, (p, c) in enumerate(files.items())] + \
-        [{"content": "Check it. " + teacher.call("", "verify").strip()}, structured("finish", 4)]
-    FakeOpenAI.requests = []
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeOpenAI)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    srv, _ = serve_teacher_files(task["code"])
     rd = tmp_path / "run"
     try:
         r = run_cli(["--stage", "sft", "--preset", "tiny", "--backend", "cpu", "--run-dir", str(rd), "--dataset", str(elem_dataset),
