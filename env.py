@@ -109,36 +109,30 @@ import json
 import math
 import os
 import random
-import re
 import secrets
 import select
-import shlex
 import shutil
 import signal
-import subprocess
 import sys
-import sysconfig
 import tempfile
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from torch.utils import cpp_extension as ce
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import scan
+from build import HEADER_EXT, SOURCE_EXT, build, error_excerpt, toolchain_id_light  # noqa: F401  (env.build: step 3)
+from scan import ALLOWED_OPS, IMPORT_OPS, INIT_OPS  # noqa: F401  (env.IMPORT_OPS: what the module may import)
 from reward import MARGIN, reward_for  # noqa: F401  (env.reward_for: the verdict's reward)
 from sandbox import (CACHE_DIR, SandboxResult, candidate_alive, file_lock, gpu_lock_path, isolation, no_candidates,
                      run_sandboxed)
 
 ENV_PY = Path(__file__).resolve()
 
-SOURCE_EXT = {".cu", ".cpp"}
 MAX_SOURCES, MAX_SOURCE_BYTES = 256, 8 << 20  # what one candidate's kernel sources may add up to
-HEADER_EXT = {".h", ".cuh", ".hpp"}
 
 
 @dataclasses.dataclass
@@ -300,232 +294,6 @@ def static_scan(files: dict, model_new: str) -> tuple[list, list]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Build: per-object content-hash cache, one shared module `cuda_extension`
-# ----------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Build:
-    ok: bool
-    so_path: Path | None
-    log: str
-    seconds: float
-    rebuilt: list  # sources that were compiled (not served from the cache)
-    violations: list = dataclasses.field(default_factory=list)  # what the preprocessed scan refused
-
-
-_TOOLCHAIN: dict = {}
-SCAN_VERSION = "7"  # part of every object's cache key: an object built under an older scan is never reused
-
-
-def toolchain(backend: str) -> dict:
-    """Compiler commands and flags. Computed once per process (importing torch is the slow part)."""
-    if backend in _TOOLCHAIN:
-        return _TOOLCHAIN[backend]
-    std = "-std=c++20" if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 10) else "-std=c++17"
-    roots = [*ce.include_paths(), sysconfig.get_paths()["include"]]
-    inc = [f"-I{p}" for p in roots]
-    defs = ["-DTORCH_EXTENSION_NAME=cuda_extension", "-DTORCH_API_INCLUDE_EXTENSION_H",
-            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
-    cxx = os.environ.get("CXX", "g++")
-    tc = {"cxx": [cxx, "-O3", "-fPIC", std, "-w", *defs, *inc], "ldflags": [], "roots": roots}
-    libdir = ce.library_paths()[0]
-    tc["ldflags"] = [f"-L{libdir}", f"-Wl,-rpath,{libdir}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
-    if backend == "cpu":
-        tc["cxx"] += ["-fopenmp", "-march=native"]
-        tc["ldflags"] += ["-fopenmp"]
-    else:
-        cuda_home = ce.CUDA_HOME or "/usr/local/cuda"
-        nvcc = str(Path(cuda_home) / "bin" / "nvcc") if Path(cuda_home, "bin", "nvcc").exists() else "nvcc"
-        arch = os.environ.get("CUDA_AGENT_ARCH") or gpu_query("compute_cap").replace(".", "") or "90"
-        tc["nvcc"] = [nvcc, "-O3", std, "-Xcompiler", "-fPIC", "-w", "--expt-relaxed-constexpr",
-                      f"-gencode=arch=compute_{arch},code=sm_{arch}", *defs, *inc, f"-I{cuda_home}/include"]
-        tc["cxx"] += [f"-I{cuda_home}/include", "-DWITH_CUDA"]
-        tc["roots"] += [str(Path(cuda_home).resolve()), str(Path(cuda_home)), *map(str, Path(torch.__file__).parent.parent.glob("nvidia/*/include"))]
-        libdirs = [Path(cuda_home) / "lib64", *Path(torch.__file__).parent.parent.glob("nvidia/*/lib")]
-        tc["ldflags"] += ["-lc10_cuda", "-ltorch_cuda"] + [f"-L{d}" for d in libdirs if d.exists()] + \
-                         [f"-Wl,-rpath,{d}" for d in libdirs if d.exists()] + ["-lcudart"]
-        tc["nvcc_pp"] = nvcc_host_preprocessor(tc["nvcc"])
-    version = subprocess.run([tc["cxx"][0], "--version"], capture_output=True, text=True).stdout.split("\n")[0]
-    tc["id"] = hashlib.sha256(json.dumps([tc, version, torch.__version__, SCAN_VERSION]).encode()).hexdigest()[:16]
-    _TOOLCHAIN[backend] = tc
-    return tc
-
-
-def nvcc_host_preprocessor(nvcc: list) -> list:
-    """The host compiler's preprocessing command that nvcc itself runs on a .cu file (from `nvcc --dryrun`),
-    with SRC and OUT placeholders: the scan reads exactly the host code nvcc compiles."""
-    r = subprocess.run([*nvcc, "--dryrun", "-c", "SRC.cu", "-o", "OUT.o"], capture_output=True, text=True)
-    for line in (r.stdout + r.stderr).splitlines():
-        line = line.removeprefix("#$ ").strip()
-        if " -E " in line and "SRC.cu" in line and "__CUDA_ARCH__=" not in line:
-            argv = shlex.split(line)
-            argv[argv.index("-o") + 1] = "OUT"
-            return ["SRC" if a == "SRC.cu" else a for a in argv] + [f"-I{p}" for p in ce.include_paths()]
-    raise RuntimeError(f"cannot find the host preprocessing step in `nvcc --dryrun`:\n{r.stderr[-2000:]}")
-
-
-def preprocess(tc: dict, src: Path, out: Path, timeout: float):
-    """Run the preprocessor (sandboxed) that the compiler itself will use; returns (SandboxResult, text)."""
-    if src.suffix == ".cu":
-        cmd = [str(out) if a == "OUT" else str(src) if a == "SRC" else a for a in tc["nvcc_pp"]]
-    else:
-        cmd = [*tc["cxx"], "-E", "-o", str(out), str(src)]
-    # -dD keeps every #define in the text, where it was written: the body of a macro that a workspace file defines is
-    # scanned as its code, also when the macro is only ever expanded inside a system header (which is not scanned).
-    cmd += ["-dD", f"-I{src.parent}", f"-I{out.parent}", f"-I{out.parent}/kernels"]
-    r = run_sandboxed(cmd, out.parent, timeout, mem_gb=None, output_limit=40_000)
-    return r, (out.read_text(errors="replace") if r.returncode == 0 and out.exists() else "")
-
-
-_EXPANSION: dict = {}
-
-
-def module_expansion(tc: dict, suffix: str, timeout: float) -> list:
-    """The tokens PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) expands to with this toolchain (probed once)."""
-    key = (tc["id"], suffix)
-    saved = CACHE_DIR / "scan" / f"module-{tc['id']}{suffix}.json"  # one probe per toolchain, not per process
-    if key not in _EXPANSION and saved.exists():
-        _EXPANSION[key] = json.loads(saved.read_text())
-    if key not in _EXPANSION:
-        with tempfile.TemporaryDirectory(prefix="probe-", dir=CACHE_DIR) as d:
-            src = Path(d) / f"probe{suffix}"
-            src.write_text("#include <torch/extension.h>\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}\n")
-            r, text = preprocess(tc, src, Path(d) / "probe.ii", timeout)
-            if not text:
-                raise RuntimeError(f"the preprocessor failed on a probe file:\n{error_excerpt(r.stderr)}")
-            tokens, _ = scan.split_preprocessed(text, lambda p: p == str(src))
-            _EXPANSION[key] = scan.module_expansion(tokens)
-        saved.parent.mkdir(parents=True, exist_ok=True)
-        tmp = saved.with_suffix(f".{uuid.uuid4().hex}.tmp")
-        tmp.write_text(json.dumps(_EXPANSION[key]))
-        os.replace(tmp, saved)
-    return _EXPANSION[key]
-
-
-def error_excerpt(text: str, max_lines: int = 16) -> str:
-    """The first compiler errors, not 400 lines of template noise."""
-    lines = [l for l in text.splitlines() if l.strip()]
-    picked = []
-    for i, l in enumerate(lines):
-        if re.search(r"\berror\b|undefined reference|fatal", l, re.I):
-            picked += lines[i:i + 3]
-        if len(picked) >= max_lines:
-            break
-    picked = list(dict.fromkeys(picked)) or lines[-max_lines:]
-    return "\n".join(l if len(l) < 240 else l[:237] + "..." for l in picked[:max_lines])
-
-
-def build(files: dict, backend: str, timeout: float = 600.0) -> Build:
-    """Preprocess, scan and compile every source into the object cache, then link the module. Killed builds
-    leave nothing behind: objects are renamed into place only when complete, locks are flocks. A cached object
-    passed the same scan (the scan's version is part of its key); its metadata says whether it holds the module.
-    A build counts as a candidate on its device: the sources decide how long the compiler keeps every core busy,
-    so no baseline is timed meanwhile."""
-    with candidate_alive(backend):
-        return _build(files, backend, timeout)
-
-
-def _build(files: dict, backend: str, timeout: float) -> Build:
-    t0 = time.monotonic()
-    tc = toolchain(backend)
-    sources = sorted(p for p in files if Path(p).suffix in SOURCE_EXT)
-    if not sources:
-        return Build(False, None, "no kernel sources: write kernels/*.cpp" + (" or *.cu" if backend == "cuda" else ""), 0, [])
-    headers = "".join(f"{p}\0{files[p]}\0" for p in sorted(files) if Path(p).suffix in HEADER_EXT)
-    objdir = CACHE_DIR / "obj"
-    objdir.mkdir(parents=True, exist_ok=True)
-    keys = {p: hashlib.sha256(f"{tc['id']}\0{p}\0{files[p]}\0{headers}".encode()).hexdigest()[:32] for p in sources}
-    rebuilt, errors, violations, has_module = [], [], [], {}
-    deadline = time.monotonic() + timeout
-    # Directives first, on the text as written: the scan below trusts the line markers of the preprocessed text.
-    bad = [v for p in sorted(files) for v in scan.check_directives(p, files[p])]
-    if bad:
-        return Build(False, None, "\n".join(bad), time.monotonic() - t0, [], bad)
-
-    with tempfile.TemporaryDirectory(prefix="build-", dir=CACHE_DIR) as tmp:
-        tmp = Path(tmp).resolve()
-        for p, text in files.items():  # sources and headers, laid out as in the workspace
-            (tmp / p).parent.mkdir(parents=True, exist_ok=True)
-            (tmp / p).write_text(text)
-        is_user = lambda path: path.startswith("/") and os.path.normpath(path).startswith(str(tmp) + "/")
-
-        def scan_one(p):  # preprocess and check (skipped for a cached object: it passed the same scan)
-            obj, meta = objdir / f"{keys[p]}.o", objdir / f"{keys[p]}.json"
-            if obj.exists() and meta.exists():
-                has_module[p] = json.loads(meta.read_text())["module"]
-                return
-            src, pre = tmp / p, tmp / f"{keys[p]}.ii"
-            r, text = preprocess(tc, src, pre, max(1.0, deadline - time.monotonic()))
-            if not text:
-                why = f"preprocessing of {p} {r.crash}" if r.crash else f"{p} failed to preprocess"
-                errors.append(f"{why}:\n{error_excerpt(r.stderr + r.stdout)}")
-                return
-            tokens, includes = scan.split_preprocessed(text, is_user)
-            bad = [f"{p}: #include of {inc} is not allowed (workspace files, torch/CUDA headers and standard headers only)"
-                   for _, inc in includes if not is_user(inc) and not scan.header_allowed(inc, tc["roots"])]
-            expansion = module_expansion(tc, src.suffix, max(1.0, deadline - time.monotonic()))
-            hits = scan.find_seq(tokens, expansion)
-            for h in reversed(hits):
-                del tokens[h:h + len(expansion)]
-            violations.extend(bad + scan.check_tokens(p, tokens))
-            has_module[p] = len(hits)
-
-        def compile_one(p):
-            obj, meta = objdir / f"{keys[p]}.o", objdir / f"{keys[p]}.json"
-            with file_lock(CACHE_DIR / "locks" / f"{keys[p]}.lock"):
-                if obj.exists() and meta.exists():
-                    return
-                src, pre, part = tmp / p, tmp / f"{keys[p]}.ii", tmp / f"{keys[p]}.o.part"
-                # A .cpp compiles from the text just scanned (no second preprocessing); nvcc runs its own passes.
-                cmd = [*tc["nvcc"], f"-I{tmp}", f"-I{tmp}/kernels", f"-I{src.parent}", "-c", str(src)] if p.endswith(".cu") \
-                    else [*tc["cxx"], "-x", "c++-cpp-output", "-c", str(pre)]
-                r = run_sandboxed([*cmd, "-o", str(part)], tmp, max(1.0, deadline - time.monotonic()), mem_gb=None, output_limit=40_000)
-                if r.returncode != 0 or not part.exists():
-                    why = f"compilation of {p} {r.crash}" if r.crash else f"{p} failed to compile"
-                    errors.append(f"{why}:\n{error_excerpt(r.stderr + r.stdout)}")
-                    return
-                meta.write_text(json.dumps({"module": has_module[p]}))
-                os.replace(part, obj)  # atomic: a half-written object never has the final name
-                rebuilt.append(p)
-
-        with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-            list(pool.map(scan_one, sources))
-            if violations:
-                return Build(False, None, "\n".join(violations), time.monotonic() - t0, [], violations)
-            modules = [p for p in sources if has_module.get(p)]
-            if not errors and (len(modules) != 1 or has_module[modules[0]] != 1):
-                msg = "no source defines" if not modules else f"{', '.join(modules)} define{'s' if len(modules) == 1 else ''}"
-                return Build(False, None, f"{msg} PYBIND11_MODULE(TORCH_EXTENSION_NAME, m){' more than once' if modules else ''}; "
-                             "exactly one source must, once, with exactly that spelling", time.monotonic() - t0, [])
-            if not errors:
-                list(pool.map(compile_one, sources))
-        rebuilt.sort()
-        if errors:
-            return Build(False, None, "\n".join(errors), time.monotonic() - t0, rebuilt)
-        link_key = hashlib.sha256("".join(keys[p] for p in sources).encode() + tc["id"].encode()).hexdigest()[:32]
-        so = CACHE_DIR / "so" / link_key / "cuda_extension.so"
-        if not so.exists():
-            so.parent.mkdir(parents=True, exist_ok=True)
-            part = tmp / "cuda_extension.so"
-            cmd = [tc["cxx"][0], "-shared", *[str(objdir / f"{keys[p]}.o") for p in sources], "-o", str(part), *tc["ldflags"]]
-            r = run_sandboxed(cmd, tmp, max(1.0, deadline - time.monotonic()), mem_gb=None, writable=[objdir])
-            if r.returncode != 0:
-                return Build(False, None, "link failed:\n" + error_excerpt(r.stderr + r.stdout), time.monotonic() - t0, rebuilt)
-            # What the module imports is what it can call, whatever the sources spelled (scan.check_imports).
-            r = run_sandboxed(["nm", "-D", "--undefined-only", "-C", str(part)], tmp, 120, mem_gb=None, output_limit=1 << 24)
-            bad = scan.check_imports([l.split(None, 1)[-1] for l in r.stdout.splitlines() if l.strip()], IMPORT_OPS) \
-                if r.returncode == 0 else [f"the linked module cannot be read by nm: {error_excerpt(r.stderr)}"]
-            # and a system call needs no import: only an instruction, which no compiler emits for C++ or CUDA code
-            r = run_sandboxed(["objdump", "-d", "--no-show-raw-insn", str(part)], tmp, 120, mem_gb=None, output_limit=1 << 28)
-            bad += scan.check_instructions(r.stdout) if r.returncode == 0 else ["the linked module cannot be disassembled"]
-            if bad:
-                return Build(False, None, "\n".join(bad), time.monotonic() - t0, rebuilt, bad)
-            mine = so.with_suffix(f".{uuid.uuid4().hex}.part")  # builds of the same sources may link at the same time
-            shutil.copy(part, mine)
-            os.replace(mine, so)
-    return Build(True, so, "", time.monotonic() - t0, rebuilt)
-
-
-# ----------------------------------------------------------------------------------------------
 # The run protocol. The PARENT holds the clock and every secret; a child only ever learns the input of
 # the run it is about to make. One exchange per run:
 #   parent: "load" (seed)   child: builds that input set once, copies it into the SAME buffers, flushes the L2,
@@ -621,29 +389,6 @@ def sample_of(out, offset: int):
     if isinstance(out, (tuple, list)):
         return type(out)(sample_of(o, offset) for o in out)
     return out
-
-
-ALLOWED_OPS = frozenset({  # aten ops that allocate, view or describe; everything else computes
-    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros", "zeros_like", "new_zeros",
-    "zero_", "view", "_unsafe_view", "_reshape_alias", "as_strided", "t", "transpose", "permute", "unsqueeze",
-    "squeeze", "expand", "slice", "select", "split", "split_with_sizes", "unbind", "chunk", "narrow", "alias",
-    "detach", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size", "stride", "dim", "is_contiguous",
-    "resize_", "lift_fresh", "view_as_real", "view_as_complex", "record_stream",
-    "is_same_size", "equal_size", "fill_", "full", "full_like", "ones", "ones_like", "new_full", "new_ones",
-})
-# What the linked module may import from PyTorch (scan.check_imports): the allowed operators and the composite ones
-# that only view (a reshape that must copy shows up at run time as a clone, which the monitor refuses).
-IMPORT_OPS = ALLOWED_OPS | {"reshape", "flatten", "contiguous", "view_as", "reshape_as", "expand_as", "unflatten",
-                            "movedim", "moveaxis", "swapaxes", "swapdims", "tensor_split", "to"}
-# Not allowed: _local_scalar_dense (.item(), float(t)): a value read into Python can be computed on there and written
-# back with fill_, element by element.
-# While the candidate's module loads and ModelNew is built: also random initialisation and copies (parameters
-# are created, then overwritten by load_state_dict and moved to the device).
-INIT_OPS = ALLOWED_OPS | {"normal_", "uniform_", "randn", "rand", "randint", "random_", "bernoulli_", "copy_", "_to_copy",
-                          "arange", "kaiming_uniform_", "lift_fresh_copy", "clone", "_has_compatible_shallow_copy_type",
-                          "set_", "bernoulli", "exponential_", "geometric_", "log_normal_", "cauchy_",
-                          "mul_", "add_", "clamp_", "erfinv_",  # (in place: what nn.init.trunc_normal_ does)
-                          "_local_scalar_dense"}
 
 
 # Trusted in-process timing (synth.py's filter, evaluate.py's reference table); verdicts use the pipe clock.
@@ -1240,22 +985,6 @@ def _closing(child: Child):
         yield child
     finally:
         child.close()
-
-
-def gpu_query(field: str) -> str:
-    """Ask nvidia-smi (the parent never creates a CUDA context of its own)."""
-    if not shutil.which("nvidia-smi"):
-        return ""
-    dev = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
-    r = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader", "-i", dev], capture_output=True, text=True)
-    return r.stdout.strip() if r.returncode == 0 else ""
-
-
-def toolchain_id_light(backend: str) -> str:
-    """What baseline timings depend on: device and torch version (without building flags)."""
-    import torch
-    dev = gpu_query("name") if backend == "cuda" else os.uname().machine
-    return f"{torch.__version__}/{dev}/{os.cpu_count()}"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -464,3 +464,28 @@ def check_instructions(disassembly: str) -> list[str]:
     m = SYSCALL_INSN_RE.search(disassembly)
     return [f"the module's machine code makes a system call itself (`{m.group(1)}`); inline assembly in host code "
             "is not allowed"] if m else []
+
+
+# PyTorch operators a candidate may use: in forward (the dispatch monitor), in the linked module's imports, and
+# while model_new.py loads and ModelNew is built.
+ALLOWED_OPS = frozenset({  # aten ops that allocate, view or describe; everything else computes
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros", "zeros_like", "new_zeros",
+    "zero_", "view", "_unsafe_view", "_reshape_alias", "as_strided", "t", "transpose", "permute", "unsqueeze",
+    "squeeze", "expand", "slice", "select", "split", "split_with_sizes", "unbind", "chunk", "narrow", "alias",
+    "detach", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "size", "stride", "dim", "is_contiguous",
+    "resize_", "lift_fresh", "view_as_real", "view_as_complex", "record_stream",
+    "is_same_size", "equal_size", "fill_", "full", "full_like", "ones", "ones_like", "new_full", "new_ones",
+})
+# What the linked module may import from PyTorch (scan.check_imports): the allowed operators and the composite ones
+# that only view (a reshape that must copy shows up at run time as a clone, which the monitor refuses).
+IMPORT_OPS = ALLOWED_OPS | {"reshape", "flatten", "contiguous", "view_as", "reshape_as", "expand_as", "unflatten",
+                            "movedim", "moveaxis", "swapaxes", "swapdims", "tensor_split", "to"}
+# Not allowed: _local_scalar_dense (.item(), float(t)): a value read into Python can be computed on there and written
+# back with fill_, element by element.
+# While the candidate's module loads and ModelNew is built: also random initialisation and copies (parameters
+# are created, then overwritten by load_state_dict and moved to the device).
+INIT_OPS = ALLOWED_OPS | {"normal_", "uniform_", "randn", "rand", "randint", "random_", "bernoulli_", "copy_", "_to_copy",
+                          "arange", "kaiming_uniform_", "lift_fresh_copy", "clone", "_has_compatible_shallow_copy_type",
+                          "set_", "bernoulli", "exponential_", "geometric_", "log_normal_", "cauchy_",
+                          "mul_", "add_", "clamp_", "erfinv_",  # (in place: what nn.init.trunc_normal_ does)
+                          "_local_scalar_dense"}

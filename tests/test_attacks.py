@@ -6,12 +6,12 @@ so a case that is wrongly accepted costs one small build, and a refused one cost
 """
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
+import build as builder
 import env
 import scan
 import sandbox
@@ -151,10 +151,10 @@ def test_attack_import_check_keeps_allocation_and_views():
 # cores busy) were not counted. In training, many rollouts of one task run at once, and the first verdict's
 # baselines are cached for all the others: a slowed eager/compile time is reward 3 for every later kernel.
 def _record_alive(monkeypatch, module):
-    """Replaces module.candidate_alive by one that records, and env.run_sandboxed by one that notes whether a
+    """Replaces module.candidate_alive by one that records, and module.run_sandboxed by one that notes whether a
     candidate_alive was held when each sandboxed command started."""
     held, seen = [], []
-    real_alive, real_run = module.candidate_alive, env.run_sandboxed
+    real_alive, real_run = module.candidate_alive, module.run_sandboxed
 
     @__import__("contextlib").contextmanager
     def alive(backend):
@@ -170,7 +170,7 @@ def _record_alive(monkeypatch, module):
         return real_run(argv, *a, **k)
 
     monkeypatch.setattr(module, "candidate_alive", alive)
-    monkeypatch.setattr(env, "run_sandboxed", run)
+    monkeypatch.setattr(module, "run_sandboxed", run)
     return seen
 
 
@@ -184,7 +184,7 @@ def test_attack_bash_tool_counts_as_a_candidate(tmp_path, monkeypatch):
 
 
 def test_attack_build_counts_as_a_candidate(monkeypatch):
-    seen = _record_alive(monkeypatch, env)
+    seen = _record_alive(monkeypatch, builder)
     b = env.build({"kernels/x.cpp": f"int x = {time.time_ns() % 10**9};\n" + MODULE}, "cpu")
     assert b.ok, b.log
     assert seen and all(h for _, h in seen), seen

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import agent
+import build
 import elementwise as E
 import env
 import teacher
@@ -260,7 +261,7 @@ def test_cli_synth_family_errors_are_one_line(tmp_path):
 def test_every_cuda_variant_compiles_with_nvcc(tmp_path):
     """No GPU here: nvcc (env.py's command line) compiles every CUDA kernel variant, at every block size, of three
     tasks. The CUDA binding needs a CUDA build of torch's headers, so it is built by the gpu test only."""
-    nvcc = env.toolchain("cuda")["nvcc"]
+    nvcc = build.toolchain("cuda")["nvcc"]
     if shutil.which(nvcc[0]) is None:
         pytest.skip("no nvcc")
     (tmp_path / "reduce.cuh").write_text(E.REDUCE_HEADER)
