@@ -6,7 +6,7 @@
 
 Python API (one scorer everywhere): `evaluate(workspace, backend=...) -> Verdict`.
 
-What one verdict does, in order
+What one verdict does, in order (build.py has step 3, protocol.py the children and runs of steps 4-5)
   1. collect   only model_new.py and the kernel sources (*.cu *.cpp *.h *.cuh *.hpp in the root and in
                kernels/, no symbolic links; 1 MiB each, 256 files and 8 MiB in all) are taken; anything else
                is ignored.
@@ -104,33 +104,27 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
-import importlib.util
 import json
-import math
 import os
-import random
 import secrets
-import select
 import shutil
-import signal
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import scan
 from build import HEADER_EXT, SOURCE_EXT, build, error_excerpt, toolchain_id_light  # noqa: F401  (env.build: step 3)
+from protocol import (CHILD_ENV, PIPE_BYTES, Child, ChildError, _child_main, median, recv, sample_of, send,  # noqa: F401
+                      spread, timed_runs, unpack)  # steps 4-5 (env.Child, env.timed_runs ...)
 from scan import ALLOWED_OPS, IMPORT_OPS, INIT_OPS  # noqa: F401  (env.IMPORT_OPS: what the module may import)
 from reward import MARGIN, reward_for  # noqa: F401  (env.reward_for: the verdict's reward)
 from sandbox import (CACHE_DIR, SandboxResult, candidate_alive, file_lock, gpu_lock_path, isolation, no_candidates,
                      run_sandboxed)
 
-ENV_PY = Path(__file__).resolve()
 
 MAX_SOURCES, MAX_SOURCE_BYTES = 256, 8 << 20  # what one candidate's kernel sources may add up to
 
@@ -293,104 +287,6 @@ def static_scan(files: dict, model_new: str) -> tuple[list, list]:
     return scan.check_python(model_new), []
 
 
-# ----------------------------------------------------------------------------------------------
-# The run protocol. The PARENT holds the clock and every secret; a child only ever learns the input of
-# the run it is about to make. One exchange per run:
-#   parent: "load" (seed)   child: builds that input set once, copies it into the SAME buffers, flushes the L2,
-#                                  synchronises, "ok"
-#   parent: t0, "run"       child: out = fn(*buffers), device-wide sync, "ok"
-#   parent: "sample" (o)    child: copies out[o::step] (every output, o drawn now) and sends it; parent: t1
-# The sampled elements are chosen after the run and copied inside [t0, t1], so work that is deferred past
-# `run` (lazy pages, late kernels) is timed, and a candidate cannot know which elements it must get right.
-# Check runs ask "full" instead of "sample": every element, plus the input-mutation and type checks.
-# ----------------------------------------------------------------------------------------------
-_clock = time.perf_counter  # the parent's clock; no candidate code ever runs in the parent
-SAMPLE = 65536  # elements per output compared after a timed run (every element of smaller outputs)
-
-
-def send(fd: int, obj, blobs=()):
-    blobs = [bytes(b) for b in blobs]
-    head = json.dumps({"obj": obj, "sizes": [len(b) for b in blobs]}).encode()
-    data = len(head).to_bytes(8, "little") + head + b"".join(blobs)
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def _read_exact(fd: int, n: int, alive=None) -> bytes:
-    chunks = []
-    while n:
-        while alive is not None and not select.select([fd], [], [], 0.5)[0]:
-            if not alive():  # the child is gone, but something it left behind may still hold the pipe
-                raise EOFError("the child process ended")
-        chunk = os.read(fd, min(n, 1 << 24))
-        if not chunk:
-            raise EOFError("the other side closed the pipe")
-        chunks.append(chunk)
-        n -= len(chunk)
-    return b"".join(chunks)
-
-
-def recv(fd: int, limit: int = 1 << 34, alive=None):
-    n = int.from_bytes(_read_exact(fd, 8, alive), "little")
-    if not 0 < n < 1 << 20:
-        raise ValueError(f"malformed message header ({n} bytes)")
-    try:
-        head = json.loads(_read_exact(fd, n, alive))
-    except RecursionError as e:
-        raise ValueError("malformed message header (nested too deeply)") from e
-    sizes = head.get("sizes", []) if isinstance(head, dict) else None
-    if not isinstance(sizes, list) or not all(isinstance(s, int) and 0 <= s for s in sizes) or sum(sizes) > limit:
-        raise ValueError("malformed message sizes")
-    return head.get("obj"), [_read_exact(fd, s, alive) for s in sizes]
-
-
-def pack(out, blobs: list):
-    """A nested output as JSON-able structure + raw tensor bytes (no pickle crosses the boundary)."""
-    if isinstance(out, torch.Tensor):
-        t = out.detach().contiguous().cpu()
-        blobs.append(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        return {"t": len(blobs) - 1, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-    if isinstance(out, (tuple, list)):
-        return {"seq": [pack(o, blobs) for o in out], "tuple": isinstance(out, tuple)}
-    if out is None or isinstance(out, (bool, int, float)):
-        return {"v": out}
-    raise TypeError(f"outputs must be tensors (or tuples of them), not {type(out).__name__}")
-
-
-def unpack(obj, blobs: list, depth: int = 0):
-    """The inverse of pack, validating every field: a malformed reply raises ValueError."""
-    if not isinstance(obj, dict) or depth > 8:
-        raise ValueError("malformed output")
-    if "t" in obj:
-        dtype = getattr(torch, str(obj.get("dtype")), None)
-        shape = obj.get("shape")
-        if not isinstance(dtype, torch.dtype) or not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-            raise ValueError("malformed tensor in output")
-        raw = blobs[obj["t"]] if isinstance(obj["t"], int) and 0 <= obj["t"] < len(blobs) else None
-        n = math.prod(shape)
-        if raw is None or len(raw) != n * torch.empty((), dtype=dtype).element_size():
-            raise ValueError("tensor bytes do not match the declared shape")
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape) if n else torch.empty(shape, dtype=dtype)
-    if "seq" in obj and isinstance(obj["seq"], list):
-        seq = [unpack(o, blobs, depth + 1) for o in obj["seq"]]
-        return tuple(seq) if obj.get("tuple") else seq
-    if "v" in obj and (obj["v"] is None or isinstance(obj["v"], (bool, int, float))):
-        return obj["v"]
-    raise ValueError("malformed output")
-
-
-def sample_of(out, offset: int):
-    """out[offset % step :: step] of every output tensor, step = numel // SAMPLE (all of a small one)."""
-    if isinstance(out, torch.Tensor):
-        flat = out.detach().reshape(-1)
-        step = max(1, flat.numel() // SAMPLE)
-        return flat[offset % step::step]
-    if isinstance(out, (tuple, list)):
-        return type(out)(sample_of(o, offset) for o in out)
-    return out
-
-
 # Trusted in-process timing (synth.py's filter, evaluate.py's reference table); verdicts use the pipe clock.
 _perf_counter = time.perf_counter  # bound at import, before any candidate code can patch `time`
 _SYNC = None  # torch.cuda.synchronize, bound by the child harness before candidate code loads
@@ -437,252 +333,6 @@ def time_callable(fn, input_sets, *, n_timed=20, min_s=0.25, warmup=3, lock_fd=N
                 fcntl.flock(lock_fd, fcntl.LOCK_UN)
     times.sort()
     return times[len(times) // 2], outs
-
-
-def _child_main(spec_path: str):
-    """A sandboxed child: mode "reference" (trusted task code; computes outputs and serves baseline runs) or
-    "candidate" (loads ModelNew under the dispatch monitor and serves runs). Both obey the parent's commands."""
-    spec = json.loads(Path(spec_path).read_text())
-    cmd_fd, rep_fd = spec["cmd_fd"], spec["rep_fd"]
-    device = torch.device("cuda" if spec["backend"] == "cuda" else "cpu")
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))  # CHILD_ENV, from the parent
-    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=device) if device.type == "cuda" else None  # > 2x the L2
-
-    def load(path, name):
-        s = importlib.util.spec_from_file_location(name, path)
-        m = importlib.util.module_from_spec(s)
-        sys.modules[name] = m
-        s.loader.exec_module(m)
-        return m
-
-    sets = {}  # seed -> input set, built when the parent first asks for it
-
-    def inputs_for(seed):
-        if seed not in sets:
-            torch.manual_seed(seed)
-            random.seed(seed)
-            sets[seed] = [x.to(device) if isinstance(x, torch.Tensor) else x for x in ref.get_inputs()]
-        return sets[seed]
-
-    ref = load(spec["reference"], "reference_model")
-    init = ref.get_init_inputs()
-    torch.manual_seed(spec["seed0"])
-    model = ref.Model(*init).to(device).eval()
-
-    bad = []  # aten ops outside the allow-list seen by the candidate's monitor
-    if spec["mode"] == "reference":
-        seeds, n_checks = spec["seeds"], spec["n_checks"]
-        per_set = sum(x.numel() * x.element_size() for x in inputs_for(seeds[0]) if isinstance(x, torch.Tensor)) + 1
-        n_sets = int(max(2, min(len(seeds) - n_checks, spec["budget_mb"] * 2**20 // per_set))) if len(seeds) > n_checks else 0
-        send(rep_fd, {"timed_sets": n_sets})  # distinct fresh input sets for timing, within the memory budget
-        with torch.no_grad():  # every output the parent will compare against, before any candidate run
-            for seed in seeds[:n_checks + n_sets]:
-                blobs = []
-                send(rep_fd, pack(model(*inputs_for(seed)), blobs), blobs)
-        fns = {"eager": model}
-    else:
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        del model
-
-        class OpMonitor(TorchDispatchMode):
-            """Records every aten op outside `allowed` (from Python or C++ on this thread)."""
-            def __init__(self, allowed):
-                super().__init__()
-                self.allowed = allowed
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                name = func.overloadpacket.__name__
-                if name not in self.allowed and name not in bad:
-                    bad.append(name)
-                return func(*args, **(kwargs or {}))
-
-        sys.path[:0] = [spec["ext_dir"], spec["cand_dir"]]
-        try:
-            with torch.no_grad(), OpMonitor(INIT_OPS):  # the module's import, __init__ and set-up are watched too
-                cand_mod = load(spec["model_new"], "model_new")
-                torch.manual_seed(spec["seed0"])
-                cand = cand_mod.ModelNew(*init)
-                missing, unexpected = cand.load_state_dict(state, strict=False)
-                cand = cand.to(device).eval()
-        except BaseException as e:  # noqa: BLE001  - the candidate's problem, reported to it
-            send(rep_fd, {"error": f"model_new.py failed to load: {type(e).__name__}: {str(e)[:500]}"})
-            os._exit(0)
-        if missing or unexpected:
-            send(rep_fd, {"error": f"ModelNew's parameters differ from Model's (missing {list(missing)[:5]}, "
-                                   f"unexpected {list(unexpected)[:5]}): keep the same constructor and parameter names"})
-            os._exit(0)
-        monitor = OpMonitor(ALLOWED_OPS)
-
-        def watched(*x):
-            with monitor:
-                return cand(*x)
-
-        fns = {"candidate": watched}
-        send(rep_fd, {"ready": True, "init_ops": list(bad)})
-        bad.clear()
-
-    buffers, out, loaded, fn = None, None, None, None
-    while True:  # serve the parent's commands until it says exit (or closes the pipe)
-        try:
-            cmd, _ = recv(cmd_fd)
-        except (EOFError, ValueError):
-            os._exit(0)
-        try:
-            op = cmd["op"]
-            reply, blobs = {"ok": True}, []
-            if op == "exit":
-                os._exit(0)
-            elif op == "use":
-                fn = fns[cmd["fn"]] if cmd["fn"] in fns else torch.compile(fns["eager"])
-            elif op == "load":
-                loaded = inputs_for(cmd["seed"])
-                if buffers is None:
-                    buffers = [x.clone() if isinstance(x, torch.Tensor) else x for x in loaded]
-                for b, x in zip(buffers, loaded):
-                    if isinstance(b, torch.Tensor):
-                        b.copy_(x)
-                if flush is not None:
-                    flush.zero_()
-                sync()
-            elif op == "run":
-                with torch.no_grad():
-                    out = fn(*buffers)
-                sync()
-            elif op == "sample":
-                reply = pack(sample_of(out, cmd["offset"]), blobs)
-                sync()
-            elif op == "full":
-                outs = out if isinstance(out, (tuple, list)) else [out]
-                reply = {"out": pack(out, blobs), "ops": list(bad),
-                         "mutated": any(isinstance(b, torch.Tensor) and not torch.equal(b, x) for b, x in zip(buffers, loaded)),
-                         "types": [type(o).__name__ for o in outs if isinstance(o, torch.Tensor) and type(o) is not torch.Tensor],
-                         "devices": sorted({o.device.type for o in outs if isinstance(o, torch.Tensor)} - {device.type})}
-            send(rep_fd, reply, blobs)
-        except BaseException as e:  # noqa: BLE001
-            send(rep_fd, {"error": f"{type(e).__name__}: {str(e)[:800]}"})
-
-
-# ----------------------------------------------------------------------------------------------
-# The parent's side: children, their pipes, the clock
-# ----------------------------------------------------------------------------------------------
-# What every child gets, the reference (eager, torch.compile) and the candidate alike, so all three are timed under
-# the same threading: one OpenMP thread per core this process may run on (a lent slice of a big host has fewer than
-# os.cpu_count()), and idle workers that sleep instead of spinning. libgomp's default spins a worker for
-# milliseconds after each parallel region: on a shared host such a worker is preempted, and the next barrier waits a
-# scheduler slice for it (a 1-element `omp parallel for` took ~15 ms a run on 2 loaded cores, ~0.2 ms passive;
-# eager's 1-element ops open no parallel region, so the spin fell on the candidate alone).
-CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # the cores we may use
-CHILD_ENV = {"OMP_NUM_THREADS": str(CPUS), "OMP_WAIT_POLICY": "passive"}
-PIPE_BYTES = 1 << 20  # a pipe holds a whole sample (65536 elements of 8 bytes = 512 KiB): one write, one wake-up
-
-
-class Child:
-    """A sandboxed child (run_sandboxed in a thread) and the two pipes the parent drives it through."""
-
-    def __init__(self, spec: dict, run_dir: Path, backend: str, cfg: Config, writable=(), env=None):
-        self.cmd_r, self.cmd_w = os.pipe()
-        self.rep_r, self.rep_w = os.pipe()
-        with contextlib.suppress(OSError, AttributeError):  # Linux; elsewhere the default size (more round trips)
-            fcntl.fcntl(self.rep_w, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
-        spec = dict(spec, cmd_fd=self.cmd_r, rep_fd=self.rep_w)
-        (run_dir / "spec.json").write_text(json.dumps(spec))
-        argv = [sys.executable, "-E", "-B", str(ENV_PY), "_child", str(run_dir / "spec.json")]
-        extra = dict(env or {}, **CHILD_ENV)
-        self.result = None
-        self.pgid = None
-
-        def go():
-            self.result = run_sandboxed(argv, run_dir, cfg.timeout, writable=writable, mem_gb=cfg.mem_gb, env=extra,
-                                        pass_fds=[self.cmd_r, self.rep_w], kind=backend, started=self._started)
-            os.close(self.rep_w)  # our copy: the parent's next read sees the end of the pipe
-        self._started_evt = threading.Event()
-        self.thread = threading.Thread(target=go, daemon=True)
-        self.thread.start()
-        self._started_evt.wait()
-        os.close(self.cmd_r)  # the child holds its own copies now
-
-    def _started(self, pid):
-        self.pgid = pid
-        self._started_evt.set()
-
-    reply_limit = 1 << 34  # bytes one reply may declare; the parent lowers it to what it expects
-
-    def ask(self, obj):
-        send(self.cmd_w, obj)
-        return self.answer()
-
-    def answer(self):
-        obj, blobs = recv(self.rep_r, limit=self.reply_limit, alive=self.thread.is_alive)
-        if isinstance(obj, dict) and "error" in obj and isinstance(obj["error"], str) and len(obj) == 1:
-            raise ChildError(obj["error"])
-        return obj, blobs
-
-    def close(self):
-        if self.cmd_w is None:
-            return self.result
-        with contextlib.suppress(OSError):
-            send(self.cmd_w, {"op": "exit"})
-        os.close(self.cmd_w)
-        self.cmd_w = None
-        self.thread.join(5)
-        if self.thread.is_alive() and self.pgid:  # did not exit when told: its sandbox kills it
-            with contextlib.suppress(OSError):
-                os.killpg(self.pgid, signal.SIGKILL)
-            self.thread.join()
-        os.close(self.rep_r)
-        return self.result
-
-    def why_dead(self) -> str:
-        self.thread.join()
-        r = self.result
-        tail = error_excerpt(r.stderr, 12) if r.stderr.strip() else ""
-        return (r.crash or f"exited with code {r.returncode}") + (f"\n{tail}" if tail else "")
-
-
-class ChildError(Exception):
-    """A command the child reported as failed (an exception in its code)."""
-
-
-def timed_runs(child: Child, seeds: list, cfg: Config, check=None, audit=None) -> list:
-    """Times fn over the input sets `seeds` in turn with the parent's clock, after `warmup` untimed runs: n_timed
-    runs, and never more runs than there are sets unless fewer sets fit in input_budget_mb (a repeated set lets a
-    cache keyed on its values answer without computing). check(k, sample, offset) sees each run's sampled output.
-    With `audit`, n_audits more runs are made, and which of them are audits is drawn after each run has returned:
-    audit(k) checks that run's whole output, and its time is not counted. A kernel that skips work on some timed
-    runs, in a pattern the sample could miss, cannot know which runs are read in full. Milliseconds per run."""
-    child.ask({"op": "load", "seed": seeds[0]})
-    for _ in range(cfg.warmup):
-        child.ask({"op": "run"})
-    times = []
-    audits = cfg.n_audits if audit is not None else 0
-    runs = cfg.n_timed + audits
-    for i in range(runs):
-        k = i % len(seeds)
-        child.ask({"op": "load", "seed": seeds[k]})
-        t0 = _clock()
-        child.ask({"op": "run"})
-        if audits and secrets.randbelow(runs - i) < audits:  # a uniformly random subset of the runs, drawn now
-            audits -= 1
-            audit(k)
-            continue
-        offset = secrets.randbelow(1 << 30)  # drawn after the run returned
-        obj, blobs = child.ask({"op": "sample", "offset": offset})
-        times.append((_clock() - t0) * 1e3)
-        if check is not None:
-            check(k, unpack(obj, blobs), offset)
-    return times
-
-
-def median(xs):
-    xs = sorted(xs)
-    return xs[len(xs) // 2]
-
-
-def spread(xs):
-    """p90 / p10 of a set of run times: how noisy the measurement was."""
-    xs = sorted(xs)
-    return xs[int(0.9 * (len(xs) - 1))] / max(xs[int(0.1 * (len(xs) - 1))], 1e-9)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ work = Path(tempfile.mkdtemp(prefix="floor-diag-"))
 os.environ.setdefault("CUDA_AGENT_CACHE", str(work / "cache"))
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # the in-process timer, threaded as env.CHILD_ENV threads children
 import env  # noqa: E402
+import protocol  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--backend", default="cpu")
@@ -92,11 +93,11 @@ def drive(mode, model_new, extra, model, pipe_bytes):
         t_run, t_sample = [], []
         for i in range(args.runs):
             child.ask({"op": "load", "seed": seeds[i % 2]})
-            t0 = env._clock()
+            t0 = protocol._clock()
             child.ask({"op": "run"})
-            t1 = env._clock()
+            t1 = protocol._clock()
             child.ask({"op": "sample", "offset": secrets.randbelow(1 << 30)})
-            t2 = env._clock()
+            t2 = protocol._clock()
             t_run.append((t1 - t0) * 1e3)
             t_sample.append((t2 - t1) * 1e3)
         med = statistics.median

@@ -134,7 +134,7 @@ def test_import_graph_libraries_import_no_script():
     assert {"compose", "ops", "checker"} <= graph["synth.py"] and "tools" in graph["agent.py"]
     scripts = {"synth", "agent", "train", "evaluate", "teacher"}
     libraries = {"engine", "tools", "tasks", "ops", "compose", "checker", "elementwise", "reward", "sandbox", "scan", "rl",
-                 "rollouts", "runs", "stages"}
+                 "rollouts", "runs", "stages", "build", "protocol"}
     for name, deps in graph.items():
         if name[:-3] in libraries:
             assert not deps & scripts, (name, deps)

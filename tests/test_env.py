@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import env
+import protocol
 import scan
 import sandbox
 
@@ -831,7 +832,7 @@ def test_red_team_symlinked_model_new_is_not_read(tmp_path):
 # runs than distinct sets, >= 90% of the runs could be cache hits and the median a hit (reward 3, not faster).
 def test_red_team_fast_runs_never_repeat_an_input_set(monkeypatch):
     ticks = iter(range(10**6))
-    monkeypatch.setattr(env, "_clock", lambda: next(ticks) * 1e-6)  # a fast kernel: 1 us per clock reading
+    monkeypatch.setattr(protocol, "_clock", lambda: next(ticks) * 1e-6)  # a fast kernel: 1 us per clock reading
     loads = []
 
     class Recorder:
