@@ -602,14 +602,14 @@ def test_every_child_gets_the_same_threading_settings(tmp_path, monkeypatch):
     """Candidate and reference (eager, torch.compile) children run under the same harness settings, idle OpenMP
     workers sleeping (a spinning one, preempted on a busy host, made every candidate parallel region wait ~ms)."""
     seen = []
-    real = env.run_sandboxed
+    real = protocol.run_sandboxed
 
     def spy(argv, *a, **k):
         if "_child" in argv:
             seen.append(dict(k.get("env") or {}))
         return real(argv, *a, **k)
 
-    monkeypatch.setattr(env, "run_sandboxed", spy)
+    monkeypatch.setattr(protocol, "run_sandboxed", spy)
     v = env.evaluate(make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)")),
                      backend="cpu", stage="verify")
     assert v.correct, v.summary()
