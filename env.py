@@ -287,7 +287,10 @@ def static_scan(files: dict, model_new: str) -> tuple[list, list]:
     return scan.check_python(model_new), []
 
 
-# Trusted in-process timing (synth.py's filter, evaluate.py's reference table); verdicts use the pipe clock.
+# ----------------------------------------------------------------------------------------------
+# Trusted in-process timing (synth.py's filter, evaluate.py's reference table); verdicts use protocol.py's
+# pipe clock
+# ----------------------------------------------------------------------------------------------
 _perf_counter = time.perf_counter  # bound at import, before any candidate code can patch `time`
 _SYNC = None  # torch.cuda.synchronize, bound by the child harness before candidate code loads
 
