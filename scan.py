@@ -287,6 +287,16 @@ MARKER_RE = re.compile(r'^#\s*(\d+)\s+"((?:\\.|[^"\\])*)"((?:\s+\d+)*)\s*$')
 # comes from a system header (which is not scanned).
 ALLOWED_DIRECTIVES = {"", "include", "define", "undef", "if", "ifdef", "ifndef", "elif", "else", "endif", "pragma",
                       "error", "warning"}
+# Pragmas a kernel source may use (`#pragma X` or `#pragma GCC X`): loops, OpenMP, diagnostics, packing. Any other is
+# an instruction whose effect the scan cannot know (`GCC pch_preprocess "f"` loads f as a precompiled header, `weak`
+# declares aliases, `GCC system_header` relabels the file). `_Pragma("...")` is refused: its text is a string, which
+# the token scan does not read, and a macro may carry it into a system header, where no line is scanned.
+ALLOWED_PRAGMAS = {"once", "unroll", "nounroll", "omp", "pack", "push_macro", "pop_macro", "message", "GCC unroll",
+                   "GCC ivdep", "GCC novector", "GCC diagnostic", "GCC push_options", "GCC pop_options", "GCC optimize",
+                   "GCC target", "GCC warning", "GCC error", "clang diagnostic", "clang loop", "STDC FP_CONTRACT",
+                   "STDC FENV_ACCESS", "STDC CX_LIMITED_RANGE", "nv_diag_suppress", "nv_diag_default",
+                   "nv_diag_warning", "nv_diag_once", "diag_suppress", "diag_default", "diag_warning",
+                   "hd_warning_disable", "nv_exec_check_disable"}
 _SPLICE_RE = re.compile(r"(?:\\|\?\?/)[ \t\f\v]*\n")  # backslash-newline (blanks between; ??/ where trigraphs are on)
 _GAP = r"(?:[ \t\f\v\0\ufeff]|/\*.*?\*/)*"  # blanks (GCC skips NULs, and a byte order mark) and block comments
 # A `#` (or `%:`, `??=`) that the preprocessor may take as a directive's: first on a line, or after a comment's end.
@@ -307,12 +317,19 @@ def check_directives(path: str, text: str) -> list[str]:
         if m.group(1) not in ALLOWED_DIRECTIVES:
             out.append(f"{path}: the directive `#{m.group(1)}` is not allowed in kernel sources (allowed: "
                        + ", ".join(f"#{d}" for d in sorted(ALLOWED_DIRECTIVES) if d) + ")")
+        elif m.group(1) == "pragma":  # here too: the preprocessor consumes some (GCC system_header, poison)
+            rest = re.sub(r"/\*.*?\*/", " ", text[m.end():m.end() + 400], flags=re.S).split("\n")[0]
+            words = re.findall(r"[A-Za-z_]\w*", rest)[:2]
+            name = " ".join(words) if words and words[0] in ("GCC", "clang", "STDC") else "".join(words[:1])
+            if name not in ALLOWED_PRAGMAS:
+                out.append(f"{path}: `#pragma {name}` is not allowed in kernel sources (allowed: "
+                           + ", ".join(sorted(ALLOWED_PRAGMAS)) + ")")
     return list(dict.fromkeys(out))
 
 
 def split_preprocessed(text: str, is_user) -> tuple[list[str], list[tuple[str, str]]]:
     """(tokens from user files, [(includer, included)] for every include made by a user file)."""
-    user_lines, includes, stack = [], [], []
+    user_lines, includes = [], []
     current = None
     for line in text.split("\n"):
         m = MARKER_RE.match(line)
@@ -361,6 +378,16 @@ def check_tokens(path: str, tokens: list[str]) -> list[str]:
     """Violations among the user tokens of one source (the PYBIND11_MODULE expansion already removed)."""
     out = []
     for i, t in enumerate(tokens):
+        if t == "pragma" and i and tokens[i - 1] == "#":  # the preprocessed text prints every pragma as `#pragma`
+            words = tokens[i + 1:i + 3]
+            name = " ".join(words) if words and words[0] in ("GCC", "clang", "STDC") else "".join(words[:1])
+            if name not in ALLOWED_PRAGMAS:
+                out.append(f"{path}: `#pragma {name}` is not allowed in kernel sources (allowed: "
+                           + ", ".join(sorted(ALLOWED_PRAGMAS)) + ")")
+            continue
+        if t == "_Pragma":
+            out.append(f"{path}: `_Pragma(...)` is not allowed in kernel sources; write the `#pragma` line itself")
+            continue
         # (glibc exports its doors under other names too: __open, __read, __write, __fork, __libc_system)
         if t in BANNED_TOKENS or BANNED_TOKEN_RE.match(t) or (t[0] == "_" and LIBC_ALIAS_RE.sub("", t) in BANNED_TOKENS):
             out.append(f"{path}: `{t}` is not allowed in kernel sources (processes, threads, signals, files, the "

@@ -70,6 +70,34 @@ def test_attack_system_call_instructions_are_refused(tmp_path):
     assert "GOMP_parallel" in dis and scan.check_instructions(dis) == []
 
 
+# A pragma is an instruction to the compiler, and the scan cannot know what a new one does: `#pragma GCC
+# pch_preprocess "f.gch"` passes through the preprocessor and makes the compiler load f.gch (code no scan read) as if
+# it were the text; `#pragma weak` declares aliases; `#pragma GCC system_header` marks the rest of a file as a
+# system header. Only pragmas on an allow-list are accepted, in any spelling (_Pragma, inside a macro).
+PRAGMAS = {
+    "pch_preprocess": '#pragma GCC pch_preprocess "/tmp/x.gch"\nint f() { return 1; }\n',
+    "pch_preprocess_operator": '_Pragma("GCC pch_preprocess \\"/tmp/x.gch\\"")\nint f() { return 1; }\n',
+    "pch_preprocess_in_macro": '#define LOAD _Pragma("GCC pch_preprocess \\"/tmp/x.gch\\"")\nLOAD\nint f() { return 1; }\n',
+    "weak_alias": 'extern "C" int g() { return 1; }\n#pragma weak h = g\n',
+    "system_header": '#pragma GCC system_header\nint f() { return 1; }\n',
+    "unknown": '#pragma whatever 1\nint f() { return 1; }\n',
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRAGMAS))
+def test_attack_pragmas_outside_the_allow_list_are_refused(name):
+    b = env.build({"kernels/x.cpp": MODULE, "kernels/y.cpp": PRAGMAS[name]}, "cpu")
+    assert not b.ok and b.violations and b.rebuilt == [] and "pragma" in b.log, b.log
+
+
+def test_attack_pragma_allow_list_keeps_honest_pragmas():
+    src = ("#pragma once\n#pragma GCC diagnostic push\n#pragma GCC diagnostic ignored \"-Wunused\"\n"
+           "void f(float* x, int n) {\n#pragma omp parallel for\n  for (int i = 0; i < n; i++) x[i] += 1;\n"
+           "#pragma GCC unroll 4\n  for (int i = 0; i < n; i++) x[i] *= 2;\n#pragma unroll\n  for (int i = 0; i < 4; i++) x[i] = 0;\n}\n"
+           "#pragma GCC diagnostic pop\n")
+    assert scan.check_tokens("x.cpp", scan.split_preprocessed(f'# 1 "/w/x.cpp"\n{src}', lambda p: p == "/w/x.cpp")[0]) == []
+
+
 def test_attack_directives_check_keeps_honest_sources():
     """Every kernel source in the repository passes the directive check (pragmas, stringizing, comments with #)."""
     sources = [f for f in ROOT.rglob("*") if f.suffix in {".cpp", ".cu", ".h", ".cuh", ".hpp"} and f.is_file()
