@@ -3,6 +3,11 @@ preprocessor and scanned (scan.py), compiled on its own into a content-hash obje
 `cuda_extension`, whose imports and machine code are checked again. Builds run sandboxed (sandbox.py) and count
 as candidates on their device (no baseline is timed while one runs).
 
+A .cpp that includes <torch/extension.h> is preprocessed with that header precompiled (`-include` it first,
+`-fpch-preprocess`): the text the scan reads and the compiler compiles is the workspace's code and one pragma that
+names our .gch, in place of 17 MB of torch headers, which take half of a binding file's compile time to parse. A
+workspace's own pragmas come from an allow-list that does not hold `pch_preprocess` (scan.py).
+
     b = build({"kernels/op.cu": src, "kernels/binding.cpp": binding}, "cuda")   # -> Build(ok, so_path, log, ...)
 """
 from __future__ import annotations
@@ -41,6 +46,7 @@ class Build:
     seconds: float
     rebuilt: list  # sources that were compiled (not served from the cache)
     violations: list = dataclasses.field(default_factory=list)  # what the preprocessed scan refused
+    pch: list = dataclasses.field(default_factory=list)  # sources compiled from the precompiled torch header
 
 
 _TOOLCHAIN: dict = {}
@@ -73,12 +79,28 @@ def toolchain(backend: str) -> dict:
         tc["roots"] += [str(Path(cuda_home).resolve()), str(Path(cuda_home)), *map(str, Path(torch.__file__).parent.parent.glob("nvidia/*/include"))]
         libdirs = [Path(cuda_home) / "lib64", *Path(torch.__file__).parent.parent.glob("nvidia/*/lib")]
         tc["ldflags"] += ["-lc10_cuda", "-ltorch_cuda"] + [f"-L{d}" for d in libdirs if d.exists()] + \
-                         [f"-Wl,-rpath,{d}" for d in libdirs if d.exists()] + ["-lcudart"]
+                         [f"-Wl,-rpath,{d}" for d in libdirs if d.exists()] + [shared_cudart(libdirs, nvcc_major(nvcc))]
         tc["nvcc_pp"] = nvcc_host_preprocessor(tc["nvcc"])
     version = subprocess.run([tc["cxx"][0], "--version"], capture_output=True, text=True).stdout.split("\n")[0]
     tc["id"] = hashlib.sha256(json.dumps([tc, version, torch.__version__, SCAN_VERSION]).encode()).hexdigest()[:16]
     _TOOLCHAIN[backend] = tc
     return tc
+
+
+def shared_cudart(libdirs: list, major: str) -> str:
+    """The CUDA runtime of nvcc's major version as a shared library, by its path. `-lcudart` takes libcudart.a where
+    a folder holds one before any libcudart.so: the module then carries its own copy of the runtime, whose
+    open/read/ioctl/syscall the import check (rightly) refuses, beside torch's runtime."""
+    found = [f for d in libdirs for f in sorted(Path(d).glob("libcudart.so*"), key=lambda f: len(f.name))]
+    for f in found:
+        if f".so.{major}" in f.resolve().name:
+            return str(f)
+    return str(found[0]) if found else "-lcudart"  # none: the import check says what a static runtime brought in
+
+
+def nvcc_major(nvcc: str) -> str:
+    m = re.search(r"release (\d+)", subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout)
+    return m.group(1) if m else ""
 
 
 def nvcc_host_preprocessor(nvcc: list) -> list:
@@ -94,17 +116,47 @@ def nvcc_host_preprocessor(nvcc: list) -> list:
     raise RuntimeError(f"cannot find the host preprocessing step in `nvcc --dryrun`:\n{r.stderr[-2000:]}")
 
 
-def preprocess(tc: dict, src: Path, out: Path, timeout: float):
-    """Run the preprocessor (sandboxed) that the compiler itself will use; returns (SandboxResult, text)."""
+def preprocess(tc: dict, src: Path, out: Path, timeout: float, pch: Path | None = None):
+    """Run the preprocessor (sandboxed) that the compiler itself will use; returns (SandboxResult, text).
+    With `pch` (a .cpp that uses torch), <torch/extension.h> is included first, from the precompiled header: the
+    text holds `#pragma GCC pch_preprocess "<pch>"` in place of its 17 MB, and compiling the text loads it."""
     if src.suffix == ".cu":
         cmd = [str(out) if a == "OUT" else str(src) if a == "SRC" else a for a in tc["nvcc_pp"]]
+    elif pch:
+        cmd = [tc["cxx"][0], f"-I{pch.parent.parent}", *tc["cxx"][1:], "-include", str(pch.with_suffix("")),
+               "-fpch-preprocess", "-E", "-o", str(out), str(src)]
     else:
         cmd = [*tc["cxx"], "-E", "-o", str(out), str(src)]
     # -dD keeps every #define in the text, where it was written: the body of a macro that a workspace file defines is
     # scanned as its code, also when the macro is only ever expanded inside a system header (which is not scanned).
     cmd += ["-dD", f"-I{src.parent}", f"-I{out.parent}", f"-I{out.parent}/kernels"]
-    r = run_sandboxed(cmd, out.parent, timeout, mem_gb=None, output_limit=40_000)
+    r = run_sandboxed(cmd, out.parent, timeout, mem_gb=None, output_limit=40_000, readable=[pch.parent.parent] if pch else ())
     return r, (out.read_text(errors="replace") if r.returncode == 0 and out.exists() else "")
+
+
+def torch_pch(tc: dict, timeout: float) -> Path | None:
+    """<torch/extension.h> precompiled with this toolchain's flags, built once (sandboxed, under a lock): parsing it
+    is half of compiling a binding file. Returns the .gch path (next to a link named like the header, as GCC looks
+    for X.gch beside X), or None where it cannot be built (the build goes on without it)."""
+    gch = CACHE_DIR / "pch" / tc["id"] / "torch" / "extension.h.gch"
+    with file_lock(CACHE_DIR / "locks" / f"pch-{tc['id']}.lock"):
+        if not gch.exists():
+            header = next((Path(r) / "torch" / "extension.h" for r in tc["roots"] if (Path(r) / "torch" / "extension.h").exists()), None)
+            if header is None:
+                return None
+            with tempfile.TemporaryDirectory(prefix="pch-", dir=CACHE_DIR) as t:
+                (Path(t) / "torch").mkdir()
+                (Path(t) / "torch" / "extension.h").symlink_to(header)
+                r = run_sandboxed([*tc["cxx"], "-x", "c++-header", str(header), "-o", f"{t}/torch/extension.h.gch"], t,
+                                  timeout, mem_gb=None, output_limit=4000)
+                if r.returncode != 0:
+                    return None
+                for p in (t, f"{t}/torch", f"{t}/torch/extension.h.gch"):  # readable by the sandbox's uid
+                    os.chmod(p, 0o755 if Path(p).is_dir() else 0o644)
+                gch.parent.parent.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(t, gch.parent.parent)  # atomic: a half-written header never has the final name
+                os.mkdir(t)  # (for TemporaryDirectory's cleanup)
+    return gch
 
 
 _EXPANSION: dict = {}
@@ -165,12 +217,18 @@ def _build(files: dict, backend: str, timeout: float) -> Build:
     objdir = CACHE_DIR / "obj"
     objdir.mkdir(parents=True, exist_ok=True)
     keys = {p: hashlib.sha256(f"{tc['id']}\0{p}\0{files[p]}\0{headers}".encode()).hexdigest()[:32] for p in sources}
-    rebuilt, errors, violations, has_module = [], [], [], {}
+    rebuilt, errors, violations, has_module, used_pch = [], [], [], {}, []
     deadline = time.monotonic() + timeout
     # Directives first, on the text as written: the scan below trusts the line markers of the preprocessed text.
     bad = [v for p in sorted(files) for v in scan.check_directives(p, files[p])]
     if bad:
         return Build(False, None, "\n".join(bad), time.monotonic() - t0, [], bad)
+
+    # A .cpp that includes torch/extension.h (itself or through workspace headers) starts from the precompiled header.
+    uses_pch = {p for p in sources if p.endswith(".cpp") and includes_torch(p, files)
+                and not (objdir / f"{keys[p]}.json").exists()}  # (a cached object needs no compiling)
+    pch = torch_pch(tc, max(1.0, deadline - time.monotonic())) if uses_pch else None
+    roots = tc["roots"] + ([str(pch.parent.parent)] if pch else [])  # (the link to extension.h, if GCC passes the .gch by)
 
     with tempfile.TemporaryDirectory(prefix="build-", dir=CACHE_DIR) as tmp:
         tmp = Path(tmp).resolve()
@@ -185,14 +243,20 @@ def _build(files: dict, backend: str, timeout: float) -> Build:
                 has_module[p] = json.loads(meta.read_text())["module"]
                 return
             src, pre = tmp / p, tmp / f"{keys[p]}.ii"
-            r, text = preprocess(tc, src, pre, max(1.0, deadline - time.monotonic()))
+            mine = pch if p in uses_pch else None
+            r, text = preprocess(tc, src, pre, max(1.0, deadline - time.monotonic()), mine)
             if not text:
                 why = f"preprocessing of {p} {r.crash}" if r.crash else f"{p} failed to preprocess"
                 errors.append(f"{why}:\n{error_excerpt(r.stderr + r.stdout)}")
                 return
+            # The one pragma that loads the precompiled header is ours, once (a workspace's own is refused below).
+            ours = f'#pragma GCC pch_preprocess "{pch}"\n'
+            if mine and text.count(ours) == 1:
+                text = text.replace(ours, "\n", 1)
+                used_pch.append(p)
             tokens, includes = scan.split_preprocessed(text, is_user)
             bad = [f"{p}: #include of {inc} is not allowed (workspace files, torch/CUDA headers and standard headers only)"
-                   for _, inc in includes if not is_user(inc) and not scan.header_allowed(inc, tc["roots"])]
+                   for _, inc in includes if not is_user(inc) and not scan.header_allowed(inc, roots)]
             expansion = module_expansion(tc, src.suffix, max(1.0, deadline - time.monotonic()))
             hits = scan.find_seq(tokens, expansion)
             for h in reversed(hits):
@@ -209,7 +273,8 @@ def _build(files: dict, backend: str, timeout: float) -> Build:
                 # A .cpp compiles from the text just scanned (no second preprocessing); nvcc runs its own passes.
                 cmd = [*tc["nvcc"], f"-I{tmp}", f"-I{tmp}/kernels", f"-I{src.parent}", "-c", str(src)] if p.endswith(".cu") \
                     else [*tc["cxx"], "-x", "c++-cpp-output", "-c", str(pre)]
-                r = run_sandboxed([*cmd, "-o", str(part)], tmp, max(1.0, deadline - time.monotonic()), mem_gb=None, output_limit=40_000)
+                r = run_sandboxed([*cmd, "-o", str(part)], tmp, max(1.0, deadline - time.monotonic()), mem_gb=None,
+                                  output_limit=40_000, readable=[pch.parent.parent] if p in uses_pch and pch else ())
                 if r.returncode != 0 or not part.exists():
                     why = f"compilation of {p} {r.crash}" if r.crash else f"{p} failed to compile"
                     errors.append(f"{why}:\n{error_excerpt(r.stderr + r.stdout)}")
@@ -253,7 +318,25 @@ def _build(files: dict, backend: str, timeout: float) -> Build:
             mine = so.with_suffix(f".{uuid.uuid4().hex}.part")  # builds of the same sources may link at the same time
             shutil.copy(part, mine)
             os.replace(mine, so)
-    return Build(True, so, "", time.monotonic() - t0, rebuilt)
+    return Build(True, so, "", time.monotonic() - t0, rebuilt, pch=sorted(used_pch))
+
+
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)
+
+
+def includes_torch(path: str, files: dict) -> bool:
+    """Whether `path` includes <torch/extension.h>, itself or through workspace headers (by name; a guess that
+    only decides whether the precompiled header is offered: the scan reads what the preprocessor really did)."""
+    seen, todo = set(), [path]
+    while todo:
+        p = todo.pop()
+        for name in _INCLUDE_RE.findall(files.get(p, "")):
+            if name == "torch/extension.h":
+                return True
+            todo += [h for h in files if Path(h).suffix in HEADER_EXT and h not in seen and
+                     (h == name or h.endswith("/" + name))]
+            seen.update(todo)
+    return False
 
 
 def gpu_query(field: str) -> str:

@@ -148,7 +148,7 @@ PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL =
 
 
 def _jail(cfg: dict, argv: list[str]):
-    """cfg: {"mount": bool, "writable": [...], "hide": [...], "visible": [...], "uid": int | None}. Only ever
+    """cfg: {"mount": bool, "writable": [...], "hide": [...], "visible": [...], "readable": [...], "uid": int | None}. Only ever
     changes mounts of a mount namespace of its own (never the host's)."""
     libc = ctypes.CDLL(None, use_errno=True)
 
@@ -165,7 +165,8 @@ def _jail(cfg: dict, argv: list[str]):
             _private_dev(mount)
         under = lambda p, tops: any(p == t or p.startswith(t.rstrip("/") + "/") for t in tops)
         visible = [v for v in cfg.get("visible", []) if os.path.isdir(v)]
-        keep = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in writable + visible}  # reachable after covers
+        readable = [r for r in cfg.get("readable", []) if os.path.isdir(r)]
+        keep = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in writable + visible + readable}  # reachable after covers
         covers = []
         for d in sorted({*cfg.get("private", PRIVATE_DIRS), *cfg["hide"]}, key=len):
             if os.path.isdir(d) and not os.path.islink(d) and not under(d, covers):
@@ -182,6 +183,9 @@ def _jail(cfg: dict, argv: list[str]):
             if under(h, rebound) and os.path.isdir(h):
                 mount("tmpfs", h, "tmpfs", MS_NOSUID | MS_NODEV, "size=1g,mode=1777")
                 covers.append(h)
+        for r in readable:  # a trusted folder inside a hidden one (read-only: the loop below)
+            os.makedirs(r, exist_ok=True)
+            mount(f"/proc/self/fd/{keep[r]}", r, None, MS_BIND | MS_REC)
         for w in sorted(writable, key=len):
             os.makedirs(w, exist_ok=True)
             mount(f"/proc/self/fd/{keep[w]}", w, None, MS_BIND | MS_REC)
@@ -311,20 +315,23 @@ def _cgroup(name: str, pids_max: int, mem_bytes: int | None) -> list[Path]:
     return made
 
 
-def run_sandboxed(argv: list[str], cwd: str | Path, timeout: float, *, writable=(), hide=None, mem_gb: float | None = 16.0,
-                  cpu_s: float | None = None, env: dict | None = None, pass_fds=(), output_limit: int = 20_000,
-                  max_tasks: int = 1024, kind: str = "cpu", iso: Isolation | None = None, started=None) -> SandboxResult:
+def run_sandboxed(argv: list[str], cwd: str | Path, timeout: float, *, writable=(), hide=None, readable=(),
+                  mem_gb: float | None = 16.0, cpu_s: float | None = None, env: dict | None = None, pass_fds=(),
+                  output_limit: int = 20_000, max_tasks: int = 1024, kind: str = "cpu", iso: Isolation | None = None,
+                  started=None) -> SandboxResult:
     """Run argv in a child process that cannot hurt us (see the module docstring). `cwd` and `writable` stay
-    writable; everything else is read-only, and `hide` (default: the cache root) is empty. stdout/stderr are kept
-    to `output_limit` characters each (head and tail). kind="cuda" for children that use the GPU (no
-    address-space limit, the layers CUDA tolerates here). started(pid): called with the child's process group
-    once it runs, for a caller (another thread) that may need to kill it sooner."""
+    writable; everything else is read-only, and `hide` (default: the cache root) is empty but for the `readable`
+    folders in it (read-only). stdout/stderr are kept to `output_limit` characters each (head and tail).
+    kind="cuda" for children that use the GPU (no address-space limit, the layers CUDA tolerates here).
+    started(pid): called with the child's process group once it runs, for a caller (another thread) that may need
+    to kill it sooner."""
     cwd = str(Path(cwd).resolve())
     iso = isolation(kind) if iso is None else iso
     child_env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
     child_env.update(HOME=cwd, TMPDIR=cwd, LANG="C.UTF-8", PYTHONDONTWRITEBYTECODE="1", **(env or {}))
     cfg = {"mount": iso.mount, "writable": [cwd, *[str(Path(w).resolve()) for w in writable]], "uid": iso.uid,
            "hide": [str(Path(h).resolve()) for h in ([CACHE_DIR] if hide is None else hide)], "visible": _code_dirs(),
+           "readable": [str(Path(r).resolve()) for r in readable],
            "strict": iso.strict}
     cmd = [*iso.prefix, sys.executable, "-E", "-S", str(SANDBOX_PY), "_jail", json.dumps(cfg), *argv]
     groups = _cgroup(uuid.uuid4().hex, max_tasks, int(mem_gb * 2**30) if mem_gb else None)

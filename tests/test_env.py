@@ -284,6 +284,19 @@ def test_cuda_agent_layout_cpu(tmp_path):
     assert v.compiled and v.correct and v.reward >= 1, v.summary()
 
 
+def test_binding_files_compile_from_the_precompiled_torch_header():
+    """The files that include torch/extension.h (binding.cpp through binding_registry.h) are preprocessed with the
+    header precompiled, and the text compiled is the one scanned plus our pragma; the pure kernel file is not
+    given the header."""
+    src, nonce = CASES / "registry", f"// nonce {os.urandom(8).hex()}\n"
+    files = {"binding.cpp": (src / "binding.cpp").read_text() + nonce, "binding_registry.h": (src / "binding_registry.h").read_text(),
+             "kernels/axpby_binding.cpp": (src / "axpby_binding_cpu.cpp").read_text() + nonce,
+             "kernels/axpby.cpp": (src / "axpby.cpp").read_text() + nonce}
+    b = env.build(files, "cpu")
+    assert b.ok and b.pch == ["binding.cpp", "kernels/axpby_binding.cpp"], (b.pch, b.log)
+    assert sorted(b.rebuilt) == sorted(files.keys() - {"binding_registry.h"})
+
+
 @pytest.mark.gpu
 def test_cuda_agent_layout_gpu(tmp_path):
     v = env.evaluate(registry_ws(tmp_path, "cuda"), backend="cuda")
