@@ -457,6 +457,24 @@ def critic_epoch(pm, head, opt, data: list, cfg, device, epoch: int):
     return loss
 
 
+def critic_ev(pm, head, eps: list, cfg, device):
+    """(explained variance, MSE) of the critic's values against the Monte-Carlo returns, over the episodes of
+    all ranks (critic pre-training's held-out score). Leaves the critic adapter active."""
+    preds, targets = [], []
+    pm.set_adapter("critic")
+    with torch.no_grad():
+        for i in range(0, len(eps), cfg.micro_batch):
+            part = eps[i:i + cfg.micro_batch]
+            ids, attn, act = collate(part, device)
+            preds.append(action_values(pm, head, ids, attn, act).float())
+            targets.append(mc_returns(part, cfg.gamma, device))
+    p = torch.cat(preds) if preds else torch.zeros(0, device=device)
+    t = torch.cat(targets) if targets else torch.zeros(0, device=device)
+    s = all_sum(torch.stack([torch.tensor(float(p.numel()), dtype=torch.float64, device=device),
+                             ((p - t).double() ** 2).sum()]))
+    return global_explained_variance(p, t), float(s[1] / s[0].clamp(min=1))
+
+
 def reset_critic(pm, head):
     """A fresh critic: LoRA "critic" back to peft's initialisation (B = 0) and a zero value head."""
     for n, p in pm.named_parameters():

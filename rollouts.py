@@ -1,6 +1,7 @@
 """rollouts.py: bookkeeping on scored episodes (the dicts agent.py writes: tokens, loss_mask, reward, verdict,
-turns), for train.py: which training tasks a step rolls out, which -1s are the harness's and not the policy's,
-which episodes RFT may imitate, the per-step statistics, and the cut to the model's context before an update.
+turns), for train.py: which tasks the teacher works and which are held out, which training tasks a step rolls
+out, which -1s are the harness's and not the policy's, which episodes RFT may imitate, the per-step statistics,
+and the cut to the model's context before an update.
 Pure functions on dicts: no model, no files.
 """
 from __future__ import annotations
@@ -21,6 +22,15 @@ def step_tasks(n_tasks: int, step: int, per_rank: int, world: int, rank: int, se
     perm = list(range(n_tasks))
     random.Random(seed * 1_000_003 + epoch).shuffle(perm)
     return [perm[(s * G + rank * per_rank + j) % n_tasks] for j in range(per_rank)]
+
+
+def split_tasks(train: list, test: list, cfg) -> tuple[list, list]:
+    """(teacher's tasks, held-out tasks). The held-out tasks are the test split; the teacher gets training tasks
+    only, and never one whose code is also held out (a hand-made dataset may repeat a task across splits)."""
+    heldout = test[:cfg.eval_tasks]
+    codes = {t["code"] for t in heldout}
+    pool = [t for t in train if t["code"] not in codes]
+    return pool[:cfg.sft_tasks] if cfg.sft_tasks else pool, heldout
 
 
 HARNESS_ERRORS = ("the reference model.py failed", "final evaluation failed")

