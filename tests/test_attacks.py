@@ -282,3 +282,22 @@ def test_attack_agent_file_tools_read_no_huge_file(tmp_path):
     for tool, args in (("read_file", {"path": "big.cpp"}), ("edit_file", {"path": "big.cpp", "old": "x", "new": "y"})):
         obs, _, ok = agent.run_tool(tool, args, ws, RELU, "cpu", agent.AgentConfig())
         assert not ok and "1 MiB" in obs and len(obs) < 1000, (tool, len(obs))
+
+
+# ------------------------------------------------------------------ 3. the pipe protocol: replies only the harness can give
+# The scan closes open/read/write, but stdio reaches any descriptor: `stdin->_fileno = fd` and fread, `stderr->_fileno = fd`
+# and fwrite (tests/attack_cases/forge_replies.cpp). A kernel answered the "run" the harness was serving, read the sample
+# offset the parent drew next and computed only those elements (1 in 4 of the output: reward +1, correct, its reported
+# time a fraction of its work); or answered "full" itself with "ops": [] for an output PyTorch computed in forward (reward
+# +1 for a fallback). Every command now carries a fresh nonce that the harness read and the kernel never saw, and a reply
+# that does not echo it is refused: a message the kernel adds puts every later reply out of step.
+FORGED = {"sampled_only": "cuda_extension.sampled_only(x, self.scale)",
+          "hide_ops": "cuda_extension.hide_ops((x * self.scale).relu())"}
+
+
+@pytest.mark.parametrize("name", sorted(FORGED))
+def test_attack_kernel_speaking_the_pipe_protocol_is_refused(tmp_path, name):
+    ws = make_ws(tmp_path, "relu", model_new("relu", FORGED[name]), {"ops.cpp": (CASES / "forge_replies.cpp").read_text()})
+    v = env.evaluate(ws, backend="cpu")
+    assert v.compiled, v.log
+    assert v.reward == -1 and not v.correct and "no command" in (v.error or ""), v.summary()
