@@ -52,7 +52,8 @@ What the sandbox protects against (sandbox.py has the layers)
     can reach them; its filesystem view hides the cache root (other runs, baselines, references), /tmp and
     /dev/shm are its own, and the next input arrives only after the previous run's result.
   - forging the verdict: only this process measures time and judges; a child's replies are validated
-    field by field (a malformed one is reward -1, never a crash).
+    field by field (a malformed one is reward -1, never a crash), and each must echo the nonce of the command it
+    answers, which only the harness read: a reply that the kernel writes to the pipe itself is refused.
   - reaching the host: fresh PID namespace with its own /proc, read-only mounts (/sys, and /proc but for the
     processes' own entries), a /dev of its own with an allow-list of device nodes, no capabilities,
     no_new_privs, no network; a killed child takes all its descendants with it.
@@ -70,10 +71,12 @@ What the sandbox protects against (sandbox.py has the layers)
 
 What it does NOT protect against (be honest; RL will look)
   - native code in the candidate's own process can, in principle, write anything in that process's memory,
-    including the harness's monitor, and speak the pipe protocol itself. The scan closes the doors it would
-    need (raw syscalls, I/O functions, signals, mmap, inline assembly in host code, the Python C API and the
-    object model's fields, threads, PyTorch operators in its imports); a determined attacker using raw
-    pointer arithmetic on the interpreter's or libc's memory (fixed offsets into a PyObject, a function
+    including the harness's monitor, and the nonce of the command the harness is serving. The scan closes the
+    doors it would need (raw syscalls, I/O functions, signals, mmap, inline assembly in host code, the Python C
+    API and the object model's fields, threads, PyTorch operators in its imports) but not every way to a
+    descriptor (stdio on a FILE whose _fileno it sets reads and writes the pipes): a reply it writes is refused
+    for its nonce, so speaking the protocol takes reading the interpreter's memory. A determined attacker using
+    raw pointer arithmetic on the interpreter's or libc's memory (fixed offsets into a PyObject, a function
     pointer computed from an allowed one) is not stopped. What it cannot forge: the clock, the sampled
     positions, the comparison.
   - an OpenMP worker still runs the kernel's own code outside the monitor's thread (it may call only the

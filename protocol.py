@@ -1,7 +1,9 @@
 """protocol.py: steps 4 and 5 of a verdict (env.py): the sandboxed children and the exchanges by which the parent
 checks and times them. The parent holds the clock and every secret; a child only ever learns the input of the run
 it is about to make, and sends back what it is asked for, over pipes (JSON headers and raw tensor bytes, never
-pickle). A child is `python env.py _child SPEC`, which runs _child_main here.
+pickle). Every command carries a fresh nonce that its reply must echo: only the harness that read the command knows
+it, so a message that native code in the child writes to the reply pipe itself is refused. A child is
+`python env.py _child SPEC`, which runs _child_main here.
 
     ref = Child({"mode": "reference", ...}, run_dir, "cuda", cfg)     # the trusted task code
     times = timed_runs(ref, seeds, cfg)                               # milliseconds per run, by this process's clock
@@ -48,9 +50,10 @@ _clock = time.perf_counter  # the parent's clock; no candidate code ever runs in
 SAMPLE = 65536  # elements per output compared after a timed run (every element of smaller outputs)
 
 
-def send(fd: int, obj, blobs=()):
+def send(fd: int, obj, blobs=(), re: str | None = None):
+    """One message: 8 bytes of header length, the JSON header, the raw blobs. `re`: the nonce of the command it answers."""
     blobs = [bytes(b) for b in blobs]
-    head = json.dumps({"obj": obj, "sizes": [len(b) for b in blobs]}).encode()
+    head = json.dumps({"obj": obj, "sizes": [len(b) for b in blobs], "re": re}).encode()
     data = len(head).to_bytes(8, "little") + head + b"".join(blobs)
     view = memoryview(data)
     while view:
@@ -71,7 +74,8 @@ def _read_exact(fd: int, n: int, alive=None) -> bytes:
     return b"".join(chunks)
 
 
-def recv(fd: int, limit: int = 1 << 34, alive=None):
+def recv(fd: int, limit: int = 1 << 34, alive=None, expect: str | None = None):
+    """(obj, blobs) of the next message. expect: the nonce of the command this must answer (ValueError otherwise)."""
     n = int.from_bytes(_read_exact(fd, 8, alive), "little")
     if not 0 < n < 1 << 20:
         raise ValueError(f"malformed message header ({n} bytes)")
@@ -79,6 +83,9 @@ def recv(fd: int, limit: int = 1 << 34, alive=None):
         head = json.loads(_read_exact(fd, n, alive))
     except RecursionError as e:
         raise ValueError("malformed message header (nested too deeply)") from e
+    if expect is not None and (not isinstance(head, dict) or head.get("re") != expect):
+        raise ValueError("a reply that answers no command of the parent's (written by something other than the "
+                         "harness, or out of step)")
     sizes = head.get("sizes", []) if isinstance(head, dict) else None
     if not isinstance(sizes, list) or not all(isinstance(s, int) and 0 <= s for s in sizes) or sum(sizes) > limit:
         raise ValueError("malformed message sizes")
@@ -220,6 +227,7 @@ def _child_main(spec_path: str):
             cmd, _ = recv(cmd_fd)
         except (EOFError, ValueError):
             os._exit(0)
+        nonce = cmd.get("nonce") if isinstance(cmd, dict) else None  # every reply echoes its command's nonce
         try:
             op = cmd["op"]
             reply, blobs = {"ok": True}, []
@@ -250,9 +258,9 @@ def _child_main(spec_path: str):
                          "mutated": any(isinstance(b, torch.Tensor) and not torch.equal(b, x) for b, x in zip(buffers, loaded)),
                          "types": [type(o).__name__ for o in outs if isinstance(o, torch.Tensor) and type(o) is not torch.Tensor],
                          "devices": sorted({o.device.type for o in outs if isinstance(o, torch.Tensor)} - {device.type})}
-            send(rep_fd, reply, blobs)
+            send(rep_fd, reply, blobs, re=nonce)
         except BaseException as e:  # noqa: BLE001
-            send(rep_fd, {"error": f"{type(e).__name__}: {str(e)[:800]}"})
+            send(rep_fd, {"error": f"{type(e).__name__}: {str(e)[:800]}"}, re=nonce)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -301,11 +309,15 @@ class Child:
     reply_limit = 1 << 34  # bytes one reply may declare; the parent lowers it to what it expects
 
     def ask(self, obj):
-        send(self.cmd_w, obj)
-        return self.answer()
+        """Sends a command with a fresh nonce and returns the reply that echoes it. Only the harness, which read the
+        command, knows the nonce: native code in the child can write to the reply pipe (nothing in-process stops a
+        write to a descriptor), but a message it adds puts every later reply out of step, and is refused."""
+        nonce = secrets.token_hex(8)
+        send(self.cmd_w, dict(obj, nonce=nonce))
+        return self.answer(expect=nonce)
 
-    def answer(self):
-        obj, blobs = recv(self.rep_r, limit=self.reply_limit, alive=self.thread.is_alive)
+    def answer(self, expect: str | None = None):
+        obj, blobs = recv(self.rep_r, limit=self.reply_limit, alive=self.thread.is_alive, expect=expect)
         if isinstance(obj, dict) and "error" in obj and isinstance(obj["error"], str) and len(obj) == 1:
             raise ChildError(obj["error"])
         return obj, blobs
