@@ -13,6 +13,7 @@ import pytest
 
 import build as builder
 import env
+import protocol
 import scan
 import sandbox
 from test_env import RELU, make_ws, model_new
@@ -329,3 +330,62 @@ DESCRIPTOR_DOORS = {
 def test_attack_descriptor_and_signal_doors_are_refused(name):
     b = env.build({"kernels/x.cpp": MODULE + DESCRIPTOR_DOORS[name]}, "cpu")
     assert not b.ok and b.violations, b.log
+
+
+# ------------------------------------------------------------------ the parent: a verdict and one line, never a hang or a traceback
+def _evaluate_within(seconds, *args, **kwargs):
+    """env.evaluate in a thread: (verdict or the exception it raised), or pytest.fail if it has not returned in time."""
+    import threading
+    box = []
+
+    def go():
+        try:
+            box.append(env.evaluate(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001  (what the test reports)
+            box.append(e)
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        pytest.fail(f"env.evaluate did not return within {seconds} s (the parent hangs)")
+    return box[0]
+
+
+def test_attack_a_child_that_cannot_start_is_a_verdict(tmp_path, monkeypatch):
+    """run_sandboxed raised (fork refused: the uid's processes or the host's memory exhausted, which the bash tool of
+    another rollout can do) before the child's process group was known: Child waited for it forever, and the trainer
+    hung. A child that cannot start is now a child that died, with the reason."""
+    def refuse(*a, **k):
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+    monkeypatch.setattr(protocol, "run_sandboxed", refuse)
+    v = _evaluate_within(60, make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)")),
+                         backend="cpu", stage="verify")
+    assert isinstance(v, env.Verdict), repr(v)
+    assert v.reward == -1 and "could not start" in (v.error or "") and "\n" not in v.error.split(" failed: ")[0], v.summary()
+
+
+def test_attack_a_command_to_a_dead_child_is_an_eof(tmp_path):
+    """A child that died after its last reply (a signal it set itself with alarm(), its wall clock) made the parent's next
+    command a BrokenPipeError, which no caller expected: a traceback out of env.evaluate. It reads as the child's end."""
+    (tmp_path / "run").mkdir()
+    spec = {"mode": "reference", "backend": "cpu", "seed0": 0, "reference": str(tmp_path / "missing.py"),
+            "seeds": [1], "n_checks": 1, "budget_mb": 1}
+    c = protocol.Child(spec, tmp_path / "run", "cpu", env.Config(timeout=60))
+    c.thread.join(60)
+    with pytest.raises(EOFError):
+        c.ask({"op": "use", "fn": "eager"})
+    assert "exited with code" in c.why_dead()
+    c.close()
+
+
+def test_attack_a_reference_that_dies_while_timed_is_a_verdict(tmp_path):
+    """The baselines' timed runs were outside every handler: a reference child that died there (killed for memory while
+    a rollout's bash tool filled the host) was an EOFError out of env.evaluate."""
+    dies = RELU + (f"\nimport os\nCALLS = [0]  # {os.urandom(8).hex()}\n_forward = Model.forward\n\n\n"
+                   "def forward(self, x):\n    CALLS[0] += 1\n    if CALLS[0] > 5 + 22:  # every output computed: now timed\n"
+                   "        os._exit(3)\n    return _forward(self, x)\n\n\nModel.forward = forward\n")
+    ws = make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)"))
+    (ws / "model.py").write_text(dies)
+    v = _evaluate_within(300, ws, backend="cpu", reference=dies)
+    assert isinstance(v, env.Verdict), repr(v)
+    assert v.reward == -1 and "reference" in (v.error or ""), v.summary()
