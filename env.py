@@ -518,11 +518,15 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
         ref_checks, ref_timed = ref_outs[:len(check_seeds)], ref_outs[len(check_seeds):]
         lap("reference outputs")  # (the candidate starts meanwhile when the baselines are cached)
         if need_baselines:
-            with no_candidates(backend), file_lock(gpu_lock_path(backend)):
-                times = {}
-                for name in ("eager", "compile"):
-                    ref.ask({"op": "use", "fn": name})
-                    times[name] = timed_runs(ref, timed_seeds, cfg)
+            try:
+                with no_candidates(backend), file_lock(gpu_lock_path(backend)):
+                    times = {}
+                    for name in ("eager", "compile"):
+                        ref.ask({"op": "use", "fn": name})
+                        times[name] = timed_runs(ref, timed_seeds, cfg)
+            except (EOFError, ValueError, KeyError, TypeError, ChildError) as e:
+                v.error = f"the reference model.py failed while timed: {ref.why_dead() if isinstance(e, EOFError) else e}"
+                return
             new = {"eager_ms": median(times["eager"]), "compile_ms": median(times["compile"]),
                    "spread": [round(spread(times["eager"]), 4), round(spread(times["compile"]), 4)]}
             if cached is not None and max(cached["spread"]) < max(new["spread"]):

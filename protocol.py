@@ -291,11 +291,17 @@ class Child:
         extra = dict(env or {}, **CHILD_ENV)
         self.result = None
         self.pgid = None
+        self.failed = None  # why the child could not start (fork refused, no memory...), if it could not
 
         def go():
-            self.result = run_sandboxed(argv, run_dir, cfg.timeout, writable=writable, mem_gb=cfg.mem_gb, env=extra,
-                                        pass_fds=[self.cmd_r, self.rep_w], kind=backend, started=self._started)
-            os.close(self.rep_w)  # our copy: the parent's next read sees the end of the pipe
+            try:
+                self.result = run_sandboxed(argv, run_dir, cfg.timeout, writable=writable, mem_gb=cfg.mem_gb, env=extra,
+                                            pass_fds=[self.cmd_r, self.rep_w], kind=backend, started=self._started)
+            except BaseException as e:  # noqa: BLE001  - a child that never ran is a child that ended, with its reason
+                self.failed = f"{type(e).__name__}: {e}"
+            finally:
+                os.close(self.rep_w)  # our copy: the parent's next read sees the end of the pipe
+                self._started_evt.set()
         self._started_evt = threading.Event()
         self.thread = threading.Thread(target=go, daemon=True)
         self.thread.start()
@@ -313,7 +319,10 @@ class Child:
         command, knows the nonce: native code in the child can write to the reply pipe (nothing in-process stops a
         write to a descriptor), but a message it adds puts every later reply out of step, and is refused."""
         nonce = secrets.token_hex(8)
-        send(self.cmd_w, dict(obj, nonce=nonce))
+        try:
+            send(self.cmd_w, dict(obj, nonce=nonce))
+        except OSError as e:  # (BrokenPipeError: the child died after its last reply)
+            raise EOFError("the child process ended") from e
         return self.answer(expect=nonce)
 
     def answer(self, expect: str | None = None):
@@ -339,6 +348,8 @@ class Child:
 
     def why_dead(self) -> str:
         self.thread.join()
+        if self.result is None:
+            return f"could not start ({self.failed})"
         r = self.result
         tail = error_excerpt(r.stderr, 12) if r.stderr.strip() else ""
         return (r.crash or f"exited with code {r.returncode}") + (f"\n{tail}" if tail else "")
