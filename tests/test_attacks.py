@@ -389,3 +389,40 @@ def test_attack_a_reference_that_dies_while_timed_is_a_verdict(tmp_path):
     v = _evaluate_within(300, ws, backend="cpu", reference=dies)
     assert isinstance(v, env.Verdict), repr(v)
     assert v.reward == -1 and "reference" in (v.error or ""), v.summary()
+
+
+# ------------------------------------------------------------------ 1. the probe: a failure of the moment drops no layer
+# isolation(kind) probes once per process and keeps the strongest set of layers under which a child started, for good.
+# A child can fail to start for reasons of the moment that processes the policy controls can cause: the bash tool of
+# another rollout (or of another rank's trainer) that fills the host's memory or the GPU's, or holds every process the
+# uid may have. The strict jail then fell back to the non-strict one (the host's /dev writable by root, /proc's knobs),
+# and a probe under which nothing started at all kept NO namespace: every later child of the process, candidates
+# included, ran on the host's filesystem, where the cache (baselines) is writable.
+def _flaky_probe(monkeypatch, fail_first):
+    """sandbox.run_sandboxed whose first `fail_first` calls fail as a refused fork does; the rest run."""
+    real, calls = sandbox.run_sandboxed, []
+
+    def flaky(argv, cwd, timeout, **kw):
+        calls.append(kw.get("iso"))
+        if len(calls) <= fail_first:
+            return sandbox.SandboxResult(1, "", "unshare: fork failed: Resource temporarily unavailable", False, 0.0)
+        return real(argv, cwd, timeout, **kw)
+    monkeypatch.setattr(sandbox, "run_sandboxed", flaky)
+    monkeypatch.setattr(sandbox, "_ISOLATION", {})
+    return calls
+
+
+def test_attack_a_probe_that_fails_once_keeps_every_layer(monkeypatch):
+    best = sandbox.isolation("cpu")  # (probed in this process before the patch: the layers this host has)
+    _flaky_probe(monkeypatch, 2)  # the strongest set's tries, both uids
+    iso = sandbox.isolation("cpu")
+    assert (iso.prefix, iso.strict, iso.uid) == (best.prefix, best.strict, best.uid), (iso, best)
+
+
+def test_attack_a_probe_under_which_nothing_starts_keeps_no_weaker_layers(monkeypatch):
+    calls = _flaky_probe(monkeypatch, 10**6)
+    iso = sandbox.isolation("cpu")
+    if not calls[0].prefix:
+        pytest.skip("no namespaces to probe here")
+    assert iso.prefix == calls[0].prefix and iso.strict, iso  # the strongest set: the child fails, and says why
+    assert "cpu" not in sandbox._ISOLATION  # and the next child probes again
