@@ -257,7 +257,7 @@ def test_a_driver_that_refuses_the_private_dev_keeps_the_mount_namespace(monkeyp
             return sandbox.SandboxResult(1, "", "cudaErrorOperatingSystem", False, 0.0)
         return real(argv, cwd, timeout, **kw)
     monkeypatch.setattr(sandbox, "run_sandboxed", picky)
-    iso = sandbox._probe_isolation("cpu")
+    iso, _ = sandbox._probe_isolation("cpu")
     if "--mount" not in sandbox.isolation("cpu").prefix:
         pytest.skip("no mount namespace here")
     assert iso.mount and not iso.strict and iso.prefix == sandbox.isolation("cpu").prefix, iso
