@@ -456,3 +456,18 @@ def test_attack_the_sample_copies_no_whole_output(layout):
     step = out.numel() // protocol.SAMPLE
     assert torch.equal(sample, out.contiguous().reshape(-1)[offset % step::step])
     assert max(largest, default=0) <= protocol.SAMPLE, f"the sample materialised {max(largest)} elements of {out.numel()}"
+
+
+# ------------------------------------------------------------------ the comparison itself
+def test_attack_a_tensor_where_the_reference_has_a_number_is_a_mismatch_not_a_crash():
+    """A reference that returns a number beside its tensors (KernelBench's format allows it; evaluate.py's tasks are not
+    filtered like synth.py's) was compared by `out == ref`: a tensor there raised "Boolean value of Tensor with more
+    than one value is ambiguous" in the parent (a traceback out of env.evaluate), and a one-element tensor, or True
+    for 1, passed. A Python value must come back as the same type and value."""
+    import torch
+    ref = (torch.ones(3), 3)
+    assert env.compare((torch.ones(3), torch.ones(4)), ref, 1e-2, 1e-2, "out") is not None
+    assert env.compare((torch.ones(3), torch.tensor(3.0)), ref, 1e-2, 1e-2, "out") is not None
+    assert env.compare((torch.ones(3), True), (torch.ones(3), 1), 1e-2, 1e-2, "out") is not None
+    assert env.compare((torch.ones(3), 3), ref, 1e-2, 1e-2, "out") is None
+    assert env.compare(None, None, 1e-2, 1e-2, "out") is None and env.compare(float("nan"), float("nan"), 0, 0, "o") is None
