@@ -471,3 +471,33 @@ def test_attack_a_tensor_where_the_reference_has_a_number_is_a_mismatch_not_a_cr
     assert env.compare((torch.ones(3), True), (torch.ones(3), 1), 1e-2, 1e-2, "out") is not None
     assert env.compare((torch.ones(3), 3), ref, 1e-2, 1e-2, "out") is None
     assert env.compare(None, None, 1e-2, 1e-2, "out") is None and env.compare(float("nan"), float("nan"), 0, 0, "o") is None
+
+
+# Baselines are timed while no candidate lives on the device, but the reference children of other verdicts computed
+# their outputs meanwhile (27 forward passes of the task, seconds of the device's time): in training, many rollouts of
+# one task reach `profile` together, and the first verdict's eager and compile times, slowed uniformly by the others'
+# reference work, were cached for every later verdict. A reference child loads the device like a candidate until its
+# outputs are in, and counts as one.
+def test_attack_reference_outputs_are_not_computed_while_a_baseline_is_timed(tmp_path, monkeypatch):
+    import fcntl
+    seen = []
+    real_init = env.Child.__init__
+
+    def init(self, spec, *a, **k):
+        real_init(self, spec, *a, **k)
+        if spec["mode"] == "reference":
+            fd = os.open(sandbox._alive_path("cpu"), os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what no_candidates (a baseline) would take
+                seen.append("a baseline could be timed")
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            except BlockingIOError:
+                seen.append("held")
+            finally:
+                os.close(fd)
+    monkeypatch.setattr(env.Child, "__init__", init)
+    ws = make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)"))
+    (ws / "model.py").write_text(RELU + f"\n# baseline nonce {os.urandom(8).hex()}\n")  # baselines measured in this verdict
+    v = env.evaluate(ws, backend="cpu")
+    assert v.correct and v.eager_ms, v.summary()
+    assert seen == ["held"], seen
