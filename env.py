@@ -60,7 +60,8 @@ What the sandbox protects against (sandbox.py has the layers)
   - crashes, hangs, fork bombs, huge allocations, megabytes of output: a fresh process per verdict, wall
     clock timeouts, cgroups or rlimits, truncated logs.
   - slowing the baselines: they are never timed while a candidate is alive on that device, and every process
-    the policy controls counts as one: the candidate child, a build, the agent's bash tool.
+    the policy controls counts as one: the candidate child, a build, the agent's bash tool; so does another
+    verdict's reference child until its outputs are in (the policy decides when verdicts start).
   - hiding a cheat from the scan: the scan reads the preprocessed tokens, so aliases, token pasting,
     digraphs, computed includes and comments change nothing; no directive can re-attribute lines to a system
     header (#line, line markers, text that reads as a marker), a workspace macro is scanned where it is
@@ -499,6 +500,10 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
         (run / "cand" / "model_new.py").write_text(model_new)
         shutil.copy(so_path, run / "cand" / "ext" / "cuda_extension.so")
         extra, writable = compile_caches()
+        # The reference's outputs load the device like a candidate does: no other verdict times a baseline meanwhile
+        # (in training many rollouts of one task reach this together, and the first one's baselines are cached).
+        ref_busy = stack.enter_context(contextlib.ExitStack())
+        ref_busy.enter_context(candidate_alive(backend))
         ref = stack.enter_context(_closing(Child(dict(common, mode="reference", reference=str(run / "ref" / "model.py"),
                                                         seeds=check_seeds + timed_seeds, n_checks=len(check_seeds),
                                                         budget_mb=cfg.input_budget_mb),
@@ -519,6 +524,7 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
             v.error = f"the reference model.py failed: {e if isinstance(e, ChildError) else ref.why_dead()}"
             return
         ref_checks, ref_timed = ref_outs[:len(check_seeds)], ref_outs[len(check_seeds):]
+        ref_busy.close()  # (before our own baselines, which wait for every holder)
         lap("reference outputs")  # (the candidate starts meanwhile when the baselines are cached)
         if need_baselines:
             try:
