@@ -501,3 +501,28 @@ def test_attack_reference_outputs_are_not_computed_while_a_baseline_is_timed(tmp
     v = env.evaluate(ws, backend="cpu")
     assert v.correct and v.eager_ms, v.summary()
     assert seen == ["held"], seen
+
+
+# A kernel that takes the protocol over before the harness ever replies (at import: a forged "ready", then every command
+# itself, never returning) needs no nonce it has not read. What it needed besides was each input set, which it could
+# rebuild from the seed in the "load" command (the task's get_inputs under torch.manual_seed(seed): torch's CPU generator
+# is public code). A "load" now carries the seed XORed with a pad that only the harness, which read its key from its
+# spec file (no kernel can open a file), can compute from the command's nonce.
+def test_attack_no_command_carries_a_seed(tmp_path, monkeypatch):
+    sent, specs = [], []
+    real_send, real_init = protocol.send, protocol.Child.__init__
+
+    def spy_send(fd, obj, *a, **k):
+        sent.append(obj)
+        return real_send(fd, obj, *a, **k)
+
+    def spy_init(self, spec, *a, **k):
+        specs.append(spec)
+        real_init(self, spec, *a, **k)
+    monkeypatch.setattr(protocol, "send", spy_send)
+    monkeypatch.setattr(protocol.Child, "__init__", spy_init)
+    v = env.evaluate(make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)")), backend="cpu")
+    assert v.correct and v.runtime_ms, v.summary()
+    seeds = set(next(s for s in specs if s["mode"] == "reference")["seeds"])
+    loads = [c["seed"] for c in sent if isinstance(c, dict) and c.get("op") == "load"]
+    assert len(loads) > 20 and not seeds & set(loads), "a load command names an input set's seed"
