@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import importlib.util
 import json
 import math
@@ -42,6 +43,7 @@ ENV_PY = Path(__file__).resolve().parent / "env.py"  # a child is `python env.py
 #                                  synchronises, "ok"
 #   parent: t0, "run"       child: out = fn(*buffers), device-wide sync, "ok"
 #   parent: "sample" (o)    child: copies out[o::step] (every output, o drawn now) and sends it; parent: t1
+# Every command carries a fresh nonce that its reply echoes, and a seed travels XORed with seed_pad(key, nonce).
 # The sampled elements are chosen after the run and copied inside [t0, t1], so work that is deferred past
 # `run` (lazy pages, late kernels) is timed, and a candidate cannot know which elements it must get right.
 # Check runs ask "full" instead of "sample": every element, plus the input-mutation and type checks.
@@ -90,6 +92,13 @@ def recv(fd: int, limit: int = 1 << 34, alive=None, expect: str | None = None):
     if not isinstance(sizes, list) or not all(isinstance(s, int) and 0 <= s for s in sizes) or sum(sizes) > limit:
         raise ValueError("malformed message sizes")
     return head.get("obj"), [_read_exact(fd, s, alive) for s in sizes]
+
+
+def seed_pad(key: str, nonce: str) -> int:
+    """What a "load" command's seed is XORed with: only the harness, which read `key` from its spec file, undoes it. A
+    kernel that took the protocol over (it can write to the pipes, and at import it need echo no nonce it has not read)
+    could otherwise rebuild every input set from its seed with torch's public generator."""
+    return int.from_bytes(hashlib.blake2b(nonce.encode(), key=bytes.fromhex(key), digest_size=4).digest(), "little")
 
 
 def pack(out, blobs: list):
@@ -241,7 +250,7 @@ def _child_main(spec_path: str):
             elif op == "use":
                 fn = fns[cmd["fn"]] if cmd["fn"] in fns else torch.compile(fns["eager"])
             elif op == "load":
-                loaded = inputs_for(cmd["seed"])
+                loaded = inputs_for(cmd["seed"] ^ seed_pad(spec["key"], nonce))
                 if buffers is None:
                     buffers = [x.clone() if isinstance(x, torch.Tensor) else x for x in loaded]
                 for b, x in zip(buffers, loaded):
@@ -290,7 +299,8 @@ class Child:
         self.rep_r, self.rep_w = os.pipe()
         with contextlib.suppress(OSError, AttributeError):  # Linux; elsewhere the default size (more round trips)
             fcntl.fcntl(self.rep_w, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
-        spec = dict(spec, cmd_fd=self.cmd_r, rep_fd=self.rep_w)
+        self.key = secrets.token_hex(16)  # the seed pad's (seed_pad); the child reads it from its spec file
+        spec = dict(spec, cmd_fd=self.cmd_r, rep_fd=self.rep_w, key=self.key)
         (run_dir / "spec.json").write_text(json.dumps(spec))
         argv = [sys.executable, "-E", "-B", str(ENV_PY), "_child", str(run_dir / "spec.json")]
         extra = dict(env or {}, **CHILD_ENV)
@@ -324,6 +334,8 @@ class Child:
         command, knows the nonce: native code in the child can write to the reply pipe (nothing in-process stops a
         write to a descriptor), but a message it adds puts every later reply out of step, and is refused."""
         nonce = secrets.token_hex(8)
+        if "seed" in obj:
+            obj = dict(obj, seed=obj["seed"] ^ seed_pad(self.key, nonce))
         try:
             send(self.cmd_w, dict(obj, nonce=nonce))
         except OSError as e:  # (BrokenPipeError: the child died after its last reply)
