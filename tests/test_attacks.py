@@ -526,3 +526,13 @@ def test_attack_no_command_carries_a_seed(tmp_path, monkeypatch):
     seeds = set(next(s for s in specs if s["mode"] == "reference")["seeds"])
     loads = [c["seed"] for c in sent if isinstance(c, dict) and c.get("op") == "load"]
     assert len(loads) > 20 and not seeds & set(loads), "a load command names an input set's seed"
+
+
+def test_attack_a_reply_cannot_use_one_blob_twice():
+    """The harness packs each tensor into a blob of its own; unpack let any number of a reply's tensors name the same
+    blob, each materialised anew: a 1 MiB header of 40k entries naming one 16 MiB blob asked the parent for 640 GiB
+    (the reply limit bounds the bytes sent, not the bytes unpacked). A blob is used once."""
+    entry = {"t": 0, "dtype": "float32", "shape": [4]}
+    with pytest.raises(ValueError):
+        protocol.unpack({"seq": [entry, entry]}, [b"\0" * 16])
+    assert len(protocol.unpack({"seq": [entry, dict(entry, t=1)]}, [b"\0" * 16, b"\0" * 16])) == 2
