@@ -114,11 +114,16 @@ def pack(out, blobs: list):
     raise TypeError(f"outputs must be tensors (or tuples of them), not {type(out).__name__}")
 
 
-def unpack(obj, blobs: list, depth: int = 0):
-    """The inverse of pack, validating every field: a malformed reply raises ValueError."""
+def unpack(obj, blobs: list, depth: int = 0, used: set | None = None):
+    """The inverse of pack, validating every field: a malformed reply raises ValueError. Each blob makes one tensor
+    (as pack writes them): a reply cannot ask for more memory than it sent."""
+    used = set() if used is None else used
     if not isinstance(obj, dict) or depth > 8:
         raise ValueError("malformed output")
     if "t" in obj:
+        if not isinstance(obj["t"], int) or obj["t"] in used:
+            raise ValueError("malformed tensor in output (two tensors of one reply name the same bytes?)")
+        used.add(obj["t"])
         dtype = getattr(torch, str(obj.get("dtype")), None)
         shape = obj.get("shape")
         if not isinstance(dtype, torch.dtype) or not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
@@ -129,7 +134,7 @@ def unpack(obj, blobs: list, depth: int = 0):
             raise ValueError("tensor bytes do not match the declared shape")
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape) if n else torch.empty(shape, dtype=dtype)
     if "seq" in obj and isinstance(obj["seq"], list):
-        seq = [unpack(o, blobs, depth + 1) for o in obj["seq"]]
+        seq = [unpack(o, blobs, depth + 1, used) for o in obj["seq"]]
         return tuple(seq) if obj.get("tuple") else seq
     if "v" in obj and (obj["v"] is None or isinstance(obj["v"], (bool, int, float))):
         return obj["v"]
