@@ -142,16 +142,11 @@ def unpack(obj, blobs: list, depth: int = 0, used: set | None = None):
 
 
 def sample_of(out, offset: int):
-    """out[offset % step :: step] of every output tensor (flattened in row-major order), step = numel // SAMPLE (all of
-    a small one). Only those elements are read, whatever the layout: `reshape(-1)` of a view (a transposed or expanded
-    result, which eager returns for free) would copy the whole output inside the timed run, and charge a baseline
-    for work that is not its own."""
+    """out[offset % step :: step] of every output tensor, step = numel // SAMPLE (all of a small one)."""
     if isinstance(out, torch.Tensor):
-        out = out.detach()
-        step = max(1, out.numel() // SAMPLE)
-        if out.is_contiguous():
-            return out.view(-1)[offset % step::step]
-        return out.take(torch.arange(offset % step, out.numel(), step, device=out.device))
+        flat = out.detach().reshape(-1)
+        step = max(1, flat.numel() // SAMPLE)
+        return flat[offset % step::step]
     if isinstance(out, (tuple, list)):
         return type(out)(sample_of(o, offset) for o in out)
     return out
