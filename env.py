@@ -80,11 +80,18 @@ What it does NOT protect against (be honest; RL will look)
     raw pointer arithmetic on the interpreter's or libc's memory (fixed offsets into a PyObject, a function
     pointer computed from an allowed one) is not stopped. What it cannot forge: the clock, the sampled
     positions, the comparison.
+  - a kernel that tells the audited runs from the sampled ones (by the time between its calls) knows when the
+    n_audits are spent: the runs after that are checked by their samples only (and the last one in full).
   - an OpenMP worker still runs the kernel's own code outside the monitor's thread (it may call only the
     allocation and view operators the module imports).
   - a content-keyed output cache when the inputs are so large that fewer distinct input sets than timed
     runs fit in `input_budget_mb`: the sets are then reused in turn.
   - reduced precision inside a kernel that stays within atol/rtol (and the RMS bound) passes, as in the paper.
+  - the time includes reading the sample out of the output in row-major order, so an output that is a view (a
+    transposed result) is copied whole inside the timed run, the reference's as much as the candidate's: eager's
+    view pays a copy that KernelBench's timer would not charge, and a candidate that writes its result in that order
+    saves it. Gathering only the sampled elements would make a view free, and a candidate that returns a view of
+    its input (x.t() for a task that transposes and copies) would do no work at all (reward 3, tried).
   - the time includes two pipe round trips and the sample's copy: for tiny kernels the reward sees host
     overhead (bench/env_bench.py states this floor; bench/floor_diag.py splits it). It is the same for the
     candidate and both baselines, except the candidate's dispatch monitor (tens of microseconds a run).

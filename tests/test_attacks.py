@@ -428,34 +428,28 @@ def test_attack_a_probe_under_which_nothing_starts_keeps_no_weaker_layers(monkey
     assert "cpu" not in sandbox._ISOLATION  # and the next child probes again
 
 
-# ------------------------------------------------------------------ 6. the baselines pay only for their work
-# Every timed run ends with the sample: out[o::step] of the output as a flat tensor. For an output that is a view
-# (a transposed, permuted or expanded result, which eager returns for free) `reshape(-1)` copied the WHOLE output inside
-# the timed run: 100 ms a run for a transposed 4096x4096 on this machine's 2 cores, against 4 ms for the same 65536
-# elements gathered. A task whose reference ends in .t() had its eager and compile times inflated by that copy, and a
-# candidate that returned the same values contiguous was "faster" by it. The sample now reads only its elements,
-# whatever the layout.
-@pytest.mark.parametrize("layout", ["transposed", "expanded", "permuted"])
-def test_attack_the_sample_copies_no_whole_output(layout):
+# ------------------------------------------------------------------ 6. a view is not a free output
+# The timed sample reads out[o::step] of the output flattened row-major, which copies a view (transposed, expanded)
+# whole inside the timed run: eager's view pays for it. Gathering only the sampled elements (tried: take) made a view
+# free for the candidate too, and `return x.t()` for a task whose reference is x.t().contiguous() got reward 3 (2048x2048:
+# 2.9 ms against eager's 10 ms) with no kernel at all. A view pays for its elements in row-major order, as the
+# reference's does.
+def test_attack_a_view_of_the_input_is_not_a_free_output():
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
-    base = torch.randn(512, 1024)
-    out = {"transposed": base.t(), "expanded": base[:, :1].expand(512, 1024),
-           "permuted": base.view(8, 64, 1024).permute(2, 0, 1)}[layout]
+    x = torch.randn(512, 1024)
     largest = []
 
     class Spy(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             r = func(*args, **(kwargs or {}))
-            largest.extend(t.numel() for t in (r if isinstance(r, (tuple, list)) else [r])
-                           if isinstance(t, torch.Tensor) and func.overloadpacket.__name__ not in ("view", "alias", "detach", "t", "expand", "permute", "_reshape_alias", "as_strided"))
+            if isinstance(r, torch.Tensor) and r.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+                largest.append(r.numel())  # (a new tensor, not a view of x)
             return r
-    offset = 12345
     with Spy():
-        sample = protocol.sample_of(out, offset)
-    step = out.numel() // protocol.SAMPLE
-    assert torch.equal(sample, out.contiguous().reshape(-1)[offset % step::step])
-    assert max(largest, default=0) <= protocol.SAMPLE, f"the sample materialised {max(largest)} elements of {out.numel()}"
+        sample = protocol.sample_of(x.t(), 12345)
+    assert torch.equal(sample, x.t().contiguous().reshape(-1)[12345 % 8::8])
+    assert max(largest) == x.numel(), "the sample of a view did not pay for the view's elements"
 
 
 # ------------------------------------------------------------------ the comparison itself
