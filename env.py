@@ -516,13 +516,15 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
                                                         budget_mb=cfg.input_budget_mb),
                                                    run / "ref", backend, cfg, writable=writable, env=extra)))
 
-        def start_candidate():
-            stack.enter_context(candidate_alive(backend))  # held by us, released after the child is gone
+        def start_candidate(hold):
+            stack.enter_context(hold)  # the device, held by us and released after the child is gone
             spec = dict(common, mode="candidate", reference=str(run / "cand" / "model.py"),
                         model_new=str(run / "cand" / "model_new.py"), ext_dir=str(run / "cand" / "ext"), cand_dir=str(run / "cand"))
             return stack.enter_context(_closing(Child(spec, run / "cand", backend, cfg)))  # no shared cache of any kind
 
-        cand = None if need_baselines else start_candidate()  # overlaps its start-up with the reference's work
+        # The candidate overlaps its start-up with the reference's work, under the reference's hold of the device: a
+        # holder never waits for the gate (a waiting baseline holds the gate and waits for every holder).
+        cand = None if need_baselines else start_candidate(ref_busy.pop_all())
         try:
             n_sets = ref.answer()[0]["timed_sets"]
             timed_seeds = timed_seeds[:n_sets]
@@ -554,7 +556,7 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
             os.replace(tmp, base_file)
         ref.close()
         lap("baselines")
-        cand = cand or start_candidate()
+        cand = cand or start_candidate(candidate_alive(backend))
         # a reply may not declare more than twice the largest reference output (a candidate cannot exhaust our memory)
         cand.reply_limit = 2 * max(sum(t.numel() * t.element_size() for t in _tensors(o)) for o in ref_outs) + (1 << 20)
         try:

@@ -442,7 +442,8 @@ def gpu_lock_path(backend: str) -> Path:
 def candidate_alive(backend: str):
     """Held (shared) by the PARENT for as long as a candidate child lives on this device; the candidate cannot
     release it. Baselines are timed under `no_candidates` (exclusive), so a candidate can never slow them. The
-    gate keeps a stream of candidates from starving a waiting baseline."""
+    gate keeps a stream of candidates from starving a waiting baseline; so a holder never takes a second hold (it would
+    wait for the gate, which a waiting baseline holds while it waits for the holder)."""
     locks = CACHE_DIR / "locks"
     with file_lock(locks / f"gate-{device_name(backend)}.lock", shared=True):
         fd = os.open(_alive_path(backend), os.O_RDWR | os.O_CREAT, 0o666)

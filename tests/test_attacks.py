@@ -530,3 +530,39 @@ def test_attack_a_reply_cannot_use_one_blob_twice():
     with pytest.raises(ValueError):
         protocol.unpack({"seq": [entry, entry]}, [b"\0" * 16])
     assert len(protocol.unpack({"seq": [entry, dict(entry, t=1)]}, [b"\0" * 16, b"\0" * 16])) == 2
+
+
+def test_attack_no_verdict_waits_for_the_gate_while_it_holds_the_device(tmp_path, monkeypatch):
+    """Holders of the device (candidate_alive) never wait for the gate: a baseline waiting for the device holds the
+    gate. A verdict whose reference held the device while its candidate started (cached baselines) waited for the gate
+    with the device held, while another verdict's baseline held the gate waiting for the device: both hung for good."""
+    import fcntl
+    import threading
+    ws = make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)"))
+    assert env.evaluate(ws, backend="cpu").eager_ms  # the baselines are cached: the candidate starts beside the reference
+    baseline = threading.Event()
+
+    def other_verdicts_baseline():
+        with env.no_candidates("cpu"):  # (takes the gate, then waits for the device)
+            baseline.set()
+    real_init = env.Child.__init__
+
+    def init(self, spec, *a, **k):
+        if spec["mode"] == "reference":  # the device is held for the reference: another verdict's baseline comes now
+            threading.Thread(target=other_verdicts_baseline, daemon=True).start()
+            gate = os.open(env.CACHE_DIR / "locks" / "gate-cpu.lock", os.O_RDWR | os.O_CREAT)
+            try:
+                for _ in range(500):  # until it holds the gate
+                    try:
+                        fcntl.flock(gate, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                        fcntl.flock(gate, fcntl.LOCK_UN)
+                        time.sleep(0.01)
+                    except BlockingIOError:
+                        break
+            finally:
+                os.close(gate)
+        real_init(self, spec, *a, **k)
+    monkeypatch.setattr(env.Child, "__init__", init)
+    v = _evaluate_within(120, ws, backend="cpu")
+    assert isinstance(v, env.Verdict) and v.correct, v
+    assert baseline.wait(60)
