@@ -52,14 +52,16 @@ What the sandbox protects against (sandbox.py has the layers)
     can reach them; its filesystem view hides the cache root (other runs, baselines, references), /tmp and
     /dev/shm are its own, and the next input arrives only after the previous run's result.
   - forging the verdict: only this process measures time and judges; a child's replies are validated
-    field by field (a malformed one is reward -1, never a crash).
+    field by field (a malformed one is reward -1, never a crash), and each must echo the nonce of the command it
+    answers, which only the harness read: a reply that the kernel writes to the pipe itself is refused.
   - reaching the host: fresh PID namespace with its own /proc, read-only mounts (/sys, and /proc but for the
     processes' own entries), a /dev of its own with an allow-list of device nodes, no capabilities,
     no_new_privs, no network; a killed child takes all its descendants with it.
   - crashes, hangs, fork bombs, huge allocations, megabytes of output: a fresh process per verdict, wall
     clock timeouts, cgroups or rlimits, truncated logs.
   - slowing the baselines: they are never timed while a candidate is alive on that device, and every process
-    the policy controls counts as one: the candidate child, a build, the agent's bash tool.
+    the policy controls counts as one: the candidate child, a build, the agent's bash tool; so does another
+    verdict's reference child until its outputs are in (the policy decides when verdicts start).
   - hiding a cheat from the scan: the scan reads the preprocessed tokens, so aliases, token pasting,
     digraphs, computed includes and comments change nothing; no directive can re-attribute lines to a system
     header (#line, line markers, text that reads as a marker), a workspace macro is scanned where it is
@@ -70,17 +72,26 @@ What the sandbox protects against (sandbox.py has the layers)
 
 What it does NOT protect against (be honest; RL will look)
   - native code in the candidate's own process can, in principle, write anything in that process's memory,
-    including the harness's monitor, and speak the pipe protocol itself. The scan closes the doors it would
-    need (raw syscalls, I/O functions, signals, mmap, inline assembly in host code, the Python C API and the
-    object model's fields, threads, PyTorch operators in its imports); a determined attacker using raw
-    pointer arithmetic on the interpreter's or libc's memory (fixed offsets into a PyObject, a function
+    including the harness's monitor, and the nonce of the command the harness is serving. The scan closes the
+    doors it would need (raw syscalls, I/O functions, signals, mmap, inline assembly in host code, the Python C
+    API and the object model's fields, threads, PyTorch operators in its imports) but not every way to a
+    descriptor (stdio on a FILE whose _fileno it sets reads and writes the pipes): a reply it writes is refused
+    for its nonce, so speaking the protocol takes reading the interpreter's memory. A determined attacker using
+    raw pointer arithmetic on the interpreter's or libc's memory (fixed offsets into a PyObject, a function
     pointer computed from an allowed one) is not stopped. What it cannot forge: the clock, the sampled
     positions, the comparison.
+  - a kernel that tells the audited runs from the sampled ones (by the time between its calls) knows when the
+    n_audits are spent: the runs after that are checked by their samples only (and the last one in full).
   - an OpenMP worker still runs the kernel's own code outside the monitor's thread (it may call only the
     allocation and view operators the module imports).
   - a content-keyed output cache when the inputs are so large that fewer distinct input sets than timed
     runs fit in `input_budget_mb`: the sets are then reused in turn.
   - reduced precision inside a kernel that stays within atol/rtol (and the RMS bound) passes, as in the paper.
+  - the time includes reading the sample out of the output in row-major order, so an output that is a view (a
+    transposed result) is copied whole inside the timed run, the reference's as much as the candidate's: eager's
+    view pays a copy that KernelBench's timer would not charge, and a candidate that writes its result in that order
+    saves it. Gathering only the sampled elements would make a view free, and a candidate that returns a view of
+    its input (x.t() for a task that transposes and copies) would do no work at all (reward 3, tried).
   - the time includes two pipe round trips and the sample's copy: for tiny kernels the reward sees host
     overhead (bench/env_bench.py states this floor; bench/floor_diag.py splits it). It is the same for the
     candidate and both baselines, except the candidate's dispatch monitor (tens of microseconds a run).
@@ -105,6 +116,7 @@ import dataclasses
 import fcntl
 import hashlib
 import json
+import math
 import os
 import secrets
 import shutil
@@ -380,7 +392,9 @@ def compare(out, ref, atol, rtol, what: str) -> str | None:
                 return (f"{what}: RMS error {err:.3g} is {err / max(scale, 1e-30):.0%} of the reference's RMS {scale:.3g} "
                         f"(allowed {rtol:.0%}): the values are at the wrong scale even where each is within atol")
         return None
-    return None if out == ref else f"{what}: expected {ref!r}, got {out!r}"
+    # a Python value (None, bool, int, float): the same type and value (`tensor == 3` is a tensor, and True == 1)
+    same = type(out) is type(ref) and (out == ref or (isinstance(ref, float) and math.isnan(ref) and math.isnan(out)))
+    return None if same else f"{what}: expected {ref!r}, got {'a tensor' if isinstance(out, torch.Tensor) else repr(out)[:80]}"
 
 
 
@@ -493,18 +507,24 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
         (run / "cand" / "model_new.py").write_text(model_new)
         shutil.copy(so_path, run / "cand" / "ext" / "cuda_extension.so")
         extra, writable = compile_caches()
+        # The reference's outputs load the device like a candidate does: no other verdict times a baseline meanwhile
+        # (in training many rollouts of one task reach this together, and the first one's baselines are cached).
+        ref_busy = stack.enter_context(contextlib.ExitStack())
+        ref_busy.enter_context(candidate_alive(backend))
         ref = stack.enter_context(_closing(Child(dict(common, mode="reference", reference=str(run / "ref" / "model.py"),
                                                         seeds=check_seeds + timed_seeds, n_checks=len(check_seeds),
                                                         budget_mb=cfg.input_budget_mb),
                                                    run / "ref", backend, cfg, writable=writable, env=extra)))
 
-        def start_candidate():
-            stack.enter_context(candidate_alive(backend))  # held by us, released after the child is gone
+        def start_candidate(hold):
+            stack.enter_context(hold)  # the device, held by us and released after the child is gone
             spec = dict(common, mode="candidate", reference=str(run / "cand" / "model.py"),
                         model_new=str(run / "cand" / "model_new.py"), ext_dir=str(run / "cand" / "ext"), cand_dir=str(run / "cand"))
             return stack.enter_context(_closing(Child(spec, run / "cand", backend, cfg)))  # no shared cache of any kind
 
-        cand = None if need_baselines else start_candidate()  # overlaps its start-up with the reference's work
+        # The candidate overlaps its start-up with the reference's work, under the reference's hold of the device: a
+        # holder never waits for the gate (a waiting baseline holds the gate and waits for every holder).
+        cand = None if need_baselines else start_candidate(ref_busy.pop_all())
         try:
             n_sets = ref.answer()[0]["timed_sets"]
             timed_seeds = timed_seeds[:n_sets]
@@ -513,13 +533,18 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
             v.error = f"the reference model.py failed: {e if isinstance(e, ChildError) else ref.why_dead()}"
             return
         ref_checks, ref_timed = ref_outs[:len(check_seeds)], ref_outs[len(check_seeds):]
+        ref_busy.close()  # (before our own baselines, which wait for every holder)
         lap("reference outputs")  # (the candidate starts meanwhile when the baselines are cached)
         if need_baselines:
-            with no_candidates(backend), file_lock(gpu_lock_path(backend)):
-                times = {}
-                for name in ("eager", "compile"):
-                    ref.ask({"op": "use", "fn": name})
-                    times[name] = timed_runs(ref, timed_seeds, cfg)
+            try:
+                with no_candidates(backend), file_lock(gpu_lock_path(backend)):
+                    times = {}
+                    for name in ("eager", "compile"):
+                        ref.ask({"op": "use", "fn": name})
+                        times[name] = timed_runs(ref, timed_seeds, cfg)
+            except (EOFError, ValueError, KeyError, TypeError, ChildError) as e:
+                v.error = f"the reference model.py failed while timed: {ref.why_dead() if isinstance(e, EOFError) else e}"
+                return
             new = {"eager_ms": median(times["eager"]), "compile_ms": median(times["compile"]),
                    "spread": [round(spread(times["eager"]), 4), round(spread(times["compile"]), 4)]}
             if cached is not None and max(cached["spread"]) < max(new["spread"]):
@@ -531,7 +556,7 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
             os.replace(tmp, base_file)
         ref.close()
         lap("baselines")
-        cand = cand or start_candidate()
+        cand = cand or start_candidate(candidate_alive(backend))
         # a reply may not declare more than twice the largest reference output (a candidate cannot exhaust our memory)
         cand.reply_limit = 2 * max(sum(t.numel() * t.element_size() for t in _tensors(o)) for o in ref_outs) + (1 << 20)
         try:

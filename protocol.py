@@ -1,7 +1,9 @@
 """protocol.py: steps 4 and 5 of a verdict (env.py): the sandboxed children and the exchanges by which the parent
 checks and times them. The parent holds the clock and every secret; a child only ever learns the input of the run
 it is about to make, and sends back what it is asked for, over pipes (JSON headers and raw tensor bytes, never
-pickle). A child is `python env.py _child SPEC`, which runs _child_main here.
+pickle). Every command carries a fresh nonce that its reply must echo: only the harness that read the command knows
+it, so a message that native code in the child writes to the reply pipe itself is refused. A child is
+`python env.py _child SPEC`, which runs _child_main here.
 
     ref = Child({"mode": "reference", ...}, run_dir, "cuda", cfg)     # the trusted task code
     times = timed_runs(ref, seeds, cfg)                               # milliseconds per run, by this process's clock
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import importlib.util
 import json
 import math
@@ -40,6 +43,7 @@ ENV_PY = Path(__file__).resolve().parent / "env.py"  # a child is `python env.py
 #                                  synchronises, "ok"
 #   parent: t0, "run"       child: out = fn(*buffers), device-wide sync, "ok"
 #   parent: "sample" (o)    child: copies out[o::step] (every output, o drawn now) and sends it; parent: t1
+# Every command carries a fresh nonce that its reply echoes, and a seed travels XORed with seed_pad(key, nonce).
 # The sampled elements are chosen after the run and copied inside [t0, t1], so work that is deferred past
 # `run` (lazy pages, late kernels) is timed, and a candidate cannot know which elements it must get right.
 # Check runs ask "full" instead of "sample": every element, plus the input-mutation and type checks.
@@ -48,9 +52,10 @@ _clock = time.perf_counter  # the parent's clock; no candidate code ever runs in
 SAMPLE = 65536  # elements per output compared after a timed run (every element of smaller outputs)
 
 
-def send(fd: int, obj, blobs=()):
+def send(fd: int, obj, blobs=(), re: str | None = None):
+    """One message: 8 bytes of header length, the JSON header, the raw blobs. `re`: the nonce of the command it answers."""
     blobs = [bytes(b) for b in blobs]
-    head = json.dumps({"obj": obj, "sizes": [len(b) for b in blobs]}).encode()
+    head = json.dumps({"obj": obj, "sizes": [len(b) for b in blobs], "re": re}).encode()
     data = len(head).to_bytes(8, "little") + head + b"".join(blobs)
     view = memoryview(data)
     while view:
@@ -71,7 +76,8 @@ def _read_exact(fd: int, n: int, alive=None) -> bytes:
     return b"".join(chunks)
 
 
-def recv(fd: int, limit: int = 1 << 34, alive=None):
+def recv(fd: int, limit: int = 1 << 34, alive=None, expect: str | None = None):
+    """(obj, blobs) of the next message. expect: the nonce of the command this must answer (ValueError otherwise)."""
     n = int.from_bytes(_read_exact(fd, 8, alive), "little")
     if not 0 < n < 1 << 20:
         raise ValueError(f"malformed message header ({n} bytes)")
@@ -79,10 +85,20 @@ def recv(fd: int, limit: int = 1 << 34, alive=None):
         head = json.loads(_read_exact(fd, n, alive))
     except RecursionError as e:
         raise ValueError("malformed message header (nested too deeply)") from e
+    if expect is not None and (not isinstance(head, dict) or head.get("re") != expect):
+        raise ValueError("a reply that answers no command of the parent's (written by something other than the "
+                         "harness, or out of step)")
     sizes = head.get("sizes", []) if isinstance(head, dict) else None
     if not isinstance(sizes, list) or not all(isinstance(s, int) and 0 <= s for s in sizes) or sum(sizes) > limit:
         raise ValueError("malformed message sizes")
     return head.get("obj"), [_read_exact(fd, s, alive) for s in sizes]
+
+
+def seed_pad(key: str, nonce: str) -> int:
+    """What a "load" command's seed is XORed with: only the harness, which read `key` from its spec file, undoes it. A
+    kernel that took the protocol over (it can write to the pipes, and at import it need echo no nonce it has not read)
+    could otherwise rebuild every input set from its seed with torch's public generator."""
+    return int.from_bytes(hashlib.blake2b(nonce.encode(), key=bytes.fromhex(key), digest_size=4).digest(), "little")
 
 
 def pack(out, blobs: list):
@@ -98,11 +114,16 @@ def pack(out, blobs: list):
     raise TypeError(f"outputs must be tensors (or tuples of them), not {type(out).__name__}")
 
 
-def unpack(obj, blobs: list, depth: int = 0):
-    """The inverse of pack, validating every field: a malformed reply raises ValueError."""
+def unpack(obj, blobs: list, depth: int = 0, used: set | None = None):
+    """The inverse of pack, validating every field: a malformed reply raises ValueError. Each blob makes one tensor
+    (as pack writes them): a reply cannot ask for more memory than it sent."""
+    used = set() if used is None else used
     if not isinstance(obj, dict) or depth > 8:
         raise ValueError("malformed output")
     if "t" in obj:
+        if not isinstance(obj["t"], int) or obj["t"] in used:
+            raise ValueError("malformed tensor in output (two tensors of one reply name the same bytes?)")
+        used.add(obj["t"])
         dtype = getattr(torch, str(obj.get("dtype")), None)
         shape = obj.get("shape")
         if not isinstance(dtype, torch.dtype) or not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
@@ -113,7 +134,7 @@ def unpack(obj, blobs: list, depth: int = 0):
             raise ValueError("tensor bytes do not match the declared shape")
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape) if n else torch.empty(shape, dtype=dtype)
     if "seq" in obj and isinstance(obj["seq"], list):
-        seq = [unpack(o, blobs, depth + 1) for o in obj["seq"]]
+        seq = [unpack(o, blobs, depth + 1, used) for o in obj["seq"]]
         return tuple(seq) if obj.get("tuple") else seq
     if "v" in obj and (obj["v"] is None or isinstance(obj["v"], (bool, int, float))):
         return obj["v"]
@@ -220,6 +241,7 @@ def _child_main(spec_path: str):
             cmd, _ = recv(cmd_fd)
         except (EOFError, ValueError):
             os._exit(0)
+        nonce = cmd.get("nonce") if isinstance(cmd, dict) else None  # every reply echoes its command's nonce
         try:
             op = cmd["op"]
             reply, blobs = {"ok": True}, []
@@ -228,7 +250,7 @@ def _child_main(spec_path: str):
             elif op == "use":
                 fn = fns[cmd["fn"]] if cmd["fn"] in fns else torch.compile(fns["eager"])
             elif op == "load":
-                loaded = inputs_for(cmd["seed"])
+                loaded = inputs_for(cmd["seed"] ^ seed_pad(spec["key"], nonce))
                 if buffers is None:
                     buffers = [x.clone() if isinstance(x, torch.Tensor) else x for x in loaded]
                 for b, x in zip(buffers, loaded):
@@ -250,9 +272,9 @@ def _child_main(spec_path: str):
                          "mutated": any(isinstance(b, torch.Tensor) and not torch.equal(b, x) for b, x in zip(buffers, loaded)),
                          "types": [type(o).__name__ for o in outs if isinstance(o, torch.Tensor) and type(o) is not torch.Tensor],
                          "devices": sorted({o.device.type for o in outs if isinstance(o, torch.Tensor)} - {device.type})}
-            send(rep_fd, reply, blobs)
+            send(rep_fd, reply, blobs, re=nonce)
         except BaseException as e:  # noqa: BLE001
-            send(rep_fd, {"error": f"{type(e).__name__}: {str(e)[:800]}"})
+            send(rep_fd, {"error": f"{type(e).__name__}: {str(e)[:800]}"}, re=nonce)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -277,17 +299,24 @@ class Child:
         self.rep_r, self.rep_w = os.pipe()
         with contextlib.suppress(OSError, AttributeError):  # Linux; elsewhere the default size (more round trips)
             fcntl.fcntl(self.rep_w, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
-        spec = dict(spec, cmd_fd=self.cmd_r, rep_fd=self.rep_w)
+        self.key = secrets.token_hex(16)  # the seed pad's (seed_pad); the child reads it from its spec file
+        spec = dict(spec, cmd_fd=self.cmd_r, rep_fd=self.rep_w, key=self.key)
         (run_dir / "spec.json").write_text(json.dumps(spec))
         argv = [sys.executable, "-E", "-B", str(ENV_PY), "_child", str(run_dir / "spec.json")]
         extra = dict(env or {}, **CHILD_ENV)
         self.result = None
         self.pgid = None
+        self.failed = None  # why the child could not start (fork refused, no memory...), if it could not
 
         def go():
-            self.result = run_sandboxed(argv, run_dir, cfg.timeout, writable=writable, mem_gb=cfg.mem_gb, env=extra,
-                                        pass_fds=[self.cmd_r, self.rep_w], kind=backend, started=self._started)
-            os.close(self.rep_w)  # our copy: the parent's next read sees the end of the pipe
+            try:
+                self.result = run_sandboxed(argv, run_dir, cfg.timeout, writable=writable, mem_gb=cfg.mem_gb, env=extra,
+                                            pass_fds=[self.cmd_r, self.rep_w], kind=backend, started=self._started)
+            except BaseException as e:  # noqa: BLE001  - a child that never ran is a child that ended, with its reason
+                self.failed = f"{type(e).__name__}: {e}"
+            finally:
+                os.close(self.rep_w)  # our copy: the parent's next read sees the end of the pipe
+                self._started_evt.set()
         self._started_evt = threading.Event()
         self.thread = threading.Thread(target=go, daemon=True)
         self.thread.start()
@@ -301,11 +330,20 @@ class Child:
     reply_limit = 1 << 34  # bytes one reply may declare; the parent lowers it to what it expects
 
     def ask(self, obj):
-        send(self.cmd_w, obj)
-        return self.answer()
+        """Sends a command with a fresh nonce and returns the reply that echoes it. Only the harness, which read the
+        command, knows the nonce: native code in the child can write to the reply pipe (nothing in-process stops a
+        write to a descriptor), but a message it adds puts every later reply out of step, and is refused."""
+        nonce = secrets.token_hex(8)
+        if "seed" in obj:
+            obj = dict(obj, seed=obj["seed"] ^ seed_pad(self.key, nonce))
+        try:
+            send(self.cmd_w, dict(obj, nonce=nonce))
+        except OSError as e:  # (BrokenPipeError: the child died after its last reply)
+            raise EOFError("the child process ended") from e
+        return self.answer(expect=nonce)
 
-    def answer(self):
-        obj, blobs = recv(self.rep_r, limit=self.reply_limit, alive=self.thread.is_alive)
+    def answer(self, expect: str | None = None):
+        obj, blobs = recv(self.rep_r, limit=self.reply_limit, alive=self.thread.is_alive, expect=expect)
         if isinstance(obj, dict) and "error" in obj and isinstance(obj["error"], str) and len(obj) == 1:
             raise ChildError(obj["error"])
         return obj, blobs
@@ -327,6 +365,8 @@ class Child:
 
     def why_dead(self) -> str:
         self.thread.join()
+        if self.result is None:
+            return f"could not start ({self.failed})"
         r = self.result
         tail = error_excerpt(r.stderr, 12) if r.stderr.strip() else ""
         return (r.crash or f"exited with code {r.returncode}") + (f"\n{tail}" if tail else "")

@@ -3,7 +3,10 @@
 Used by env.py (builds, reference and candidate children), agent.py (the `bash` tool), synth.py and
 evaluate.py (task children). One function, `run_sandboxed(argv, cwd, timeout, ...)`.
 
-Layers, each probed once per process (`isolation(kind)`) and reported once on stderr when missing:
+Layers, each probed once per process (`isolation(kind)`) and reported once on stderr when missing. A layer is given
+up only where the plans with it fail again after a weaker one started (a failure of the moment, such as a fork refused
+while another process fills the host, drops nothing); where no child starts at all, nothing is kept and children run
+with every layer until a probe succeeds:
   namespaces   net (no interfaces), pid (the child is init: killing it kills every descendant, setsid or
                not) with a FRESH /proc that shows only the sandbox's own processes, mount, ipc; a user
                namespace when not run by root. CUDA needs the fresh /proc to start inside a PID namespace.
@@ -93,14 +96,24 @@ _ISOLATION_LOCK = threading.Lock()
 
 
 def isolation(kind: str = "cpu") -> Isolation:
-    """The strongest isolation under which a child (for kind="cuda": a CUDA context) still starts here."""
+    """The strongest isolation under which a child (for kind="cuda": a CUDA context) still starts here. Where no child
+    starts at all, not even without namespaces, the probe says nothing about this host's layers (a fork refused, the
+    memory or the GPU full for a moment): the strongest set is returned, not kept, and the next child probes again."""
     with _ISOLATION_LOCK:  # evaluate() starts children from several threads; probe once, publish once
-        if kind not in _ISOLATION:
-            _ISOLATION[kind] = _probe_isolation(kind)
-    return _ISOLATION[kind]
+        if kind in _ISOLATION:
+            return _ISOLATION[kind]
+        found, strongest = _probe_isolation(kind)
+        if found is None:
+            print(f"sandbox.py: no child starts here now{' for CUDA' if kind == 'cuda' else ''}, under any isolation; "
+                  "it runs with every layer (and fails), and the next one probes again", file=sys.stderr)
+            return strongest
+        _ISOLATION[kind] = found
+    return found
 
 
-def _probe_isolation(kind: str) -> Isolation:
+def _probe_isolation(kind: str) -> tuple[Isolation | None, Isolation]:
+    """(the strongest plan under which the probe child starts, with its missing layers, or None where none does;
+    the strongest plan)."""
     root = os.geteuid() == 0
     user = () if root else ("--user", "--map-root-user")
     full = ("--net", "--ipc", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc")
@@ -108,23 +121,29 @@ def _probe_isolation(kind: str) -> Isolation:
     if not shutil.which("unshare") or os.environ.get("CUDA_AGENT_NO_NAMESPACES") == "1":
         tries = [()]
     probe = [sys.executable, "-c", _CUDA_PROBE if kind == "cuda" else "pass"]
-    found = Isolation((), None, ())
+    # Before a weaker set of namespaces, the same set without the private /dev and read-only /proc knobs: a GPU driver
+    # that needs a node or a /proc entry they leave out then keeps the mount namespace.
+    plans = [Isolation(("unshare", *user, *flags) if flags else (), uid, (), strict)
+             for flags in tries for strict in ((True, False) if "--mount" in flags else (True,))
+             for uid in ([NOBODY, None] if root else [None])]
+    found, failed = None, []
     with tempfile.TemporaryDirectory() as d:
         os.chmod(d, 0o777)
-        # Before a weaker set of namespaces, the same set without the private /dev and read-only /proc knobs: a
-        # GPU driver that needs a node or a /proc entry they leave out then keeps the mount namespace.
-        plans = [(flags, strict) for flags in tries for strict in ((True, False) if "--mount" in flags else (True,))]
-        for flags, strict in plans:
-            for uid in ([NOBODY, None] if root else [None]):
-                iso = Isolation(("unshare", *user, *flags) if flags else (), uid, (), strict)
-                r = run_sandboxed(probe, d, 120, mem_gb=None, kind=kind, iso=iso)
-                if r.returncode == 0:
-                    found = iso
-                    break
+
+        def starts(iso):
+            r = run_sandboxed(probe, d, 120, mem_gb=None, kind=kind, iso=iso)
+            if r.returncode != 0:
                 _PROBE_LOG.append((kind, iso, r.stderr[-600:]))
-            else:
-                continue
-            break
+            return r.returncode == 0
+        for iso in plans:
+            if starts(iso):
+                # A layer is given up only where the plans with it fail again once a weaker one has started: a failure
+                # of the moment (which a process the policy controls can cause) drops nothing.
+                found = next((f for f in failed if starts(f)), iso)
+                break
+            failed.append(iso)
+    if found is None:
+        return None, plans[0]
     missing = [name for name, flag in (("network", "--net"), ("pid", "--pid"), ("filesystem", "--mount"))
                if flag not in found.prefix]
     if found.mount and not found.strict:
@@ -134,7 +153,7 @@ def _probe_isolation(kind: str) -> Isolation:
     if missing:
         print(f"sandbox.py: not available here{' for CUDA' if kind == 'cuda' else ''}: {', '.join(missing)}; children run"
               " with the remaining layers (see sandbox.py's docstring)", file=sys.stderr)
-    return dataclasses.replace(found, missing=tuple(missing))
+    return dataclasses.replace(found, missing=tuple(missing)), plans[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -430,7 +449,8 @@ def gpu_lock_path(backend: str) -> Path:
 def candidate_alive(backend: str):
     """Held (shared) by the PARENT for as long as a candidate child lives on this device; the candidate cannot
     release it. Baselines are timed under `no_candidates` (exclusive), so a candidate can never slow them. The
-    gate keeps a stream of candidates from starving a waiting baseline."""
+    gate keeps a stream of candidates from starving a waiting baseline; so a holder never takes a second hold (it would
+    wait for the gate, which a waiting baseline holds while it waits for the holder)."""
     locks = CACHE_DIR / "locks"
     with file_lock(locks / f"gate-{device_name(backend)}.lock", shared=True):
         fd = os.open(_alive_path(backend), os.O_RDWR | os.O_CREAT, 0o666)

@@ -13,6 +13,7 @@ import pytest
 
 import build as builder
 import env
+import protocol
 import scan
 import sandbox
 from test_env import RELU, make_ws, model_new
@@ -284,7 +285,7 @@ def test_a_driver_that_refuses_the_private_dev_keeps_the_mount_namespace(monkeyp
             return sandbox.SandboxResult(1, "", "cudaErrorOperatingSystem", False, 0.0)
         return real(argv, cwd, timeout, **kw)
     monkeypatch.setattr(sandbox, "run_sandboxed", picky)
-    iso = sandbox._probe_isolation("cpu")
+    iso, _ = sandbox._probe_isolation("cpu")
     if "--mount" not in sandbox.isolation("cpu").prefix:
         pytest.skip("no mount namespace here")
     assert iso.mount and not iso.strict and iso.prefix == sandbox.isolation("cpu").prefix, iso
@@ -310,3 +311,286 @@ def test_attack_agent_file_tools_read_no_huge_file(tmp_path):
     for tool, args in (("read_file", {"path": "big.cpp"}), ("edit_file", {"path": "big.cpp", "old": "x", "new": "y"})):
         obs, _, ok = agent.run_tool(tool, args, ws, RELU, "cpu", agent.AgentConfig())
         assert not ok and "1 MiB" in obs and len(obs) < 1000, (tool, len(obs))
+
+
+# ------------------------------------------------------------------ 3. the pipe protocol: replies only the harness can give
+# The scan closes open/read/write, but stdio reaches any descriptor: `stdin->_fileno = fd` and fread, `stderr->_fileno = fd`
+# and fwrite (tests/attack_cases/forge_replies.cpp). A kernel answered the "run" the harness was serving, read the sample
+# offset the parent drew next and computed only those elements (1 in 4 of the output: reward +1, correct, its reported
+# time a fraction of its work); or answered "full" itself with "ops": [] for an output PyTorch computed in forward (reward
+# +1 for a fallback). Every command now carries a fresh nonce that the harness read and the kernel never saw, and a reply
+# that does not echo it is refused: a message the kernel adds puts every later reply out of step.
+FORGED = {"sampled_only": "cuda_extension.sampled_only(x, self.scale)",
+          "hide_ops": "cuda_extension.hide_ops((x * self.scale).relu())"}
+
+
+@pytest.mark.parametrize("name", sorted(FORGED))
+def test_attack_kernel_speaking_the_pipe_protocol_is_refused(tmp_path, name):
+    ws = make_ws(tmp_path, "relu", model_new("relu", FORGED[name]), {"ops.cpp": (CASES / "forge_replies.cpp").read_text()})
+    v = env.evaluate(ws, backend="cpu")
+    assert v.compiled, v.log
+    assert v.reward == -1 and not v.correct and "no command" in (v.error or ""), v.summary()
+
+
+# The doors themselves are the scan's (scan.py, the lead's): stdio reaches every descriptor once a FILE's _fileno is set,
+# vmsplice/preadv2/pwritev2 read and write one directly, and alarm/setitimer are signals (the child kills itself at a
+# time of its choosing, while the parent is between two exchanges). Each of these builds; the nonce above keeps the
+# pipe's replies the harness's, but the doors should be closed where they are named (an allow-list of the C functions
+# a kernel may import would close the next one too).
+DESCRIPTOR_DOORS = {
+    "stdio_fileno_write": '#include <cstdio>\nint f(int fd) { stdout->_fileno = fd; return std::fputs("x", stdout) + std::fflush(stdout); }\n',
+    "stdio_fileno_read": '#include <cstdio>\nint f(int fd) { char b[8]; stdin->_fileno = fd; return (int)std::fread(b, 1, 8, stdin); }\n',
+    "stdio_fclose_any_descriptor": '#include <cstdio>\nint f(int fd) { stdin->_fileno = fd; return std::fclose(stdin); }\n',
+    "vmsplice": 'struct io { void* b; unsigned long n; };\nextern "C" long vmsplice(int, const io*, unsigned long, unsigned);\n'
+                'long f(int fd) { char c = 1; io v{&c, 1}; return vmsplice(fd, &v, 1, 0); }\n',
+    "preadv2_pwritev2": 'struct io { void* b; unsigned long n; };\nextern "C" long pwritev2(int, const io*, int, long, int);\n'
+                        'extern "C" long preadv2(int, const io*, int, long, int);\n'
+                        'long f(int fd) { char c = 1; io v{&c, 1}; return pwritev2(fd, &v, 1, -1, 0) + preadv2(fd, &v, 1, -1, 0); }\n',
+    "alarm": 'extern "C" unsigned alarm(unsigned);\nunsigned f() { return alarm(1); }\n',
+    "setitimer": 'struct tv { long s, us; }; struct it { tv i, v; };\nextern "C" int setitimer(int, const it*, it*);\n'
+                 'int f() { it t{{0, 0}, {0, 1000}}; return setitimer(0, &t, nullptr); }\n',
+}
+
+
+@pytest.mark.xfail(strict=True, reason="scan.py (the lead's): stdio on a set _fileno, vmsplice, preadv2/pwritev2, alarm and "
+                   "setitimer are not closed doors; the pipe's nonce (protocol.py) makes a forged reply useless")
+@pytest.mark.parametrize("name", sorted(DESCRIPTOR_DOORS))
+def test_attack_descriptor_and_signal_doors_are_refused(name):
+    b = env.build({"kernels/x.cpp": MODULE + DESCRIPTOR_DOORS[name]}, "cpu")
+    assert not b.ok and b.violations, b.log
+
+
+# ------------------------------------------------------------------ the parent: a verdict and one line, never a hang or a traceback
+def _evaluate_within(seconds, *args, **kwargs):
+    """env.evaluate in a thread: (verdict or the exception it raised), or pytest.fail if it has not returned in time."""
+    import threading
+    box = []
+
+    def go():
+        try:
+            box.append(env.evaluate(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001  (what the test reports)
+            box.append(e)
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        pytest.fail(f"env.evaluate did not return within {seconds} s (the parent hangs)")
+    return box[0]
+
+
+def test_attack_a_child_that_cannot_start_is_a_verdict(tmp_path, monkeypatch):
+    """run_sandboxed raised (fork refused: the uid's processes or the host's memory exhausted, which the bash tool of
+    another rollout can do) before the child's process group was known: Child waited for it forever, and the trainer
+    hung. A child that cannot start is now a child that died, with the reason."""
+    def refuse(*a, **k):
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+    monkeypatch.setattr(protocol, "run_sandboxed", refuse)
+    v = _evaluate_within(60, make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)")),
+                         backend="cpu", stage="verify")
+    assert isinstance(v, env.Verdict), repr(v)
+    assert v.reward == -1 and "could not start" in (v.error or "") and "\n" not in v.error, v.summary()
+
+
+def test_attack_a_command_to_a_dead_child_is_an_eof(tmp_path):
+    """A child that died after its last reply (a signal it set itself with alarm(), its wall clock) made the parent's next
+    command a BrokenPipeError, which no caller expected: a traceback out of env.evaluate. It reads as the child's end."""
+    (tmp_path / "run").mkdir()
+    spec = {"mode": "reference", "backend": "cpu", "seed0": 0, "reference": str(tmp_path / "missing.py"),
+            "seeds": [1], "n_checks": 1, "budget_mb": 1}
+    c = protocol.Child(spec, tmp_path / "run", "cpu", env.Config(timeout=60))
+    c.thread.join(60)
+    with pytest.raises(EOFError):
+        c.ask({"op": "use", "fn": "eager"})
+    assert "exited with code" in c.why_dead()
+    c.close()
+
+
+def test_attack_a_reference_that_dies_while_timed_is_a_verdict(tmp_path):
+    """The baselines' timed runs were outside every handler: a reference child that died there (killed for memory while
+    a rollout's bash tool filled the host) was an EOFError out of env.evaluate."""
+    dies = RELU + (f"\nimport os\nCALLS = [0]  # {os.urandom(8).hex()}\n_forward = Model.forward\n\n\n"
+                   "def forward(self, x):\n    CALLS[0] += 1\n    if CALLS[0] > 5 + 22:  # every output computed: now timed\n"
+                   "        os._exit(3)\n    return _forward(self, x)\n\n\nModel.forward = forward\n")
+    ws = make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)"))
+    (ws / "model.py").write_text(dies)
+    v = _evaluate_within(300, ws, backend="cpu", reference=dies)
+    assert isinstance(v, env.Verdict), repr(v)
+    assert v.reward == -1 and "reference" in (v.error or ""), v.summary()
+
+
+# ------------------------------------------------------------------ 1. the probe: a failure of the moment drops no layer
+# isolation(kind) probes once per process and keeps the strongest set of layers under which a child started, for good.
+# A child can fail to start for reasons of the moment that processes the policy controls can cause: the bash tool of
+# another rollout (or of another rank's trainer) that fills the host's memory or the GPU's, or holds every process the
+# uid may have. The strict jail then fell back to the non-strict one (the host's /dev writable by root, /proc's knobs),
+# and a probe under which nothing started at all kept NO namespace: every later child of the process, candidates
+# included, ran on the host's filesystem, where the cache (baselines) is writable.
+def _flaky_probe(monkeypatch, fail_first):
+    """sandbox.run_sandboxed whose first `fail_first` calls fail as a refused fork does; the rest run."""
+    real, calls = sandbox.run_sandboxed, []
+
+    def flaky(argv, cwd, timeout, **kw):
+        calls.append(kw.get("iso"))
+        if len(calls) <= fail_first:
+            return sandbox.SandboxResult(1, "", "unshare: fork failed: Resource temporarily unavailable", False, 0.0)
+        return real(argv, cwd, timeout, **kw)
+    monkeypatch.setattr(sandbox, "run_sandboxed", flaky)
+    monkeypatch.setattr(sandbox, "_ISOLATION", {})
+    return calls
+
+
+def test_attack_a_probe_that_fails_once_keeps_every_layer(monkeypatch):
+    best = sandbox.isolation("cpu")  # (probed in this process before the patch: the layers this host has)
+    _flaky_probe(monkeypatch, 2)  # the strongest set's tries, both uids
+    iso = sandbox.isolation("cpu")
+    assert (iso.prefix, iso.strict, iso.uid) == (best.prefix, best.strict, best.uid), (iso, best)
+
+
+def test_attack_a_probe_under_which_nothing_starts_keeps_no_weaker_layers(monkeypatch):
+    calls = _flaky_probe(monkeypatch, 10**6)
+    iso = sandbox.isolation("cpu")
+    if not calls[0].prefix:
+        pytest.skip("no namespaces to probe here")
+    assert iso.prefix == calls[0].prefix and iso.strict, iso  # the strongest set: the child fails, and says why
+    assert "cpu" not in sandbox._ISOLATION  # and the next child probes again
+
+
+# ------------------------------------------------------------------ 6. a view is not a free output
+# The timed sample reads out[o::step] of the output flattened row-major, which copies a view (transposed, expanded)
+# whole inside the timed run: eager's view pays for it. Gathering only the sampled elements (tried: take) made a view
+# free for the candidate too, and `return x.t()` for a task whose reference is x.t().contiguous() got reward 3 (2048x2048:
+# 2.9 ms against eager's 10 ms) with no kernel at all. A view pays for its elements in row-major order, as the
+# reference's does.
+def test_attack_a_view_of_the_input_is_not_a_free_output():
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    x = torch.randn(512, 1024)
+    largest = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            r = func(*args, **(kwargs or {}))
+            if isinstance(r, torch.Tensor) and r.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+                largest.append(r.numel())  # (a new tensor, not a view of x)
+            return r
+    with Spy():
+        sample = protocol.sample_of(x.t(), 12345)
+    assert torch.equal(sample, x.t().contiguous().reshape(-1)[12345 % 8::8])
+    assert max(largest) == x.numel(), "the sample of a view did not pay for the view's elements"
+
+
+# ------------------------------------------------------------------ the comparison itself
+def test_attack_a_tensor_where_the_reference_has_a_number_is_a_mismatch_not_a_crash():
+    """A reference that returns a number beside its tensors (KernelBench's format allows it; evaluate.py's tasks are not
+    filtered like synth.py's) was compared by `out == ref`: a tensor there raised "Boolean value of Tensor with more
+    than one value is ambiguous" in the parent (a traceback out of env.evaluate), and a one-element tensor, or True
+    for 1, passed. A Python value must come back as the same type and value."""
+    import torch
+    ref = (torch.ones(3), 3)
+    assert env.compare((torch.ones(3), torch.ones(4)), ref, 1e-2, 1e-2, "out") is not None
+    assert env.compare((torch.ones(3), torch.tensor(3.0)), ref, 1e-2, 1e-2, "out") is not None
+    assert env.compare((torch.ones(3), True), (torch.ones(3), 1), 1e-2, 1e-2, "out") is not None
+    assert env.compare((torch.ones(3), 3), ref, 1e-2, 1e-2, "out") is None
+    assert env.compare(None, None, 1e-2, 1e-2, "out") is None and env.compare(float("nan"), float("nan"), 0, 0, "o") is None
+
+
+# Baselines are timed while no candidate lives on the device, but the reference children of other verdicts computed
+# their outputs meanwhile (27 forward passes of the task, seconds of the device's time): in training, many rollouts of
+# one task reach `profile` together, and the first verdict's eager and compile times, slowed uniformly by the others'
+# reference work, were cached for every later verdict. A reference child loads the device like a candidate until its
+# outputs are in, and counts as one.
+def test_attack_reference_outputs_are_not_computed_while_a_baseline_is_timed(tmp_path, monkeypatch):
+    import fcntl
+    seen = []
+    real_init = env.Child.__init__
+
+    def init(self, spec, *a, **k):
+        real_init(self, spec, *a, **k)
+        if spec["mode"] == "reference":
+            fd = os.open(sandbox._alive_path("cpu"), os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what no_candidates (a baseline) would take
+                seen.append("a baseline could be timed")
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            except BlockingIOError:
+                seen.append("held")
+            finally:
+                os.close(fd)
+    monkeypatch.setattr(env.Child, "__init__", init)
+    ws = make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)"))
+    (ws / "model.py").write_text(RELU + f"\n# baseline nonce {os.urandom(8).hex()}\n")  # baselines measured in this verdict
+    v = env.evaluate(ws, backend="cpu")
+    assert v.correct and v.eager_ms, v.summary()
+    assert seen == ["held"], seen
+
+
+# A kernel that takes the protocol over before the harness ever replies (at import: a forged "ready", then every command
+# itself, never returning) needs no nonce it has not read. What it needed besides was each input set, which it could
+# rebuild from the seed in the "load" command (the task's get_inputs under torch.manual_seed(seed): torch's CPU generator
+# is public code). A "load" now carries the seed XORed with a pad that only the harness, which read its key from its
+# spec file (no kernel can open a file), can compute from the command's nonce.
+def test_attack_no_command_carries_a_seed(tmp_path, monkeypatch):
+    sent, specs = [], []
+    real_send, real_init = protocol.send, protocol.Child.__init__
+
+    def spy_send(fd, obj, *a, **k):
+        sent.append(obj)
+        return real_send(fd, obj, *a, **k)
+
+    def spy_init(self, spec, *a, **k):
+        specs.append(spec)
+        real_init(self, spec, *a, **k)
+    monkeypatch.setattr(protocol, "send", spy_send)
+    monkeypatch.setattr(protocol.Child, "__init__", spy_init)
+    v = env.evaluate(make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)")), backend="cpu")
+    assert v.correct and v.runtime_ms, v.summary()
+    seeds = set(next(s for s in specs if s["mode"] == "reference")["seeds"])
+    loads = [c["seed"] for c in sent if isinstance(c, dict) and c.get("op") == "load"]
+    assert len(loads) > 20 and not seeds & set(loads), "a load command names an input set's seed"
+
+
+def test_attack_a_reply_cannot_use_one_blob_twice():
+    """The harness packs each tensor into a blob of its own; unpack let any number of a reply's tensors name the same
+    blob, each materialised anew: a 1 MiB header of 40k entries naming one 16 MiB blob asked the parent for 640 GiB
+    (the reply limit bounds the bytes sent, not the bytes unpacked). A blob is used once."""
+    entry = {"t": 0, "dtype": "float32", "shape": [4]}
+    with pytest.raises(ValueError):
+        protocol.unpack({"seq": [entry, entry]}, [b"\0" * 16])
+    assert len(protocol.unpack({"seq": [entry, dict(entry, t=1)]}, [b"\0" * 16, b"\0" * 16])) == 2
+
+
+def test_attack_no_verdict_waits_for_the_gate_while_it_holds_the_device(tmp_path, monkeypatch):
+    """Holders of the device (candidate_alive) never wait for the gate: a baseline waiting for the device holds the
+    gate. A verdict whose reference held the device while its candidate started (cached baselines) waited for the gate
+    with the device held, while another verdict's baseline held the gate waiting for the device: both hung for good."""
+    import fcntl
+    import threading
+    ws = make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)"))
+    assert env.evaluate(ws, backend="cpu").eager_ms  # the baselines are cached: the candidate starts beside the reference
+    baseline = threading.Event()
+
+    def other_verdicts_baseline():
+        with env.no_candidates("cpu"):  # (takes the gate, then waits for the device)
+            baseline.set()
+    real_init = env.Child.__init__
+
+    def init(self, spec, *a, **k):
+        if spec["mode"] == "reference":  # the device is held for the reference: another verdict's baseline comes now
+            threading.Thread(target=other_verdicts_baseline, daemon=True).start()
+            gate = os.open(env.CACHE_DIR / "locks" / "gate-cpu.lock", os.O_RDWR | os.O_CREAT)
+            try:
+                for _ in range(500):  # until it holds the gate
+                    try:
+                        fcntl.flock(gate, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                        fcntl.flock(gate, fcntl.LOCK_UN)
+                        time.sleep(0.01)
+                    except BlockingIOError:
+                        break
+            finally:
+                os.close(gate)
+        real_init(self, spec, *a, **k)
+    monkeypatch.setattr(env.Child, "__init__", init)
+    v = _evaluate_within(120, ws, backend="cpu")
+    assert isinstance(v, env.Verdict) and v.correct, v
+    assert baseline.wait(60)

@@ -444,7 +444,7 @@ def test_candidate_spec_and_view_hold_no_secret(tmp_path, monkeypatch):
     assert v.correct, v.summary()
     (cand, cand_dir), = [(s, d) for s, d in specs if s["mode"] == "candidate"]
     (ref, ref_dir), = [(s, d) for s, d in specs if s["mode"] == "reference"]
-    assert set(cand) <= {"backend", "seed0", "mode", "reference", "model_new", "ext_dir", "cand_dir", "cmd_fd", "rep_fd"}
+    assert set(cand) <= {"backend", "seed0", "mode", "reference", "model_new", "ext_dir", "cand_dir", "cmd_fd", "rep_fd", "key"}
     assert "seeds" in ref and not any(str(s) in json.dumps(cand) for s in ref["seeds"])
     assert env.CACHE_DIR in ref_dir.parents  # hidden from every sandboxed child (the default `hide`)
 
