@@ -40,9 +40,13 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import preset_time  # noqa: E402
+import train  # noqa: E402  (the embedded tokenizer, as train.py's tiny model uses it)
+from runs import fmt_time  # noqa: E402
 
 # Qwen2.5-Coder-{7B,1.5B}-Instruct's config.json (Qwen2ForCausalLM); what they share is in QWEN2_5
 QWEN2_5 = dict(hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1e6,
@@ -62,7 +66,6 @@ PARAMS = {"qwen7b": 7_615_616_512, "qwen1.5b": 1_543_714_304}  # the published m
 
 def qwen_config(name: str, tok):
     """The Qwen2Config of CONFIGS[name], with the tokenizer's end-of-turn token as end of sequence."""
-    from transformers import Qwen2Config
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     cfg = Qwen2Config(**QWEN2_5, **CONFIGS[name], bos_token_id=tok.bos_token_id, eos_token_id=im_end)
     rope = getattr(cfg, "rope_parameters", None) or {"rope_theta": getattr(cfg, "rope_theta", None)}
@@ -82,8 +85,6 @@ def same_config(folder: Path, cfg) -> bool:
 
 
 def save(out: Path, name: str, seed: int = 0) -> int:
-    import train  # the embedded tokenizer, as train.py's tiny model uses it
-    from transformers import AutoModelForCausalLM
     tok = train.tiny_tokenizer()
     cfg = qwen_config(name, tok)
     if same_config(out, cfg):
@@ -115,7 +116,6 @@ def save(out: Path, name: str, seed: int = 0) -> int:
 # ----------------------------------------------------------------------------------------------
 def ended(run: Path, recs: list, cfg: dict) -> str:
     """How the run ended: complete, or where it stopped and the error line of its log (e.g. CUDA out of memory)."""
-    import preset_time
     missing = preset_time.missing_stages(recs, cfg)
     if not missing:
         return "complete"
@@ -132,8 +132,6 @@ def fmt(x, spec="", none="-"):
 
 
 def report(dirs: list) -> int:
-    import preset_time
-    from runs import fmt_time
     presets = {p: preset_time.preset(p) for p in ("default", "paper")}
     w = max([len(Path(d).name) for d in dirs] + [3])
     print(f"{'run':<{w}} {'phase':<20} {'peak GB':>14} {'measured s':>10} {'default':>9} {'paper':>9}")
