@@ -158,7 +158,9 @@ def report(dirs: list) -> int:
             mean = lambda k: sum(r.get(k) or 0 for r in st) / len(st)
             gen_tok = sum((r.get("resp") or 0) * (r.get("n") or 0) for r in st) / max(sum(r["generate_s"] for r in st), 1e-9)
             upd_tok = sum(r.get("tokens") or 0 for r in st) / max(sum(r["update_s"] for r in st), 1e-9)
-            print(f"{d.name:<{w}} {stage} step: generate {mean('generate_s'):.1f} s | tools+scoring {mean('env_s'):.1f} s | "
+            each = ", ".join(f"{r['s_step']:.0f}" for r in st)
+            print(f"{d.name:<{w}} {stage} step ({each} s): generate {mean('generate_s'):.1f} s | "
+                  f"tools+scoring {mean('env_s'):.1f} s | "
                   f"update {mean('update_s'):.1f} s | rollout {gen_tok:,.0f} tok/s | update {upd_tok:,.0f} tok/s | peak GB "
                   f"rollout {fmt(preset_time.peak([{'peak_gb': r.get('rollout_peak_gb')} for r in st]), '.1f')}, "
                   f"update {fmt(preset_time.peak([{'peak_gb': r.get('peak_gb')} for r in st]), '.1f')}")

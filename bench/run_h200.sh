@@ -116,10 +116,11 @@ big-1.5b|big-7b)
       --seed 0 --backend cuda --workers 12
   fi
   r=""; [ -f $run/config.json ] && r="--resume"
-  step $((560 - (SECONDS - t0))) big-$m python3 train.py --stage all --backend cuda --model /tmp/qwen$m --dataset /tmp/big-data \
+  lim=$((560 - (SECONDS - t0))); [ $lim -lt 60 ] && lim=60
+  step $lim big-$m python3 train.py --stage all --backend cuda --model /tmp/qwen$m --dataset /tmp/big-data \
     --run-dir $run $r --set warmup_steps=2 --set ppo_steps=2 --set rft_tasks=16 --set sft_tasks=4 \
     --set sft_epochs=2 --set critic_epochs=2 --set eval_tasks=4 ${BIG_SET:-}
-  cat "$OUT/big-$m.log" >> $run/train.log 2>/dev/null
+  [ -d $run ] && cat "$OUT/big-$m.log" >> $run/train.log  # (bench/big_model.py --report reads a dead run's error there)
   python3 bench/big_model.py --report /tmp/run-big-* 2>&1 | tee "$OUT/big-report.txt"
   for d in /tmp/run-big-*; do  # metrics, config, stage rows and log of every big run, for bench/big_model.py --report
     mkdir -p "$OUT/$(basename $d)" && cp $d/metrics.jsonl $d/config.json $d/stages.jsonl $d/train.log "$OUT/$(basename $d)/" 2>/dev/null

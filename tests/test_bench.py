@@ -142,7 +142,7 @@ def test_big_model_report_of_a_run_that_ran_out_of_memory(tmp_path):
     assert line("run-big-7b", "stopped in critic: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 18.56 GiB."), out
     # 2 steps of 15 s: x 10 (default); paper: x 50 steps and x 32 x 4096 / (16 x 1536) tokens per step
     assert line("run-big-1.5b", "warmup (per step)").split()[-5:] == ["61.0", "(70)", "30.0", "2m30s", "1h06m"], out
-    assert line("run-big-1.5b", "ppo step:") == ("run-big-1.5b ppo step: generate 20.0 s | tools+scoring 2.0 s | update 8.0 s | "
+    assert line("run-big-1.5b", "ppo step") == ("run-big-1.5b ppo step (30, 30 s): generate 20.0 s | tools+scoring 2.0 s | update 8.0 s | "
                                                  "rollout 4,800 tok/s | update 15,000 tok/s | peak GB rollout 50.0, update 90.0"), out
     assert line("run-big-1.5b", "total").split()[-4:] == ["90.0", "276.0", "38m42s", "20h33m"], out
     assert line("run-big-1.5b", "complete") and line("x", "no metrics.jsonl in"), out
@@ -212,7 +212,7 @@ def test_big_model_tiny_stage_all_and_report(tmp_path, elem_dataset):
     out = bench("big_model.py", "--report", str(rd))
     phases = [x.split()[1] for x in out.splitlines()[1:] if x.startswith("run ")]
     assert phases[:10] == ["setup", "sft", "sft", "warmup", "rft", "rft", "critic", "ppo", "held-out", "total"], out
-    assert "run warmup step: generate " in out and "run ppo step: generate " in out and "run complete" in out, out
+    assert "run warmup step (" in out and "run ppo step (" in out and "run complete" in out, out
 
 
 def test_synth_bench_tiny(tmp_path):
