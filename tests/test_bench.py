@@ -188,6 +188,10 @@ def test_big_model_saves_a_model_that_train_loads(tmp_path):
     unknown = [t for o in toks for t in o if t >= len(pol.tokenizer)]
     assert unknown and pol.tokenizer.decode(unknown) == "", unknown  # ~2% of 800 samples are ids the tokenizer lacks
     assert "already holds tiny (kept)" in bench("big_model.py", "--save", str(d), "--config", "tiny")
+    # bench/rollout_bench.py --model DIR (run_h200.sh big-rollout): the engine against HF generate on the folder
+    out = bench("rollout_bench.py", "--device", "cpu", "--model", str(d), "--batch", "2", "--prompt-len", "16",
+                "--new-tokens", "8", "--baseline-tokens", "4", "--configs", "static,ours", "--json", str(tmp_path / "r.json"))
+    assert f"model {d}" in out and all(r["tok_s"] > 0 for r in json.loads((tmp_path / "r.json").read_text())), out
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "big_model.py"), "--save", str(d), "--config", "qwen7b"],
                        capture_output=True, text=True)
     assert r.returncode == 1 and "is not a qwen7b model folder" in r.stderr, r.stderr
