@@ -21,7 +21,8 @@ no kernel is ever built (tool and scoring time is a lower bound); RFT keeps no e
 Tokenizer: the embedded SmolLM2 tokenizer (49,152 tokens, ChatML template), as train.py's tiny model uses, since
 Qwen's cannot be downloaded either; the weights keep Qwen's vocabulary (152,064 / 151,936 rows), so embeddings,
 lm_head and the softmax cost what Qwen's do. Sampled ids the tokenizer does not know decode to nothing (the
-tokens themselves are kept, as generated). Prompts tokenise to a few percent more tokens than with Qwen's.
+tokens themselves are kept, as generated). Prompts and tool output tokenise to other lengths than with Qwen's
+tokenizer (its larger vocabulary usually needs fewer tokens); the responses, which fill every turn, do not.
 
 --report: for each train.py run folder (metrics.jsonl, config.json; train.log beside it or in it, for the
 error of a run that died), one row per phase: peak GPU memory (runs.gpu_peak: allocated; reserved in brackets),
@@ -61,7 +62,7 @@ CONFIGS = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  vocab_size=50000, tie_word_embeddings=False, max_window_layers=2),
 }
-PARAMS = {"qwen7b": 7_615_616_512, "qwen1.5b": 1_543_714_304}  # the published models' parameter counts
+PARAMS = {"qwen7b": 7_615_616_512, "qwen1.5b": 1_543_714_304}  # the model cards' 7.61B and 1.54B
 
 
 def qwen_config(name: str, tok):
@@ -80,8 +81,8 @@ def same_config(folder: Path, cfg) -> bool:
     if not f.is_file() or not (folder / "tokenizer.json").is_file():
         return False
     old = json.loads(f.read_text())
-    keys = ("model_type", *CONFIGS["tiny"].keys())
-    return all(old.get(k) == getattr(cfg, k, None) for k in keys)
+    return all(old.get(k) == getattr(cfg, k, None) for k in ("model_type", "hidden_size", "intermediate_size",
+               "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size", "tie_word_embeddings"))
 
 
 def save(out: Path, name: str, seed: int = 0) -> int:
@@ -96,7 +97,11 @@ def save(out: Path, name: str, seed: int = 0) -> int:
     t0 = time.time()
     torch.manual_seed(seed)
     with torch.device(dev):
-        lm = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        lm = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).to(device=dev, dtype=torch.bfloat16)  # (no-op)
+    w = lm.get_output_embeddings().weight.detach().float()
+    if not bool(torch.isfinite(w).all()) or float(w.std()) < 1e-3:  # uninitialised memory would sample NaNs
+        raise SystemExit(f"big_model.py: error: the initialised weights look wrong (lm_head std {float(w.std())})")
+    del w
     lm.generation_config.eos_token_id = cfg.eos_token_id
     n = sum(p.numel() for p in lm.parameters())
     t1 = time.time()
@@ -121,9 +126,13 @@ def ended(run: Path, recs: list, cfg: dict) -> str:
         return "complete"
     log = next((p for p in (run / "train.log", run.parent / f"{run.name}.log") if p.is_file()), None)
     lines = log.read_text(errors="replace").splitlines() if log else []
+    starts = [i for i, x in enumerate(lines) if x.startswith("train | ") and " cores: " in x]  # train.py's first line
+    lines = lines[starts[-1]:] if starts else lines  # the last attempt (run_h200.sh appends a resumed run's log)
     err = next((x for x in reversed(lines) if re.match(r"^[\w.]*(Error|Exception|KeyboardInterrupt)\b", x)), None)
     oom = next((x for x in reversed(lines) if "out of memory" in x.lower()), None)
-    why = "no log found" if log is None else oom or err or "no error in the log (killed: the time limit?)"
+    why = "no log found" if log is None else oom or err or "no error in the log (killed?)"
+    if why.startswith("KeyboardInterrupt"):
+        why += " (SIGINT: run_h200.sh's time limit; the same part again continues the run)"
     return f"stopped in {missing[0]}: {why[:300]}"
 
 

@@ -131,9 +131,14 @@ def test_big_model_report_of_a_run_that_ran_out_of_memory(tmp_path):
     run that died stopped, with the error line of its log."""
     made_up_run(tmp_path / "run-big-7b", until="critic")
     made_up_run(tmp_path / "run-big-1.5b")
-    (tmp_path / "run-big-7b.log").write_text("critic: 13 training ...\nTraceback (most recent call last):\n  ...\n"
-                                             "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 18.56 GiB.\n")
-    out = bench("big_model.py", "--report", str(tmp_path / "run-big-7b"), str(tmp_path / "run-big-1.5b"), str(tmp_path / "x"))
+    (tmp_path / "run-big-7b.log").write_text(  # a first attempt cut by the time limit, then a resumed one out of memory
+        "train | 16 cores: synthesis 12 workers ...\nTraceback (most recent call last):\nKeyboardInterrupt\n"
+        "train | 16 cores: synthesis 12 workers ...\ncritic: 13 training ...\nTraceback (most recent call last):\n  ...\n"
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 18.56 GiB.\n")
+    (tmp_path / "run-big-1.5b" / "train.log").write_text("train | 16 cores: ...\nKeyboardInterrupt\n")  # (complete: not read)
+    made_up_run(tmp_path / "cut", until="critic")
+    (tmp_path / "cut" / "train.log").write_text("train | 16 cores: ...\nTraceback (most recent call last):\nKeyboardInterrupt\n")
+    out = bench("big_model.py", "--report", *(str(tmp_path / d) for d in ("run-big-7b", "run-big-1.5b", "cut", "x")))
     line = lambda run, phase: next((x for x in out.splitlines() if x.split()[0] == run and x[len(run):].strip().startswith(phase)), None)
     assert line("run-big-7b", "setup (data, load)").split()[-2:] == ["15.2", "30.0"], out
     assert line("run-big-7b", "sft teacher").split()[-3:] == ["40.0", "10m40s", "1h25m"], out  # paper: 512 teacher tasks
@@ -146,6 +151,7 @@ def test_big_model_report_of_a_run_that_ran_out_of_memory(tmp_path):
                                                  "rollout 4,800 tok/s | update 15,000 tok/s | peak GB rollout 50.0, update 90.0"), out
     assert line("run-big-1.5b", "total").split()[-4:] == ["90.0", "276.0", "38m42s", "20h33m"], out
     assert line("run-big-1.5b", "complete") and line("x", "no metrics.jsonl in"), out
+    assert line("cut", "stopped in critic: KeyboardInterrupt (SIGINT: run_h200.sh's time limit; the same part again"), out
 
 
 def test_big_model_configs_are_the_published_ones():
