@@ -13,7 +13,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import synth_diag  # noqa: E402
 import train  # noqa: E402
-from test_train import elem_dataset  # noqa: E402,F401  (a fixture: the teacher's family, 2 training tasks, 1 held out)
+import test_train  # noqa: E402
+
+elem_dataset = test_train.elem_dataset  # a fixture: the teacher's family (elementwise.py), 2 training tasks, 1 held out
 
 
 def bench(script, *args, timeout=600):
