@@ -244,10 +244,25 @@ def fmt_time(s: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+def gpu_peak(prefix: str = "") -> dict:
+    """This process's peak GPU memory since the previous call (which starts the next interval), in GiB:
+    {"peak_gb": tensors (torch.cuda.max_memory_allocated), "reserved_gb": held by the caching allocator, what
+    nvidia-smi sees and what runs out}; {} without CUDA. Every metrics.jsonl record carries them (the peak of
+    the step, the evaluation, or whatever ran since the record before): a stage's peak is the max of its
+    records', and a run that dies of OOM still shows how close the stages before it came."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    out = {f"{prefix}peak_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+           f"{prefix}reserved_gb": round(torch.cuda.max_memory_reserved() / 2**30, 2)}
+    torch.cuda.reset_peak_memory_stats()
+    return out
+
+
 def log_step(ctx: Ctx, stage: str, step: int, total: int, row: dict, t_step: float, eta: float):
     """One `|`-separated line per step on rank 0, the same numbers in metrics.jsonl (and TensorBoard)."""
     if not ctx.main:
         return
+    row = {**row, **gpu_peak()}
     f = lambda k, spec: f"{row[k]:{spec}}" if row.get(k) is not None else "-"
     parts = [f"{stage} {step + 1}/{total}"]
     for key, label, spec in (("reward", "reward", "+.3f"), ("compile", "compile", ".2f"), ("correct", "correct", ".2f"),
@@ -257,7 +272,7 @@ def log_step(ctx: Ctx, stage: str, step: int, total: int, row: dict, t_step: flo
                              ("entropy", "ent", ".3f"), ("clipfrac", "clip", ".3f"), ("ev", "ev", "+.3f"),
                              ("v_mean", "V", "+.3f"), ("adv_std", "adv_std", ".3f"), ("kl_ref", "kl_ref", "+.4f"),
                              ("mm_mean", "dlogp", ".4f"), ("mm_p99", "dlogp_p99", ".3f"), ("mm_out", "ratio_out", ".3f"),
-                             ("tis_w", "tis_w", ".3f"), ("lr", "lr", ".1e")):
+                             ("tis_w", "tis_w", ".3f"), ("lr", "lr", ".1e"), ("peak_gb", "peak_gb", ".1f")):
         if key in row:
             parts.append(f"{label} {f(key, spec)}")
     ends = [f"{k[4:]} {row[k]:.2f}" for k in sorted(row) if k.startswith("end_")]
@@ -290,6 +305,7 @@ def open_tb(run_dir: Path):
 
 def log_event(ctx: Ctx, rec: dict):
     if ctx.main:
+        rec = {**rec, **gpu_peak()}
         with open(ctx.run_dir / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps({**rec, "time": time.time()}, default=str) + "\n")
 

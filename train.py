@@ -95,7 +95,7 @@ import teacher
 import tools
 from rl import adapter_params, add_adapters, barrier, critic_epoch, critic_ev, gather, ppo_update, sft_epoch, shard
 from rollouts import fit_context, harness_failed, rft_filter, rollout_stats, split_tasks, step_tasks, trainable
-from runs import (Ctx, begin_stage, claim_devices, fmt_time, latest, load_checkpoint, log_event, log_step, n_cores,
+from runs import (Ctx, begin_stage, claim_devices, fmt_time, gpu_peak, latest, load_checkpoint, log_event, log_step, n_cores,
                   new_opts, open_tb, save_checkpoint, stage_done, stage_end, time_generate, workers, write_json)
 from stages import (STAGES, all_rewards_minus_one, eval_row, minus_one_note, read_rows, stage_chart, stage_note,
                     stage_table)
@@ -239,6 +239,7 @@ def run(cfg: Config, a, stages: list, order: list, src: str | None) -> int:
     n_params = sum(p.numel() for p in pm.parameters())
     ctx.say(f"train | model {cfg.model or agent.DEFAULT_MODEL} ({n_params / 1e6:.1f}M params, LoRA r={cfg.lora_r}) | tasks "
             f"{len(train)} train ({len(teacher_tasks)} for the teacher) / {len(heldout)} held-out | ranks {world} | device {device}")
+    log_event(ctx, {"event": "start", "setup_s": round(time.time() - t_start, 1), "resume": a.resume})  # data, model
     if stages[0] == order[0]:  # a run from the start: the base model's row first
         heldout_eval(ctx, "base")
     for s in stages:
@@ -395,12 +396,13 @@ def ppo_stage(ctx: Ctx, stage: str, n_steps: int, resume: bool):
         if reused:
             ctx.say(f"{stage} {step + 1}/{n_steps}: reusing {len(eps)} scored rollouts from {path.parent}")
         ctx.policy.release()  # the engine's KV cache holds keys/values of the weights about to change
-        t_roll = time.time() - t0
+        t_roll, roll_peak = time.time() - t0, gpu_peak("rollout_")  # log_step records the update's peak
         ctx.say(f"{stage} {step + 1}/{n_steps}: update on {len(eps) * ctx.world} episodes "
                 f"({sum(sum(e['loss_mask']) for e in eps)} model tokens on this rank)")
         upd = ppo_update(ctx.pm, ctx.head, opts, trainable(fit_context(eps, cfg.max_context)), cfg, ctx.device, step)
         row = {**rollout_stats(gather(eps)), **upd, "rollout_s": round(t_roll, 2), "generate_s": round(ctx.gen_s, 2),
-               "env_s": round(t_roll - ctx.gen_s, 2), "update_s": round(time.time() - t0 - t_roll, 2), "reused": reused}
+               "env_s": round(t_roll - ctx.gen_s, 2), "update_s": round(time.time() - t0 - t_roll, 2), "reused": reused,
+               "tokens": sum(min(len(e["tokens"]), cfg.max_context) for e in eps), **roll_peak}  # this rank's update batch
         rows.append(row)
         t_step = time.time() - t0
         done_here = step + 1 - start
@@ -541,6 +543,7 @@ def heldout_eval(ctx: Ctx, label: str):
         ctx.say(f"eval | after {label}: the dataset has no held-out tasks (test split); no row")
         return
     t0, same = time.time(), ctx.prev.get(label) if label == "critic" else None
+    ctx.gen_s = 0.0  # the evaluation's generation seconds (the rest is tool calls and scoring)
     rows = {r["stage"]: r for r in read_rows(ctx.run_dir)}
     if same in rows:
         row = {**rows[same], "note": f"actor as after {same} (its evaluation); {stage_note(ctx.run_dir, label)}"}
@@ -555,7 +558,7 @@ def heldout_eval(ctx: Ctx, label: str):
         barrier()
         eps = [e for f in sorted(out.glob("rank*.jsonl")) for e in agent.load_episodes(f)]
         row = eval_row(label, eps, "the base model, before training" if label == "base" else stage_note(ctx.run_dir, label))
-    row.update(stage=label, eval_s=round(time.time() - t0, 1), time=time.time())
+    row.update(stage=label, eval_s=round(time.time() - t0, 1), generate_s=round(ctx.gen_s, 1), time=time.time())
     if ctx.main:
         with open(ctx.run_dir / "stages.jsonl", "a") as fh:
             fh.write(json.dumps(row) + "\n")

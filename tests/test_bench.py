@@ -13,6 +13,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import synth_diag  # noqa: E402
 import train  # noqa: E402
+import test_train  # noqa: E402
+
+elem_dataset = test_train.elem_dataset  # a fixture: the teacher's family (elementwise.py), 2 training tasks, 1 held out
 
 
 def bench(script, *args, timeout=600):
@@ -50,29 +53,178 @@ def test_train_bench_saves_a_random_model_of_the_embedded_shape(tmp_path):
     assert tok.chat_template and cfg.eos_token_id == tok.eos_token_id
 
 
+BIG = dict(warmup_steps=2, ppo_steps=2, rft_tasks=16, sft_tasks=4, sft_epochs=2, critic_epochs=2, eval_tasks=4)  # run_h200.sh big-*
+
+
+def made_up_run(path, until="ppo"):
+    """metrics.jsonl of a short default-shaped run (run_h200.sh's big-* settings), killed during RFT's rollouts
+    and resumed 240 s later; until="critic": it dies at the start of the critic stage."""
+    cfg = dict(train.dataclasses.asdict(train.Config()), **BIG)
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    t, recs = 1000.0, []
+
+    def rec(dt, **r):
+        nonlocal t
+        t += dt
+        recs.append({**r, "time": t})
+    ev = lambda stage: rec(20, event="eval", stage=stage, n=4, eval_s=20.0, generate_s=16.0, peak_gb=20.0, reserved_gb=22.0)
+    rec(0, event="start", setup_s=30.0, peak_gb=15.2, reserved_gb=15.5)
+    ev("base")  # 20 s, 16 of them generating
+    rec(45, stage="sft", step=1, s_step=5.0, peak_gb=70.0, reserved_gb=80.0)  # the teacher: 40 s
+    rec(5, stage="sft", step=2, s_step=5.0, peak_gb=71.0, reserved_gb=80.0)
+    rec(0, event="stage_end", stage="sft", demos=4, episodes=4, tasks=4)
+    ev("sft")
+    rec(10, stage="warmup", step=1, s_step=10.0, generate_s=4.0, env_s=1.0, update_s=5.0, resp=1536, n=16, tokens=60000,
+        rollout_peak_gb=30.0, rollout_reserved_gb=32.0, peak_gb=60.0, reserved_gb=70.0)
+    rec(20, stage="warmup", step=2, s_step=20.0, generate_s=12.0, env_s=1.0, update_s=7.0, resp=1536, n=16, tokens=60000,
+        rollout_peak_gb=30.0, rollout_reserved_gb=32.0, peak_gb=61.0, reserved_gb=70.0)
+    rec(0, event="stage_end", stage="warmup")
+    ev("warmup")
+    rec(240 + 20, event="start", setup_s=30.0, resume=True)  # killed 20 s into the rollouts, restarted 240 s later
+    rec(20, event="rft_filter", episodes=16, kept=0, peak_gb=40.0, reserved_gb=45.0)  # the rollouts: 20 s after the restart
+    for k in range(3):
+        rec(2, stage="rft", step=k + 1, s_step=2.0)
+    rec(0, event="stage_end", stage="rft")
+    ev("rft")
+    if until != "critic":
+        rec(5, stage="critic", step=1, s_step=5.0)
+        rec(5, stage="critic", step=2, s_step=5.0)
+        rec(0, event="stage_end", stage="critic")
+        rec(0.1, event="eval", stage="critic", n=4, eval_s=0.0, generate_s=0.0)  # the rft row again: nothing generated
+    if until == "ppo":
+        for k in range(2):
+            rec(30, stage="ppo", step=k + 1, s_step=30.0, generate_s=20.0, env_s=2.0, update_s=8.0, resp=6000, n=16,
+                tokens=120000, rollout_peak_gb=50.0, peak_gb=90.0, reserved_gb=100.0)
+        rec(0, event="stage_end", stage="ppo")
+        ev("ppo")
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
 def test_preset_time_projects_each_stage(tmp_path):
-    """A made-up short run: 2 warm-up steps of 10 s and 20 s, 16 RFT tasks rolled out in 40 s, RFT training 8 s,
-    critic 4 s, 2 PPO steps of 30 s, a 16-task evaluation in 12 s; projected to the default preset (10 warm-up
-    steps, 32 RFT tasks, 10 PPO steps, 16 eval tasks)."""
-    cfg = dict(train.dataclasses.asdict(train.Config()), warmup_steps=2, ppo_steps=2, rft_tasks=16)
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    t = 1000.0
-    recs = [{"stage": "warmup", "step": 1, "s_step": 10.0, "time": t + 10}, {"stage": "warmup", "step": 2, "s_step": 20.0, "time": t + 30},
-            {"event": "stage_end", "stage": "warmup", "time": t + 30}, {"event": "rft_filter", "time": t + 70},
-            {"stage": "rft", "step": 1, "s_step": 8.0, "time": t + 78}, {"event": "stage_end", "stage": "rft", "time": t + 78},
-            {"stage": "critic", "step": 1, "s_step": 4.0, "time": t + 82}, {"event": "stage_end", "stage": "critic", "time": t + 82},
-            {"stage": "ppo", "step": 1, "s_step": 30.0, "time": t + 112}, {"stage": "ppo", "step": 2, "s_step": 30.0, "time": t + 142},
-            {"event": "stage_end", "stage": "ppo", "time": t + 142}, {"event": "eval", "time": t + 154}]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    """The made-up short run projected to the default preset (64 teacher tasks x 8 epochs, 10 warm-up steps, 32 RFT
+    tasks x 3 epochs, at most 30 critic epochs, 10 PPO steps, 32 held-out tasks), each phase by hand."""
+    made_up_run(tmp_path)
     out = bench("preset_time.py", str(tmp_path), "--preset", "default")
-    proj = {line[:18].strip(): float(line.split()[-1]) for line in out.splitlines()
-            if line[:18].strip() in ("warmup (per step)", "rft rollouts", "rft training", "critic training", "ppo (per step)", "held-out eval")}
-    # warm-up: mean 15 s x 10; RFT and critic: x 32/16; PPO: 30 s x 10; eval: 16/16
-    assert proj == {"warmup (per step)": 150.0, "rft rollouts": 80.0, "rft training": 16.0, "critic training": 8.0,
-                    "ppo (per step)": 300.0, "held-out eval": 12.0}, out
-    assert "566.0  = 9m26s" in out, out
+    proj = {line[:20].strip(): float(line.split()[-1]) for line in out.splitlines()[2:] if line[:20].strip() not in ("", "total")
+            and not line.startswith("not included")}
+    assert proj == {
+        "sft teacher": 40 * 64 / 4,              # 40 s for 4 teacher tasks
+        "sft training": 10 * (8 * 64) / (2 * 4),  # 2 epochs of 4 demonstrations in 10 s
+        "warmup (per step)": 15 * 10,           # mean step 15 s
+        "rft rollouts": 20 * 32 / 16,           # 20 s after the restart (the 20 s before the kill and the 240 s gap: not counted)
+        "rft training": 6 * (32 * 3) / (16 * 3),
+        "critic training": 10 * (32 * 30) / (16 * 2),  # ran all of its 2 epochs: the preset's 30 (at most)
+        "ppo (per step)": 30 * 10,
+        "held-out evals (6)": 80 + 20 * 32 / 4,  # generation as measured, the rest x 32/4
+    }, out
+    assert "shape differs" not in out and "2322.0  = 38m42s" in out and "incomplete" not in out, out
+    # the paper preset from a default-shaped run: PPO steps scaled by tokens per step too (32 x 32768 / 16 x 8192 = 8)
+    out = bench("preset_time.py", str(tmp_path), "--preset", "paper")
+    assert "shape differs (tasks_per_step 16 -> 32, max_new_tokens 1536 -> 4096, max_turns 12 -> 50, max_context 8192 -> 32768)" in out
+    ppo = next(x for x in out.splitlines() if x.startswith("ppo (per step)")).split()
+    assert ppo[-2:] == ["8.00", f"{30 * 150 * 8:.1f}"], ppo
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "preset_time.py"), str(tmp_path / "nope")], capture_output=True, text=True)
     assert r.returncode == 1 and r.stderr.strip().startswith("preset_time.py: error:"), r.stderr
+
+
+def test_big_model_report_of_a_run_that_ran_out_of_memory(tmp_path):
+    """--report: phases with their peak memory (allocated, reserved) and both presets, the step split, and where a
+    run that died stopped, with the error line of its log."""
+    made_up_run(tmp_path / "run-big-7b", until="critic")
+    made_up_run(tmp_path / "run-big-1.5b")
+    (tmp_path / "run-big-7b.log").write_text(  # a first attempt cut by the time limit, then a resumed one out of memory
+        "train | 16 cores: synthesis 12 workers ...\nTraceback (most recent call last):\nKeyboardInterrupt\n"
+        "train | 16 cores: synthesis 12 workers ...\ncritic: 13 training ...\nTraceback (most recent call last):\n  ...\n"
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 18.56 GiB.\n")
+    (tmp_path / "run-big-1.5b" / "train.log").write_text("train | 16 cores: ...\nKeyboardInterrupt\n")  # (complete: not read)
+    made_up_run(tmp_path / "cut", until="critic")
+    (tmp_path / "cut" / "train.log").write_text("train | 16 cores: ...\nTraceback (most recent call last):\nKeyboardInterrupt\n")
+    out = bench("big_model.py", "--report", *(str(tmp_path / d) for d in ("run-big-7b", "run-big-1.5b", "cut", "x")))
+    line = lambda run, phase: next((x for x in out.splitlines() if x.split()[0] == run and x[len(run):].strip().startswith(phase)), None)
+    assert line("run-big-7b", "setup (data, load)").split()[-2:] == ["15.2", "30.0"], out
+    assert line("run-big-7b", "sft teacher").split()[-3:] == ["40.0", "10m40s", "1h25m"], out  # paper: 512 teacher tasks
+    assert line("run-big-7b", "sft training").split()[-5:] == ["71.0", "(80)", "10.0", "10m40s", "21m20s"], out
+    assert line("run-big-7b", "ppo") is None and line("run-big-7b", "critic") is None, out
+    assert line("run-big-7b", "stopped in critic: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 18.56 GiB."), out
+    # 2 steps of 15 s: x 10 (default); paper: x 50 steps and x 32 x 4096 / (16 x 1536) tokens per step
+    assert line("run-big-1.5b", "warmup (per step)").split()[-5:] == ["61.0", "(70)", "30.0", "2m30s", "1h06m"], out
+    assert line("run-big-1.5b", "ppo step") == ("run-big-1.5b ppo step (30, 30 s): generate 20.0 s | tools+scoring 2.0 s | update 8.0 s | "
+                                                 "rollout 4,800 tok/s | update 15,000 tok/s | peak GB rollout 50.0, update 90.0"), out
+    assert line("run-big-1.5b", "total").split()[-4:] == ["90.0", "276.0", "38m42s", "20h33m"], out
+    assert line("run-big-1.5b", "complete") and line("x", "no metrics.jsonl in"), out
+    assert line("cut", "stopped in critic: KeyboardInterrupt (SIGINT: run_h200.sh's time limit; the same part again"), out
+
+
+def test_big_model_configs_are_the_published_ones():
+    """The shapes of Qwen2.5-Coder-7B-Instruct and -1.5B-Instruct's config.json, and their parameter counts, built on
+    the meta device (no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    import big_model
+    tok = train.tiny_tokenizer()
+    want = {"qwen7b": (3584, 18944, 28, 28, 4, 152064, False, 7_615_616_512),
+            "qwen1.5b": (1536, 8960, 28, 12, 2, 151936, True, 1_543_714_304)}
+    for name, (h, i, n, heads, kv, vocab, tied, params) in want.items():
+        c = big_model.qwen_config(name, tok)
+        assert (c.model_type, c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads,
+                c.num_key_value_heads, c.vocab_size, c.tie_word_embeddings) == ("qwen2", h, i, n, heads, kv, vocab, tied)
+        assert (c.max_position_embeddings, c.rms_norm_eps, c.rope_parameters["rope_theta"], c.use_sliding_window) == \
+            (32768, 1e-6, 1e6, False)
+        with torch.device("meta"):
+            m = AutoModelForCausalLM.from_config(c, dtype=torch.bfloat16)
+        assert sum(p.numel() for p in m.parameters()) == params == big_model.PARAMS[name]
+        assert m.model.layers[0].self_attn.q_proj.bias is not None  # Qwen2's q/k/v biases
+        assert c.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_big_model_saves_a_model_that_train_loads(tmp_path):
+    """--save --config tiny: a Qwen2 folder (bf16 weights, the embedded tokenizer) that train.py's loader runs on the
+    rollout engine; its vocabulary is larger than the tokenizer's, as the real ones, and sampled ids beyond the
+    tokenizer are kept and decode to nothing. A second --save keeps it; another model's folder is refused."""
+    import torch
+    d = tmp_path / "m"
+    out = bench("big_model.py", "--save", str(d), "--config", "tiny")
+    assert f"saved tiny to {d}: 6M parameters, bf16" in out and "initialised on cpu" in out, out
+    assert json.loads((d / "config.json").read_text())["dtype"] == "bfloat16"
+    pol = train.build_policy(train.Config(preset="tiny", model=str(d), max_context=256), tmp_path, "cpu", True)
+    assert type(pol.model).__name__ == "Qwen2ForCausalLM" and pol.engine_kind == "fast"
+    assert pol.stop == [pol.tokenizer.convert_tokens_to_ids("<|im_end|>")] and pol.model.config.vocab_size > len(pol.tokenizer)
+    torch.manual_seed(0)
+    prompt = pol.tokenizer.encode("write a kernel")
+    toks = pol.generate([prompt] * 4, 200, temperature=1.0)
+    unknown = [t for o in toks for t in o if t >= len(pol.tokenizer)]
+    assert unknown and pol.tokenizer.decode(unknown) == "", unknown  # ~2% of 800 samples are ids the tokenizer lacks
+    assert "already holds tiny (kept)" in bench("big_model.py", "--save", str(d), "--config", "tiny")
+    # bench/rollout_bench.py --model DIR (run_h200.sh big-rollout): the engine against HF generate on the folder
+    out = bench("rollout_bench.py", "--device", "cpu", "--model", str(d), "--batch", "2", "--prompt-len", "16",
+                "--new-tokens", "8", "--baseline-tokens", "4", "--configs", "static,ours", "--json", str(tmp_path / "r.json"))
+    assert f"model {d}" in out and all(r["tok_s"] > 0 for r in json.loads((tmp_path / "r.json").read_text())), out
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "big_model.py"), "--save", str(d), "--config", "qwen7b"],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "is not a qwen7b model folder" in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_big_model_tiny_stage_all_and_report(tmp_path, elem_dataset):
+    """bash bench/run_h200.sh big-* in small: train.py --stage all on a saved tiny Qwen2 (tiny preset, CPU), then
+    --report: every phase measured and projected, the step splits, and "complete"."""
+    d = tmp_path / "m"
+    bench("big_model.py", "--save", str(d), "--config", "tiny")
+    rd = tmp_path / "run"
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--stage", "all", "--preset", "tiny", "--backend", "cpu",
+                        "--model", str(d), "--dataset", str(elem_dataset), "--run-dir", str(rd)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    recs = [json.loads(x) for x in (rd / "metrics.jsonl").read_text().splitlines()]
+    assert recs[0]["event"] == "start" and recs[0]["setup_s"] > 0 and "peak_gb" not in recs[0]  # CPU: no GPU peaks
+    ppo = [x for x in recs if x.get("stage") == "ppo" and "event" not in x]
+    assert all(x["tokens"] > 0 and x["generate_s"] > 0 for x in ppo), ppo
+    assert all(x["generate_s"] > 0 for x in recs if x.get("event") == "eval" and x["stage"] != "critic")
+    out = bench("big_model.py", "--report", str(rd))
+    phases = [x.split()[1] for x in out.splitlines()[1:] if x.startswith("run ")]
+    assert phases[:10] == ["setup", "sft", "sft", "warmup", "rft", "rft", "critic", "ppo", "held-out", "total"], out
+    assert "run warmup step (" in out and "run ppo step (" in out and "run complete" in out, out
 
 
 def test_synth_bench_tiny(tmp_path):

@@ -328,6 +328,20 @@ def test_heldout_tasks_are_never_the_teachers():
     assert len(teach) == 4 and len(held) == 3 and not {t["code"] for t in teach} & {t["code"] for t in held}
 
 
+@pytest.mark.gpu
+def test_gpu_peak_covers_the_interval_since_the_last_call():
+    """runs.gpu_peak, what every metrics.jsonl record carries: the peak since the previous call, then a fresh interval."""
+    x = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")  # 0.25 GiB
+    runs.gpu_peak()
+    y = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")  # + 0.5 GiB, freed before the next call
+    del y
+    first = runs.gpu_peak()
+    assert first["peak_gb"] >= 0.75 and first["reserved_gb"] >= first["peak_gb"], first
+    assert 0.25 <= runs.gpu_peak()["peak_gb"] < first["peak_gb"] - 0.4  # only x was held since
+    assert set(runs.gpu_peak("rollout_")) == {"rollout_peak_gb", "rollout_reserved_gb"}
+    del x
+
+
 def test_workers_follow_the_cores():
     assert runs.workers(2, "cpu") == (2, 2)
     assert runs.workers(16, "cuda") == (12, 8)
