@@ -242,6 +242,9 @@ BANNED_TOKENS = {
     "chmod", "chown", "symlink", "link", "truncate", "ftruncate", "memfd_create", "shm_open", "filesystem", "tmpfile",
     "dprintf", "vdprintf", "mkstemp", "mkostemp", "mkstemps", "mkostemps", "mkdtemp", "tmpnam", "tempnam",
     "posix_openpt", "renameat", "renameat2", "unsetenv", "clearenv",  # (<cstdio>/<cstdlib> under _GNU_SOURCE)
+    # a FILE's own fields: `stdout->_fileno = fd` points printf at any descriptor (a pipe to the parent)
+    "fileno", "_chain", "_markers", "_wide_data", "_codecvt", "_shortbuf", "_vtable_offset", "_freeres_list",
+    "_freeres_buf", "_flags2", "_old_offset", "_cur_column", "_unused2",
     # the same doors under glibc's other names: a signal handler (__sysv_signal, bsd_signal), mprotect
     # (pkey_mprotect with key -1 is mprotect), exec, the loader: with them, lazily computed pages come back
     "sysv_signal", "bsd_signal", "ssignal", "sigvec", "sigprocmask", "sigaltstack", "sigsetjmp", "siglongjmp",
@@ -267,7 +270,7 @@ BANNED_TOKENS = {
 LIBC_ALIAS_RE = re.compile(r"^_+(libc_)?")
 # The Python C API (functions, and the object model: PyObject, PyTypeObject and their fields, through which
 # `o->ob_type->tp_getattro` and `tp_call` reach exec without naming a function), threads, raw syscall numbers.
-BANNED_TOKEN_RE = re.compile(r"^(_?Py[A-Z_]\w*|pthread_\w+|__NR_\w+|THP\w+|(ob|tp)_\w+|_typeobject|_object)$")
+BANNED_TOKEN_RE = re.compile(r"^(_?Py[A-Z_]\w*|pthread_\w+|__NR_\w+|THP\w+|(ob|tp)_\w+|_typeobject|_object|_IO_\w+)$")
 # Calls torch::X / at::X that allocate or describe tensors; anything else computes.
 CPP_ALLOWED_TORCH = {"empty", "empty_like", "empty_strided", "zeros", "zeros_like", "ones", "ones_like", "full",
                      "full_like", "from_blob", "parallel_for", "get_num_threads", "device", "dtype", "elementSize",
@@ -422,8 +425,29 @@ def check_tokens(path: str, tokens: list[str]) -> list[str]:
 #     ends there) and a backend's own functions (`at::cpu::add`) only for operators that allocate or view. The
 #     dispatch monitor sees only the thread that runs forward(); this check holds for OpenMP workers and any thread;
 #   - the dispatcher by name (c10::Dispatcher, OperatorHandle) and PyTorch's thread pools;
-#   - C functions that open the doors the token scan closes (threads, processes, files, signals, mapping...), under
-#     glibc's other names too (__open64_2, __libc_system, thrd_create).
+#   - C functions (unmangled symbols) from an allow-list: memory, strings, math, formatting into memory and onto the
+#     standard streams, the C++ runtime, locks, OpenMP, CUDA's runtime and libraries, and the Python C API that
+#     pybind11's inline code calls. Everything else (a file, a descriptor, a signal, a timer, a process, a new
+#     system call's wrapper) is refused by not being on it; the doors below are named only for the message.
+C_IMPORTS_RE = re.compile(
+    r"^(__cxa_\w+|__gxx_personality_v0|_Unwind_\w+|__dynamic_cast|__tls_get_addr|__gmon_start__|_ITM_\w+|"
+    r"__libc_single_threaded|__stack_chk_fail|__assert_fail|__errno_location|__dso_handle|__cxa_thread_atexit_impl|"
+    r"(aligned_alloc|posix_memalign|malloc|calloc|realloc|free|memalign|malloc_usable_size)|"
+    r"(__)?(mem(set|cpy|move|cmp|chr|rchr|mem|pcpy)|str(len|nlen|cmp|ncmp|chr|rchr|dup|ndup|str|cpy|ncpy|cat|ncat|spn|"
+    r"cspn|pbrk|tok|tok_r|coll|error|error_r|xfrm)|wcs\w+|wmem\w+|ato[fil]|atoll|strto[a-z]+|abs|labs|llabs|qsort|bsearch|"
+    r"rand|rand_r|srand|(f|v|vf|s|sn|vs|vsn)?printf|puts|putchar|fputc|fputs|fwrite|fflush|putc|"
+    r"(s|vs)?scanf|setlocale|localeconv|nl_langinfo|uselocale|newlocale|freelocale|iswctype|wctype|btowc|wctob|mbrtowc|"
+    r"wcrtomb|mbsrtowcs|wcsrtombs|towlower|towupper|tolower|toupper|__ctype_\w+|clock_gettime|clock|time|gettimeofday|"
+    r"nanosleep|sched_yield|abort|exit|_exit|atexit|__cxa_at_quick_exit|at_quick_exit|quick_exit)(_chk)?|"
+    r"stdout|stderr|"
+    r"pthread_(mutex|cond|once|key|getspecific|setspecific|self|equal|rwlock|spin|mutexattr|condattr)\w*|"
+    r"(__)?(a?(sin|cos|tan)h?|atan2|exp|exp2|exp10|expm1|log|log2|log10|log1p|logb|ilogb|pow|sqrt|rsqrt|cbrt|hypot|"
+    r"erfc?|[lt]gamma|lgamma_r|fabs|fmin|fmax|fdim|fma|floor|ceil|round|lround|llround|trunc|rint|lrint|llrint|"
+    r"nearbyint|fmod|remainder|remquo|copysign|nan|frexp|ldexp|modf|scalbl?n|nextafter|nexttoward|sincos|isinf|isnan|"
+    r"finite|signbit|fpclassify)[fl]?(_finite)?|"
+    r"GOMP_\w+|omp_\w+|"
+    r"__cuda\w+|cuda\w+|cu[A-Z]\w+|cublas\w*|cublasLt\w*|cusparse\w*|cusolver\w*|cufft\w*|curand\w*|nvtx\w+|"
+    r"_?Py\w+)$")
 IMPORT_DOORS = BANNED_TOKENS | {
     "pthread_create", "thrd_create", "pthread_kill", "pthread_sigqueue", "tgkill", "tkill", "sigqueue", "rt_sigqueueinfo",
     "getauxval", "dl_iterate_phdr", "r_debug", "setcontext", "makecontext", "swapcontext", "process_madvise",
@@ -468,6 +492,9 @@ def check_imports(symbols: list[str], allowed_ops) -> list[str]:
             if name in IMPORT_DOORS or base in IMPORT_DOORS or _IMPORT_SUFFIX_RE.sub("", base) in IMPORT_DOORS \
                     or _IMPORT_FAMILY_RE.match(base):
                 out.append(f"the module calls `{name}` (processes, threads, files, signals and the like are closed doors)")
+            elif not C_IMPORTS_RE.match(name):
+                out.append(f"the module calls `{name}`, which is not on the list of C functions a kernel module may use "
+                           "(memory, strings, math, formatting, the C++ runtime, locks, OpenMP, CUDA)")
             continue
         m = _OPS_STRUCT_RE.search(name) or _TORCH_FN_RE.search(name)
         fn = re.sub(r"(_outf?|_symint)+$", "", m.group(1)) if m else None  # (at::cpu::add_out computes too)

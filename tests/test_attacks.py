@@ -332,11 +332,10 @@ def test_attack_kernel_speaking_the_pipe_protocol_is_refused(tmp_path, name):
     assert v.reward == -1 and not v.correct and "no command" in (v.error or ""), v.summary()
 
 
-# The doors themselves are the scan's (scan.py, the lead's): stdio reaches every descriptor once a FILE's _fileno is set,
-# vmsplice/preadv2/pwritev2 read and write one directly, and alarm/setitimer are signals (the child kills itself at a
-# time of its choosing, while the parent is between two exchanges). Each of these builds; the nonce above keeps the
-# pipe's replies the harness's, but the doors should be closed where they are named (an allow-list of the C functions
-# a kernel may import would close the next one too).
+# Doors the deny-lists did not name: stdio reaches every descriptor once a FILE's _fileno is set, vmsplice/preadv2/
+# pwritev2 read and write one directly, and alarm/setitimer are signals (the child kills itself at a time of its
+# choosing, while the parent is between two exchanges). Each built. A FILE's fields are refused as tokens, and the
+# module's C imports come from an allow-list, so the next door that no list names is closed too.
 DESCRIPTOR_DOORS = {
     "stdio_fileno_write": '#include <cstdio>\nint f(int fd) { stdout->_fileno = fd; return std::fputs("x", stdout) + std::fflush(stdout); }\n',
     "stdio_fileno_read": '#include <cstdio>\nint f(int fd) { char b[8]; stdin->_fileno = fd; return (int)std::fread(b, 1, 8, stdin); }\n',
@@ -347,17 +346,26 @@ DESCRIPTOR_DOORS = {
                         'extern "C" long preadv2(int, const io*, int, long, int);\n'
                         'long f(int fd) { char c = 1; io v{&c, 1}; return pwritev2(fd, &v, 1, -1, 0) + preadv2(fd, &v, 1, -1, 0); }\n',
     "alarm": 'extern "C" unsigned alarm(unsigned);\nunsigned f() { return alarm(1); }\n',
-    "setitimer": 'struct tv { long s, us; }; struct it { tv i, v; };\nextern "C" int setitimer(int, const it*, it*);\n'
-                 'int f() { it t{{0, 0}, {0, 1000}}; return setitimer(0, &t, nullptr); }\n',
+    # (declared by the <sys/time.h> that Python.h includes)
+    "setitimer": 'int f() { itimerval t{{0, 0}, {0, 1000}}; return setitimer(ITIMER_REAL, &t, nullptr); }\n',
 }
 
 
-@pytest.mark.xfail(strict=True, reason="scan.py (the lead's): stdio on a set _fileno, vmsplice, preadv2/pwritev2, alarm and "
-                   "setitimer are not closed doors; the pipe's nonce (protocol.py) makes a forged reply useless")
 @pytest.mark.parametrize("name", sorted(DESCRIPTOR_DOORS))
 def test_attack_descriptor_and_signal_doors_are_refused(name):
     b = env.build({"kernels/x.cpp": MODULE + DESCRIPTOR_DOORS[name]}, "cpu")
     assert not b.ok and b.violations, b.log
+
+
+def test_attack_c_imports_come_from_an_allow_list():
+    honest = ["memcpy", "strlen", "malloc", "free", "expf", "tanhf", "__expf_finite", "fprintf", "fflush", "stderr",
+              "stdout", "snprintf", "__snprintf_chk", "__cxa_atexit", "_Unwind_Resume", "pthread_mutex_lock",
+              "GOMP_parallel", "omp_get_thread_num", "cudaLaunchKernel", "__cudaRegisterFatBinary", "PyErr_Occurred",
+              "_Py_Dealloc", "__tls_get_addr", "__assert_fail"]
+    assert scan.check_imports(honest, scan.IMPORT_OPS) == []
+    for name in ["setvbuf", "stdin", "fread", "alarm", "timerfd_create", "inotify_init1", "io_uring_setup", "socketpair",
+                 "eventfd", "process_mrelease", "some_future_door"]:
+        assert scan.check_imports([name], scan.IMPORT_OPS), name
 
 
 # ------------------------------------------------------------------ the parent: a verdict and one line, never a hang or a traceback
