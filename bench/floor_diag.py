@@ -8,7 +8,7 @@ Each row drives one sandboxed child (env.Child, the real harness) through the ru
 one thing at a time: which function runs (eager in the reference child, the candidate's extension
 tests/env_cases/ops.cpp or cuda/ops.cu, a forward that computes nothing), the task (relu_scale at 1 element
 and at 64x4096, the tests' matmul; matmul1k on cuda), the output's size, the reply pipe's
-size (env.PIPE_BYTES), and the OpenMP settings the child gets (env.CHILD_ENV: the harness's, or libgomp's default wait policy). Prints a table.
+size (protocol.PIPE_BYTES), and the OpenMP settings the child gets (protocol.CHILD_ENV: the harness's, or libgomp's default wait policy). Prints a table.
 """
 import argparse
 import os
@@ -76,7 +76,7 @@ def drive(mode, model_new, extra, model, pipe_bytes):
         (run / "model_new.py").write_text(model_new)
         shutil.copy(b.so_path, run / "ext" / "cuda_extension.so")
         spec.update(model_new=str(run / "model_new.py"), ext_dir=str(run / "ext"), cand_dir=str(run))
-    env.CHILD_ENV, env.PIPE_BYTES = extra, pipe_bytes  # this row's settings, for this child only
+    protocol.CHILD_ENV, protocol.PIPE_BYTES = extra, pipe_bytes  # (read by protocol.Child) this row's settings, for this child only
     child = env.Child(spec, run, backend, cfg)
     try:
         if mode == "reference":
@@ -103,12 +103,12 @@ def drive(mode, model_new, extra, model, pipe_bytes):
         med = statistics.median
         return med(t_run), med(t_sample), med([a + s for a, s in zip(t_run, t_sample)]), min(a + s for a, s in zip(t_run, t_sample))
     finally:
-        env.CHILD_ENV, env.PIPE_BYTES = HARNESS, PIPE
+        protocol.CHILD_ENV, protocol.PIPE_BYTES = HARNESS, PIPE
         child.close()
         shutil.rmtree(run, ignore_errors=True)
 
 
-HARNESS, PIPE = dict(env.CHILD_ENV), env.PIPE_BYTES  # what env.Child gives every child
+HARNESS, PIPE = dict(protocol.CHILD_ENV), protocol.PIPE_BYTES  # what env.Child gives every child
 DEFAULT_WAIT = {k: v for k, v in HARNESS.items() if k != "OMP_WAIT_POLICY"}  # libgomp's default: spin, then sleep
 ONE, BIG = task(1, 1), task(64, 4096)  # 1 element; 262144 elements (the sample: 65536 floats, 256 KiB)
 ROWS = [  # (name, child, model_new, child env, task, reply pipe bytes)
