@@ -65,7 +65,11 @@ def toolchain(backend: str) -> dict:
     cxx = os.environ.get("CXX", "g++")
     tc = {"cxx": [cxx, "-O3", "-fPIC", std, "-w", *defs, *inc], "ldflags": [], "roots": roots}
     libdir = ce.library_paths()[0]
-    tc["ldflags"] = [f"-L{libdir}", f"-Wl,-rpath,{libdir}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
+    # The compiler's own folder first: a later -L folder that holds a libstdc++.a (CUDA library folders beside torch
+    # may) would otherwise give the module a static copy of the C++ runtime, beside torch's shared one.
+    runtime = subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True, text=True).stdout.strip()
+    first = [f"-L{Path(runtime).parent}"] if os.path.isabs(runtime) else []
+    tc["ldflags"] = [*first, f"-L{libdir}", f"-Wl,-rpath,{libdir}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
     if backend == "cpu":
         tc["cxx"] += ["-fopenmp", "-march=native"]
         tc["ldflags"] += ["-fopenmp"]
@@ -88,9 +92,8 @@ def toolchain(backend: str) -> dict:
 
 
 def shared_cudart(libdirs: list, major: str) -> str:
-    """The CUDA runtime of nvcc's major version as a shared library, by its path. `-lcudart` takes libcudart.a where
-    a folder holds one before any libcudart.so: the module then carries its own copy of the runtime, whose
-    open/read/ioctl/syscall the import check (rightly) refuses, beside torch's runtime."""
+    """The CUDA runtime of nvcc's major version, as a shared library, by its path (`-lcudart` takes whichever
+    libcudart.so or libcudart.a comes first on the -L folders)."""
     found = [f for d in libdirs for f in sorted(Path(d).glob("libcudart.so*"), key=lambda f: len(f.name))]
     for f in found:
         if f".so.{major}" in f.resolve().name:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import build as builder
 import env
 import protocol
 import scan
@@ -295,6 +296,28 @@ def test_binding_files_compile_from_the_precompiled_torch_header():
     b = env.build(files, "cpu")
     assert b.ok and b.pch == ["binding.cpp", "kernels/axpby_binding.cpp"], (b.pch, b.log)
     assert sorted(b.rebuilt) == sorted(files.keys() - {"binding_registry.h"})
+
+
+def test_the_module_links_the_shared_cxx_runtime(monkeypatch):
+    """A folder on the link line that holds a libstdc++.a (one of the CUDA library folders beside torch, on the
+    H200) gave every module its own static copy of the C++ runtime, beside torch's, with its locale, file and
+    random-device imports (which the import check refused). The compiler's own folder is searched first."""
+    static = subprocess.run(["g++", "-print-file-name=libstdc++.a"], capture_output=True, text=True).stdout.strip()
+    if not os.path.isabs(static):
+        pytest.skip("no static libstdc++ to put on the link line")
+    decoy = env.CACHE_DIR / "obj" / f"decoy-{os.urandom(4).hex()}"  # (the object cache is visible to the linker)
+    decoy.mkdir(parents=True)
+    (decoy / "libstdc++.a").symlink_to(static)
+    tc = builder.toolchain("cpu")
+    monkeypatch.setitem(tc, "ldflags", tc["ldflags"] + [f"-L{decoy}"])
+    try:
+        b = env.build({"kernels/ops.cpp": OPS + f"\n// nonce {os.urandom(8).hex()}\n"}, "cpu")
+    finally:
+        (decoy / "libstdc++.a").unlink()
+        decoy.rmdir()
+    assert b.ok, b.log
+    needed = subprocess.run(["readelf", "-d", str(b.so_path)], capture_output=True, text=True).stdout
+    assert "libstdc++.so" in needed, needed
 
 
 @pytest.mark.gpu
