@@ -420,6 +420,26 @@ def test_escape_sandboxed_child(tmp_path):
     assert_nothing_escaped(mark, r.stdout)
 
 
+def test_readable_folder_inside_the_hidden_cache_is_read_only(tmp_path):
+    """The compile sandbox sees the precompiled header's folder (`readable`), read-only, and nothing else of the cache."""
+    if not sandbox.isolation("cpu").mount:
+        pytest.skip("no mount namespace here")
+    shown, hidden = env.CACHE_DIR / "pch" / f"t-{os.urandom(4).hex()}", env.CACHE_DIR / "baselines"
+    shown.mkdir(parents=True)
+    hidden.mkdir(parents=True, exist_ok=True)
+    (shown / "h.gch").write_text("header")
+    (tmp_path / "box").mkdir()
+    probe = (f"import os\nprint(open({str(shown / 'h.gch')!r}).read(), os.path.exists({str(hidden)!r}))\n"
+             f"try:\n    open({str(shown / 'x')!r}, 'w')\nexcept OSError as e:\n    print('refused', e.errno)\n")
+    try:
+        r = env.run_sandboxed([sys.executable, "-c", probe], tmp_path / "box", timeout=60, readable=[shown])
+    finally:
+        (shown / "h.gch").unlink()
+        shown.rmdir()
+    assert r.returncode == 0 and r.stdout.split() == ["header", "False", "refused", "30"], (r.stdout, r.stderr)  # EROFS
+    assert not (shown / "x").exists()
+
+
 def test_escape_agent_bash_tool(tmp_path):
     import agent
     mark, probe = escape_probe(tmp_path)
