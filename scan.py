@@ -427,8 +427,9 @@ def check_tokens(path: str, tokens: list[str]) -> list[str]:
 #   - the dispatcher by name (c10::Dispatcher, OperatorHandle) and PyTorch's thread pools;
 #   - C functions (unmangled symbols) from an allow-list: memory, strings, math, formatting into memory and onto the
 #     standard streams, the C++ runtime, locks, OpenMP, CUDA's runtime and libraries, and the Python C API that
-#     pybind11's inline code calls. Everything else (a file, a descriptor, a signal, a timer, a process, a new
-#     system call's wrapper) is refused by not being on it; the doors below are named only for the message.
+#     pybind11's inline code calls (not the part that runs code: PyRun_*, PyImport_*, Py_CompileString...).
+#     Everything else (a file, a descriptor, a signal, a timer, a process, a new system call's wrapper) is refused
+#     by not being on it; the doors below are named only for the message.
 C_IMPORTS_RE = re.compile(
     r"^(__cxa_\w+|__gxx_personality_v0|_Unwind_\w+|__dynamic_cast|__tls_get_addr|__gmon_start__|_ITM_\w+|"
     r"__libc_single_threaded|__stack_chk_fail|__assert_fail|__errno_location|__dso_handle|__cxa_thread_atexit_impl|"
@@ -447,7 +448,7 @@ C_IMPORTS_RE = re.compile(
     r"finite|signbit|fpclassify)[fl]?(_finite)?|"
     r"GOMP_\w+|omp_\w+|"
     r"__cuda\w+|cuda\w+|cu[A-Z]\w+|cublas\w*|cublasLt\w*|cusparse\w*|cusolver\w*|cufft\w*|curand\w*|nvtx\w+|"
-    r"_?Py\w+)$")
+    r"_?Py(?!Run_|_Compile|Eval_Eval|Import_|Marshal|OS_|_Exec|Sys_Set)\w+)$")  # (not the ones that run code)
 IMPORT_DOORS = BANNED_TOKENS | {
     "pthread_create", "thrd_create", "pthread_kill", "pthread_sigqueue", "tgkill", "tkill", "sigqueue", "rt_sigqueueinfo",
     "getauxval", "dl_iterate_phdr", "r_debug", "setcontext", "makecontext", "swapcontext", "process_madvise",
