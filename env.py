@@ -16,10 +16,11 @@ What one verdict does, in order (build.py has step 3, protocol.py the children a
   3. build     every workspace file's directives are checked as written (no #line or line markers: the scan
                trusts the preprocessed text's markers), every source is run through the compiler's own
                preprocessor (-dD: macro bodies stay where they were defined) and its tokens checked
-               (scan.py: allowed includes only, no doors out of the process, no compute ops by name, no
-               Python object model, exactly one real PYBIND11_MODULE); then compiled on its own (nvcc for .cu,
-               g++ for .cpp, -O3, OpenMP on the CPU backend) into a content-hash cache and linked into one
-               module `cuda_extension`, whose imported symbols (no PyTorch compute operator, thread, process,
+               (scan.py: allowed includes and pragmas only, no doors out of the process, no compute ops by
+               name, no Python object model, exactly one real PYBIND11_MODULE); then compiled on its own (nvcc
+               for .cu, g++ for .cpp from the scanned text, -O3, OpenMP on the CPU backend; <torch/extension.h>
+               precompiled) into a content-hash cache and linked into one module `cuda_extension`, whose
+               imported symbols (C functions from an allow-list; no PyTorch compute operator, thread, process,
                file or dispatcher entry, whatever the source spelled) and machine code (no system call
                instruction) are checked. Editing one kernel rebuilds only that object. A build counts as a
                candidate on its device (step 5).
