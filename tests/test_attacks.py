@@ -318,15 +318,24 @@ def test_attack_agent_file_tools_read_no_huge_file(tmp_path):
 # and fwrite (tests/attack_cases/forge_replies.cpp). A kernel answered the "run" the harness was serving, read the sample
 # offset the parent drew next and computed only those elements (1 in 4 of the output: reward +1, correct, its reported
 # time a fraction of its work); or answered "full" itself with "ops": [] for an output PyTorch computed in forward (reward
-# +1 for a fallback). Every command now carries a fresh nonce that the harness read and the kernel never saw, and a reply
-# that does not echo it is refused: a message the kernel adds puts every later reply out of step.
+# +1 for a fallback). Two layers refuse it: the scan (a FILE's fields are refused tokens, fread/setvbuf are not on the C
+# import allow-list), and the protocol: every command carries a fresh nonce that the harness read and the kernel never
+# saw, and a reply that does not echo it is refused (a message the kernel adds puts every later reply out of step).
 FORGED = {"sampled_only": "cuda_extension.sampled_only(x, self.scale)",
           "hide_ops": "cuda_extension.hide_ops((x * self.scale).relu())"}
 
 
 @pytest.mark.parametrize("name", sorted(FORGED))
-def test_attack_kernel_speaking_the_pipe_protocol_is_refused(tmp_path, name):
-    ws = make_ws(tmp_path, "relu", model_new("relu", FORGED[name]), {"ops.cpp": (CASES / "forge_replies.cpp").read_text()})
+def test_attack_kernel_speaking_the_pipe_protocol_is_refused(tmp_path, monkeypatch, name):
+    src = (CASES / "forge_replies.cpp").read_text()
+    ws = make_ws(tmp_path, "relu", model_new("relu", FORGED[name]), {"ops.cpp": src})
+    v = env.evaluate(ws, backend="cpu", stage="compile")
+    assert not v.compiled and "_fileno" in v.log, v.summary()
+    # the protocol's layer alone: the scan's token and import checks off, for sources of this test's own (a nonce,
+    # so that no later build reuses an object built under them)
+    monkeypatch.setattr(scan, "check_tokens", lambda path, tokens: [])
+    monkeypatch.setattr(scan, "check_imports", lambda symbols, ops: [])
+    (ws / "kernels" / "ops.cpp").write_text(src + f"\n// nonce {os.urandom(8).hex()}\n")
     v = env.evaluate(ws, backend="cpu")
     assert v.compiled, v.log
     assert v.reward == -1 and not v.correct and "no command" in (v.error or ""), v.summary()
