@@ -252,7 +252,7 @@ BANNED_TOKENS = {
     "pkey_set", "posix_madvise", "remap_file_pages", "brk", "sbrk", "execveat", "wordexp", "dladdr", "dlinfo",
     "dl_iterate_phdr", "getauxval", "personality",
     # Python from C++, the dispatcher's thread-local state
-    "import", "exec", "eval", "globals", "builtins", "attr", "getattr", "setattr", "hasattr", "delattr",
+    "import", "exec", "eval", "eval_file", "globals", "builtins", "attr", "getattr", "setattr", "hasattr", "delattr",
     "reinterpret_borrow", "reinterpret_steal", "ExcludeDispatchKeyGuard", "IncludeDispatchKeyGuard",
     "ExcludeDispatchKeySetGuard", "IncludeDispatchKeySetGuard", "AutoDispatchBelowAutograd",
     "AutoDispatchBelowADInplaceOrView", "AutoDispatchSkipFunctionalize", "DispatchKeySet", "DispatchKey",
@@ -429,6 +429,18 @@ def check_tokens(path: str, tokens: list[str]) -> list[str]:
 #     standard streams, the C++ runtime, locks, OpenMP, CUDA's runtime and libraries, and the Python C API that
 #     pybind11's inline code calls. Everything else (a file, a descriptor, a signal, a timer, a process, a new
 #     system call's wrapper) is refused by not being on it; the doors below are named only for the message.
+# The Python C API that pybind11's inline code calls for a module, its functions, conversions and errors. Not the
+# parts that run code, import, open files or reach the interpreter's state (PyRun_*, Py_CompileString, PyEval_Eval*,
+# PyEval_GetGlobals, PyImport_*, _Py_fopen_obj, PySys_*, PyOS_*, PyFile_*, PyMarshal_*): pybind11's eval_file, found by
+# argument-dependent lookup with no banned word written, ran a Python file from a kernel.
+PYTHON_C_API = (
+    r"_?Py(Err|Exc|Exception|Object|BaseObject|Type|Tuple|List|Dict|Set|FrozenSet|Unicode|Bytes|ByteArray|Long|Float|"
+    r"Bool|Complex|Number|Sequence|Iter|Gen|Capsule|CFunction|CMethod|InstanceMethod|Method|Property|StaticMethod|"
+    r"Module|ModuleDef|Mem|Weakref|GILState|ThreadState|Thread_tss|InterpreterState|Frame|Slice|MemoryView|Buffer|"
+    r"Index|Mapping|Callable|Cell|Code|Vectorcall)_\w+|PyEval_(SaveThread|RestoreThread|AcquireThread|ReleaseThread|"
+    r"GetBuiltins)|_Py_(Dealloc|NoneStruct|TrueStruct|FalseStruct|NotImplementedStruct|EllipsisObject|IncRef|DecRef)|"
+    r"Py_(GetVersion|IsInitialized|IncRef|DecRef|XIncRef|XDecRef|IsNone|IsTrue|IsFalse|NewRef|XNewRef)|"
+    r"_PyType_Lookup|_PyThreadState_UncheckedGet|_PyObject_\w+")
 C_IMPORTS_RE = re.compile(
     r"^(__cxa_\w+|__gxx_personality_v0|_Unwind_\w+|__dynamic_cast|__tls_get_addr|__gmon_start__|_ITM_\w+|"
     r"__libc_single_threaded|__stack_chk_fail|__assert_fail|__errno_location|__dso_handle|__cxa_thread_atexit_impl|"
@@ -447,7 +459,7 @@ C_IMPORTS_RE = re.compile(
     r"finite|signbit|fpclassify)[fl]?(_finite)?|"
     r"GOMP_\w+|omp_\w+|"
     r"__cuda\w+|cuda\w+|cu[A-Z]\w+|cublas\w*|cublasLt\w*|cusparse\w*|cusolver\w*|cufft\w*|curand\w*|nvtx\w+|"
-    r"_?Py\w+)$")
+    + PYTHON_C_API + r")$")
 IMPORT_DOORS = BANNED_TOKENS | {
     "pthread_create", "thrd_create", "pthread_kill", "pthread_sigqueue", "tgkill", "tkill", "sigqueue", "rt_sigqueueinfo",
     "getauxval", "dl_iterate_phdr", "r_debug", "setcontext", "makecontext", "swapcontext", "process_madvise",

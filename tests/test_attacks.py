@@ -602,3 +602,35 @@ def test_attack_no_verdict_waits_for_the_gate_while_it_holds_the_device(tmp_path
     v = _evaluate_within(120, ws, backend="cpu")
     assert isinstance(v, env.Verdict) and v.correct, v
     assert baseline.wait(60)
+
+
+# ------------------------------------------------------------------ Python from C++ through pybind11's free functions
+# pybind11's `eval_file` is found by argument-dependent lookup with no `pybind11::` written: an argument of a pybind11
+# type (`decltype(m())`, the type a call of the module object returns, is pybind11::object) makes the unqualified
+# name resolve there. The module built (PCH path) and `run("/tmp/payload.py")` ran the file's Python in the candidate's
+# process; its imports (PyRun_FileExFlags, _Py_fopen_obj) matched `_?Py\w+`. The name is refused, and the module's
+# Python C API imports come from an allow-list (objects, conversions, errors, the GIL: no running code, no import,
+# no files).
+PYTHON_BY_ADL = {
+    "eval_file": '#include <pybind11/eval.h>\n// nonce a4-evalfile\n'
+                 'using O = decltype(std::declval<pybind11::module_&>()());\nvoid run(O path) { eval_file(path); }\n',
+}
+
+
+@pytest.mark.parametrize("name", sorted(PYTHON_BY_ADL))
+def test_attack_python_by_argument_dependent_lookup_is_refused(name):
+    b = env.build({"kernels/x.cpp": MODULE + PYTHON_BY_ADL[name]}, "cpu")
+    assert not b.ok and b.violations and b.rebuilt == [], b.log
+
+
+def test_attack_python_c_api_imports_come_from_an_allow_list():
+    honest = ["PyErr_Occurred", "_Py_Dealloc", "PyObject_GetAttrString", "PyEval_GetBuiltins", "PyEval_SaveThread",
+              "PyObject_Vectorcall", "PyTuple_Size", "_Py_TrueStruct", "PyModuleDef_Init", "PyCapsule_New",
+              "PyThread_tss_get", "PyGILState_Ensure", "_PyType_Lookup", "_PyThreadState_UncheckedGet", "Py_GetVersion",
+              "PyFrame_GetCode", "PyExc_RuntimeError", "PyUnicode_AsUTF8AndSize", "PyLong_FromSsize_t", "PyFloat_AsDouble"]
+    assert scan.check_imports(honest, scan.IMPORT_OPS) == []
+    for name in ["PyRun_FileExFlags", "PyRun_SimpleString", "_Py_fopen_obj", "Py_fopen", "PyImport_ImportModule",
+                 "PyImport_AddModule", "PyEval_GetGlobals", "PyEval_EvalCode", "Py_CompileString", "Py_CompileStringObject",
+                 "PySys_GetObject", "PyFile_FromFd", "PyOS_setsig", "PyMarshal_ReadObjectFromString", "Py_Exit",
+                 "PyCodec_Decode", "Py_SomeFutureRunner"]:
+        assert scan.check_imports([name], scan.IMPORT_OPS), name
