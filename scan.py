@@ -252,8 +252,13 @@ BANNED_TOKENS = {
     "pkey_set", "posix_madvise", "remap_file_pages", "brk", "sbrk", "execveat", "wordexp", "dladdr", "dlinfo",
     "dl_iterate_phdr", "getauxval", "personality",
     # Python from C++, the dispatcher's thread-local state
-    "import", "exec", "eval", "eval_file", "globals", "builtins", "attr", "getattr", "setattr", "hasattr", "delattr",
-    "reinterpret_borrow", "reinterpret_steal", "ExcludeDispatchKeyGuard", "IncludeDispatchKeyGuard",
+    "import", "exec", "eval", "globals", "builtins", "attr", "getattr", "setattr", "hasattr", "delattr",
+    "reinterpret_borrow", "reinterpret_steal",
+    # pybind11's getattr under other names: `o.doc()` and `o.attr_with_type_hint(k)` return its attribute accessor,
+    # whose type (`decltype(m.doc())`) constructs from any object and name; `eval_file` (found by argument-dependent
+    # lookup, with no `pybind11::` written) runs a file
+    "doc", "attr_with_type_hint", "accessor", "str_attr_accessor", "obj_attr_accessor", "accessor_policies", "str_attr",
+    "obj_attr", "eval_file", "ExcludeDispatchKeyGuard", "IncludeDispatchKeyGuard",
     "ExcludeDispatchKeySetGuard", "IncludeDispatchKeySetGuard", "AutoDispatchBelowAutograd",
     "AutoDispatchBelowADInplaceOrView", "AutoDispatchSkipFunctionalize", "DispatchKeySet", "DispatchKey",
     "TorchDispatchModeTLS", "PythonTLSSnapshot", "ThreadLocalState", "ThreadLocalStateGuard", "tls_local_dispatch_key_set",

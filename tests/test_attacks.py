@@ -612,6 +612,9 @@ def test_attack_no_verdict_waits_for_the_gate_while_it_holds_the_device(tmp_path
 # Python C API imports come from an allow-list (objects, conversions, errors, the GIL: no running code, no import,
 # no files).
 PYTHON_BY_ADL = {
+    # (pybind11's getattr by another member name; the accessor case below is the end-to-end one)
+    "attr_with_type_hint": '// nonce a4-hint2\nusing H = decltype(std::declval<pybind11::module_&>().get_type());\n'
+                           'int run(H o, H k) { o.attr_with_type_hint<int>(k.cast<std::string>().c_str())(); return 1; }\n',
     "eval_file": '#include <pybind11/eval.h>\n// nonce a4-evalfile\n'
                  'using O = decltype(std::declval<pybind11::module_&>()());\nvoid run(O path) { eval_file(path); }\n',
 }
@@ -634,3 +637,12 @@ def test_attack_python_c_api_imports_come_from_an_allow_list():
                  "PySys_GetObject", "PyFile_FromFd", "PyOS_setsig", "PyMarshal_ReadObjectFromString", "Py_Exit",
                  "PyCodec_Decode", "Py_SomeFutureRunner"]:
         assert scan.check_imports([name], scan.IMPORT_OPS), name
+
+
+def test_attack_python_through_pybind11_accessors_is_refused(tmp_path):
+    """The same exec as above, with pybind11's own getattr: `decltype(m.doc())` is its attribute accessor, whose
+    constructor takes any object and name. forward() is plain PyTorch once the monitor is unhooked."""
+    init = f"cuda_extension.run_python(self, 'forward', '__func__', '__builtins__', 'exec', ('{UNLOCK}',))"
+    src = model_new("relu", "(x * self.scale).relu()", init_extra=init)
+    v = env.evaluate(make_ws(tmp_path, "relu", src, {"ops.cpp": (CASES / "python_by_accessor.cpp").read_text()}), backend="cpu")
+    assert v.reward <= 0 and not v.compiled, v.summary()
