@@ -613,7 +613,7 @@ def test_attack_no_verdict_waits_for_the_gate_while_it_holds_the_device(tmp_path
 # no files).
 PYTHON_BY_ADL = {
     # (pybind11's getattr by another member name; the accessor case below is the end-to-end one)
-    "attr_with_type_hint": '// nonce a4-hint2\nusing H = decltype(std::declval<pybind11::module_&>().get_type());\n'
+    "attr_with_type_hint": '// nonce a4-hint3\nusing H = decltype(std::declval<pybind11::module_&>().get_type());\n'
                            'int run(H o, H k) { o.attr_with_type_hint<int>(k.cast<std::string>().c_str())(); return 1; }\n',
     "eval_file": '#include <pybind11/eval.h>\n// nonce a4-evalfile\n'
                  'using O = decltype(std::declval<pybind11::module_&>()());\nvoid run(O path) { eval_file(path); }\n',
