@@ -50,7 +50,7 @@ class Build:
 
 
 _TOOLCHAIN: dict = {}
-SCAN_VERSION = "11"  # part of every object's cache key: an object built under an older scan is never reused
+SCAN_VERSION = "12"  # part of every object's cache key: an object built under an older scan is never reused
 
 
 def toolchain(backend: str) -> dict:
@@ -264,7 +264,7 @@ def _build(files: dict, backend: str, timeout: float) -> Build:
             hits = scan.find_seq(tokens, expansion)
             for h in reversed(hits):
                 del tokens[h:h + len(expansion)]
-            violations.extend(bad + scan.check_tokens(p, tokens))
+            violations.extend(bad + scan.check_macro_order(p, text, is_user) + scan.check_tokens(p, tokens))
             has_module[p] = len(hits)
 
         def compile_one(p):

@@ -357,6 +357,31 @@ def split_preprocessed(text: str, is_user) -> tuple[list[str], list[tuple[str, s
     return tokens, includes
 
 
+_DEFINE_RE = re.compile(r"^\s*#\s*define\s+([A-Za-z_$][\w$]*)(\(?)(.*)$")
+
+
+def check_macro_order(path: str, text: str, is_user) -> list[str]:
+    """A workspace macro may not be expanded inside a header the workspace does not own: no line of it is scanned
+    there, and its #define's tokens need not spell what it expands to (`__as ## m__`, or a header's own paste macro,
+    is `__asm__`). So once a workspace file has defined a macro with a body (function-like, or more than one number),
+    no other header may be entered. Include guards and flags (`#define MY_H`, `#define N 4`) may come first."""
+    current, defined = None, None
+    for line in text.split("\n"):
+        m = MARKER_RE.match(line)
+        if m:
+            target = m.group(2).replace('\\"', '"')
+            if "1" in m.group(3).split() and defined and current is not None and is_user(current) and not is_user(target):
+                return [f"{path}: #include of {target} after the macro {defined} (a workspace macro may not reach a header "
+                        "the workspace does not own: put every #include before the first #define with a body)"]
+            current = target
+            continue
+        if current is not None and is_user(current) and defined is None:
+            d = _DEFINE_RE.match(line)
+            if d and (d.group(2) or not re.fullmatch(r"\s*(\d[\w.]*)?\s*", d.group(3))):
+                defined = d.group(1)
+    return []
+
+
 def header_allowed(path: str, roots: list[str]) -> bool:
     if any(path.startswith(r.rstrip("/") + "/") for r in roots):
         return True

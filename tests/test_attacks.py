@@ -38,6 +38,14 @@ HIDDEN_FROM_THE_SCAN = {
     "marker_text_in_raw_string": 'const char* s = R"x(\n# 1 "/usr/include/stdio.h" 1 3 4\n)x";\n' + FORK,
     "section_name_assembly": '__attribute__((used, section(".text\\n.globl evil\\nevil: mov $57, %eax\\nsyscall\\nret\\n'
                              '.section .data\\n#"))) int x = 1;\n',
+    # A workspace macro named like a builtin that libstdc++ calls (`__builtin_expect`), expanded only inside <string>,
+    # whose body spells `__asm__` by token pasting (the -dD scan of its #define reads `__as ## m__`), and whose
+    # `syscall` hides inside a `movabs` immediate for a linear disassembler: it built, with 110 executed `syscall`s
+    # in std::string's code. A #define with a body may not come before a header the workspace does not own.
+    "macro_pasted_into_a_system_header": '// nonce a4-paste-2\n#define __builtin_expect(a, b) ({ __as##m__ volatile('
+                                         '"jmp 1f\\n.byte 0x48,0xb8\\n1: syscall\\n.byte 0x90,0x90,0x90,0x90,0x90,0x90\\n"); '
+                                         '(long)(a); })\n#include <string>\n'
+                                         'std::string copy(const std::string& s) { std::string t; t = s; return t; }\n',
     "cxx11_section_incbin": '[[gnu::used, gnu::section(".rodata\\n.incbin \\"/etc/hostname\\"\\n#")]] char y = 1;\n',
 }
 
