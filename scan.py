@@ -31,6 +31,9 @@ read only where a header expands it: a `#define PyErr_Occurred()` expanded insid
     `__libc_` is checked without them (glibc's `__open`, `__libc_system`). Qualified names in
     torch/at/c10/pybind11 must be on an allow-list, so a namespace alias, `using` or a reopened `namespace at`
     cannot rename a compute op;
+  - no header the workspace does not own is entered after a workspace #define with a body (`check_macro_order`):
+    a macro expanded inside a system header is read nowhere, and its #define need not spell what it expands to
+    (`__as ## m__`);
   - exactly one source contains the real expansion of PYBIND11_MODULE(TORCH_EXTENSION_NAME, m).
 Finally the linked module, where spelling no longer matters: `check_imports` on its undefined symbols (no
 PyTorch operator but allocation and views, on whatever thread it would run; no dispatcher by name, no thread
@@ -496,6 +499,10 @@ IMPORT_DOORS = BANNED_TOKENS | {
     "aio_read", "aio_write", "lio_listio", "mq_open", "sem_open", "sched_setaffinity", "setrlimit", "prlimit",
 }
 _IMPORT_SUFFIX_RE = re.compile(r"(_chk|_2|64)+$")
+# CUDA's doors out of the process's own memory: code or data from a file (the rest of cu*/cuda* runs on the device or
+# manages it), another process's memory or descriptors, and any driver function by name.
+_CUDA_DOOR_RE = re.compile(r"^cu(da)?(ModuleLoad|LibraryLoadFromFile|LinkAddFile|GetProcAddress|GetDriverEntryPoint\w*|"
+                           r"Ipc\w+|ImportExternal\w+|Mem(Import|Export)\w*ShareableHandle|DeviceGetByPCIBusId)(_v\d+)?$")
 # whole families of C functions, whatever glibc version adds next: signals, page protection, exec and spawn, the
 # dynamic loader, processes
 _IMPORT_FAMILY_RE = re.compile(r"^(sig(?!nbit|nificand)|pkey_|mprotect|mmap|madvise|mremap|exec|posix_spawn|dl|clone|v?fork|"
@@ -532,7 +539,7 @@ def check_imports(symbols: list[str], allowed_ops) -> list[str]:
         if re.fullmatch(r"[A-Za-z_]\w*", name):  # a C function or variable
             base = LIBC_ALIAS_RE.sub("", name)
             if name in IMPORT_DOORS or base in IMPORT_DOORS or _IMPORT_SUFFIX_RE.sub("", base) in IMPORT_DOORS \
-                    or _IMPORT_FAMILY_RE.match(base):
+                    or _IMPORT_FAMILY_RE.match(base) or _CUDA_DOOR_RE.match(name):
                 out.append(f"the module calls `{name}` (processes, threads, files, signals and the like are closed doors)")
             elif not C_IMPORTS_RE.match(name):
                 out.append(f"the module calls `{name}`, which is not on the list of C functions a kernel module may use "

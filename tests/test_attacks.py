@@ -638,12 +638,15 @@ def test_attack_python_c_api_imports_come_from_an_allow_list():
     honest = ["PyErr_Occurred", "_Py_Dealloc", "PyObject_GetAttrString", "PyEval_GetBuiltins", "PyEval_SaveThread",
               "PyObject_Vectorcall", "PyTuple_Size", "_Py_TrueStruct", "PyModuleDef_Init", "PyCapsule_New",
               "PyThread_tss_get", "PyGILState_Ensure", "_PyType_Lookup", "_PyThreadState_UncheckedGet", "Py_GetVersion",
-              "PyFrame_GetCode", "PyExc_RuntimeError", "PyUnicode_AsUTF8AndSize", "PyLong_FromSsize_t", "PyFloat_AsDouble"]
+              "PyFrame_GetCode", "PyExc_RuntimeError", "PyUnicode_AsUTF8AndSize", "PyLong_FromSsize_t", "PyFloat_AsDouble",
+              "cuModuleLoadData", "cuLaunchKernel", "cudaLaunchKernel", "cudaMemcpyAsync", "cuGetErrorString"]
     assert scan.check_imports(honest, scan.IMPORT_OPS) == []
     for name in ["PyRun_FileExFlags", "PyRun_SimpleString", "_Py_fopen_obj", "Py_fopen", "PyImport_ImportModule",
                  "PyImport_AddModule", "PyEval_GetGlobals", "PyEval_EvalCode", "Py_CompileString", "Py_CompileStringObject",
                  "PySys_GetObject", "PyFile_FromFd", "PyOS_setsig", "PyMarshal_ReadObjectFromString", "Py_Exit",
-                 "PyCodec_Decode", "Py_SomeFutureRunner"]:
+                 "PyCodec_Decode", "Py_SomeFutureRunner", "cuModuleLoad", "cuLibraryLoadFromFile", "cudaLibraryLoadFromFile",
+                 "cuLinkAddFile_v2", "cuGetProcAddress_v2", "cudaGetDriverEntryPoint", "cudaIpcOpenMemHandle",
+                 "cuImportExternalMemory", "cuMemImportFromShareableHandle"]:
         assert scan.check_imports([name], scan.IMPORT_OPS), name
 
 
