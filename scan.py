@@ -373,7 +373,8 @@ def check_macro_order(path: str, text: str, is_user) -> list[str]:
         m = MARKER_RE.match(line)
         if m:
             target = m.group(2).replace('\\"', '"')
-            if "1" in m.group(3).split() and defined and current is not None and is_user(current) and not is_user(target):
+            # (entered, or returned to: a system header may include a workspace file, `__has_include` finds one)
+            if defined and current is not None and is_user(current) and not is_user(target):
                 return [f"{path}: #include of {target} after the macro {defined} (a workspace macro may not reach a header "
                         "the workspace does not own: put every #include before the first #define with a body)"]
             current = target

@@ -657,3 +657,16 @@ def test_attack_python_through_pybind11_accessors_is_refused(tmp_path):
     src = model_new("relu", "(x * self.scale).relu()", init_extra=init)
     v = env.evaluate(make_ws(tmp_path, "relu", src, {"ops.cpp": (CASES / "python_by_accessor.cpp").read_text()}), backend="cpu")
     assert v.reward <= 0 and not v.compiled, v.summary()
+
+
+def test_attack_macro_order_reads_returns_into_system_headers_and_keeps_guards():
+    """A workspace file that a system header includes (found by `__has_include` or on the -I path) may define a
+    macro that the rest of that header expands: returning into it counts as entering it. Guards and flags may come
+    before any include, and any macro after the last one."""
+    user = lambda p: p.startswith("/w/")
+    returned = ('# 1 "/w/x.cpp"\n# 1 "/usr/include/a.h" 1 3\n# 1 "/w/kernels/version" 1\n'
+                '#define __builtin_expect(a, b) x\n# 5 "/usr/include/a.h" 2 3\nint a;\n')
+    assert scan.check_macro_order("x.cpp", returned, user)
+    honest = ('# 1 "/w/x.cpp"\n#define MY_H\n#define N 4\n# 1 "/usr/include/c++/12/string" 1 3\nint a;\n# 4 "/w/x.cpp" 2\n'
+              '#define F(x) x\n# 1 "/w/kernels/h.h" 1\n#define G(x) x\n# 9 "/w/x.cpp" 2\nint b;\n')
+    assert scan.check_macro_order("x.cpp", honest, user) == []
