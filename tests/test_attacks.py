@@ -333,8 +333,13 @@ FORGED = {"sampled_only": "cuda_extension.sampled_only(x, self.scale)",
 
 
 @pytest.mark.parametrize("name", sorted(FORGED))
-def test_attack_kernel_speaking_the_pipe_protocol_is_refused(tmp_path, name):
-    ws = make_ws(tmp_path, "relu", model_new("relu", FORGED[name]), {"ops.cpp": (CASES / "forge_replies.cpp").read_text()})
+def test_attack_kernel_speaking_the_pipe_protocol_is_refused(tmp_path, name, monkeypatch):
+    # The scan refuses this kernel's door (`_fileno`, fread); the protocol must hold on its own where a scan misses
+    # one, so the kernel is built with the source and import checks off (its own cache key: the comment below).
+    monkeypatch.setattr(scan, "check_tokens", lambda *a: [])
+    monkeypatch.setattr(scan, "check_imports", lambda *a: [])
+    src = "// built with the scan off (tests/test_attacks.py)\n" + (CASES / "forge_replies.cpp").read_text()
+    ws = make_ws(tmp_path, "relu", model_new("relu", FORGED[name]), {"ops.cpp": src})
     v = env.evaluate(ws, backend="cpu")
     assert v.compiled, v.log
     assert v.reward == -1 and not v.correct and "no command" in (v.error or ""), v.summary()
