@@ -50,7 +50,7 @@ class Build:
 
 
 _TOOLCHAIN: dict = {}
-SCAN_VERSION = "10"  # part of every object's cache key: an object built under an older scan is never reused
+SCAN_VERSION = "13"  # part of every object's cache key: an object built under an older scan is never reused
 
 
 def toolchain(backend: str) -> dict:
@@ -86,6 +86,8 @@ def toolchain(backend: str) -> dict:
                          [f"-Wl,-rpath,{d}" for d in libdirs if d.exists()] + [shared_cudart(libdirs, nvcc_major(nvcc))]
         tc["nvcc_pp"] = nvcc_host_preprocessor(tc["nvcc"])
     version = subprocess.run([tc["cxx"][0], "--version"], capture_output=True, text=True).stdout.split("\n")[0]
+    # the precompiled header depends on the compiler, its flags and torch, not on the scan's rules (790 MB each)
+    tc["pch_id"] = hashlib.sha256(json.dumps([tc["cxx"], version, torch.__version__]).encode()).hexdigest()[:16]
     tc["id"] = hashlib.sha256(json.dumps([tc, version, torch.__version__, SCAN_VERSION]).encode()).hexdigest()[:16]
     _TOOLCHAIN[backend] = tc
     return tc
@@ -141,8 +143,8 @@ def torch_pch(tc: dict, timeout: float) -> Path | None:
     """<torch/extension.h> precompiled with this toolchain's flags, built once (sandboxed, under a lock): parsing it
     is half of compiling a binding file. Returns the .gch path (next to a link named like the header, as GCC looks
     for X.gch beside X), or None where it cannot be built (the build goes on without it)."""
-    gch = CACHE_DIR / "pch" / tc["id"] / "torch" / "extension.h.gch"
-    with file_lock(CACHE_DIR / "locks" / f"pch-{tc['id']}.lock"):
+    gch = CACHE_DIR / "pch" / tc["pch_id"] / "torch" / "extension.h.gch"
+    with file_lock(CACHE_DIR / "locks" / f"pch-{tc['pch_id']}.lock"):
         if not gch.exists():
             header = next((Path(r) / "torch" / "extension.h" for r in tc["roots"] if (Path(r) / "torch" / "extension.h").exists()), None)
             if header is None:
@@ -264,7 +266,7 @@ def _build(files: dict, backend: str, timeout: float) -> Build:
             hits = scan.find_seq(tokens, expansion)
             for h in reversed(hits):
                 del tokens[h:h + len(expansion)]
-            violations.extend(bad + scan.check_tokens(p, tokens))
+            violations.extend(bad + scan.check_macro_order(p, text, is_user) + scan.check_tokens(p, tokens))
             has_module[p] = len(hits)
 
         def compile_one(p):

@@ -31,6 +31,9 @@ read only where a header expands it: a `#define PyErr_Occurred()` expanded insid
     `__libc_` is checked without them (glibc's `__open`, `__libc_system`). Qualified names in
     torch/at/c10/pybind11 must be on an allow-list, so a namespace alias, `using` or a reopened `namespace at`
     cannot rename a compute op;
+  - no header the workspace does not own is entered after a workspace #define with a body (`check_macro_order`):
+    a macro expanded inside a system header is read nowhere, and its #define need not spell what it expands to
+    (`__as ## m__`);
   - exactly one source contains the real expansion of PYBIND11_MODULE(TORCH_EXTENSION_NAME, m).
 Finally the linked module, where spelling no longer matters: `check_imports` on its undefined symbols (no
 PyTorch operator but allocation and views, on whatever thread it would run; no dispatcher by name, no thread
@@ -253,7 +256,12 @@ BANNED_TOKENS = {
     "dl_iterate_phdr", "getauxval", "personality",
     # Python from C++, the dispatcher's thread-local state
     "import", "exec", "eval", "globals", "builtins", "attr", "getattr", "setattr", "hasattr", "delattr",
-    "reinterpret_borrow", "reinterpret_steal", "ExcludeDispatchKeyGuard", "IncludeDispatchKeyGuard",
+    "reinterpret_borrow", "reinterpret_steal",
+    # pybind11's getattr under other names: `o.doc()` and `o.attr_with_type_hint(k)` return its attribute accessor,
+    # whose type (`decltype(m.doc())`) constructs from any object and name; `eval_file` (found by argument-dependent
+    # lookup, with no `pybind11::` written) runs a file
+    "doc", "attr_with_type_hint", "accessor", "str_attr_accessor", "obj_attr_accessor", "accessor_policies", "str_attr",
+    "obj_attr", "eval_file", "ExcludeDispatchKeyGuard", "IncludeDispatchKeyGuard",
     "ExcludeDispatchKeySetGuard", "IncludeDispatchKeySetGuard", "AutoDispatchBelowAutograd",
     "AutoDispatchBelowADInplaceOrView", "AutoDispatchSkipFunctionalize", "DispatchKeySet", "DispatchKey",
     "TorchDispatchModeTLS", "PythonTLSSnapshot", "ThreadLocalState", "ThreadLocalStateGuard", "tls_local_dispatch_key_set",
@@ -352,6 +360,32 @@ def split_preprocessed(text: str, is_user) -> tuple[list[str], list[tuple[str, s
     return tokens, includes
 
 
+_DEFINE_RE = re.compile(r"^\s*#\s*define\s+([A-Za-z_$][\w$]*)(\(?)(.*)$")
+
+
+def check_macro_order(path: str, text: str, is_user) -> list[str]:
+    """A workspace macro may not be expanded inside a header the workspace does not own: no line of it is scanned
+    there, and its #define's tokens need not spell what it expands to (`__as ## m__`, or a header's own paste macro,
+    is `__asm__`). So once a workspace file has defined a macro with a body (function-like, or more than one number),
+    no other header may be entered. Include guards and flags (`#define MY_H`, `#define N 4`) may come first."""
+    current, defined = None, None
+    for line in text.split("\n"):
+        m = MARKER_RE.match(line)
+        if m:
+            target = m.group(2).replace('\\"', '"')
+            # (entered, or returned to: a system header may include a workspace file, `__has_include` finds one)
+            if defined and current is not None and is_user(current) and not is_user(target):
+                return [f"{path}: #include of {target} after the macro {defined} (a workspace macro may not reach a header "
+                        "the workspace does not own: put every #include before the first #define with a body)"]
+            current = target
+            continue
+        if current is not None and is_user(current) and defined is None:
+            d = _DEFINE_RE.match(line)
+            if d and (d.group(2) or not re.fullmatch(r"\s*(\d[\w.]*)?\s*", d.group(3))):
+                defined = d.group(1)
+    return []
+
+
 def header_allowed(path: str, roots: list[str]) -> bool:
     if any(path.startswith(r.rstrip("/") + "/") for r in roots):
         return True
@@ -427,9 +461,20 @@ def check_tokens(path: str, tokens: list[str]) -> list[str]:
 #   - the dispatcher by name (c10::Dispatcher, OperatorHandle) and PyTorch's thread pools;
 #   - C functions (unmangled symbols) from an allow-list: memory, strings, math, formatting into memory and onto the
 #     standard streams, the C++ runtime, locks, OpenMP, CUDA's runtime and libraries, and the Python C API that
-#     pybind11's inline code calls (not the part that runs code: PyRun_*, PyImport_*, Py_CompileString...).
-#     Everything else (a file, a descriptor, a signal, a timer, a process, a new system call's wrapper) is refused
-#     by not being on it; the doors below are named only for the message.
+#     pybind11's inline code calls. Everything else (a file, a descriptor, a signal, a timer, a process, a new
+#     system call's wrapper) is refused by not being on it; the doors below are named only for the message.
+# The Python C API that pybind11's inline code calls for a module, its functions, conversions and errors. Not the
+# parts that run code, import, open files or reach the interpreter's state (PyRun_*, Py_CompileString, PyEval_Eval*,
+# PyEval_GetGlobals, PyImport_*, _Py_fopen_obj, PySys_*, PyOS_*, PyFile_*, PyMarshal_*): pybind11's eval_file, found by
+# argument-dependent lookup with no banned word written, ran a Python file from a kernel.
+PYTHON_C_API = (
+    r"_?Py(Err|Exc|Exception|Object|BaseObject|Type|Tuple|List|Dict|Set|FrozenSet|Unicode|Bytes|ByteArray|Long|Float|"
+    r"Bool|Complex|Number|Sequence|Iter|Gen|Capsule|CFunction|CMethod|InstanceMethod|Method|Property|StaticMethod|"
+    r"Module|ModuleDef|Mem|Weakref|GILState|ThreadState|Thread_tss|InterpreterState|Frame|Slice|MemoryView|Buffer|"
+    r"Index|Mapping|Callable|Cell|Code|Vectorcall)_\w+|PyEval_(SaveThread|RestoreThread|AcquireThread|ReleaseThread|"
+    r"GetBuiltins)|_Py_(Dealloc|NoneStruct|TrueStruct|FalseStruct|NotImplementedStruct|EllipsisObject|IncRef|DecRef)|"
+    r"Py_(GetVersion|IsInitialized|IncRef|DecRef|XIncRef|XDecRef|IsNone|IsTrue|IsFalse|NewRef|XNewRef)|"
+    r"_PyType_Lookup|_PyThreadState_UncheckedGet|_PyObject_\w+")
 C_IMPORTS_RE = re.compile(
     r"^(__cxa_\w+|__gxx_personality_v0|_Unwind_\w+|__dynamic_cast|__tls_get_addr|__gmon_start__|_ITM_\w+|"
     r"__libc_single_threaded|__stack_chk_fail|__assert_fail|__errno_location|__dso_handle|__cxa_thread_atexit_impl|"
@@ -448,13 +493,17 @@ C_IMPORTS_RE = re.compile(
     r"finite|signbit|fpclassify)[fl]?(_finite)?|"
     r"GOMP_\w+|omp_\w+|"
     r"__cuda\w+|cuda\w+|cu[A-Z]\w+|cublas\w*|cublasLt\w*|cusparse\w*|cusolver\w*|cufft\w*|curand\w*|nvtx\w+|"
-    r"_?Py(?!Run_|_Compile|Eval_Eval|Import_|Marshal|OS_|_Exec|Sys_Set)\w+)$")  # (not the ones that run code)
+    + PYTHON_C_API + r")$")
 IMPORT_DOORS = BANNED_TOKENS | {
     "pthread_create", "thrd_create", "pthread_kill", "pthread_sigqueue", "tgkill", "tkill", "sigqueue", "rt_sigqueueinfo",
     "getauxval", "dl_iterate_phdr", "r_debug", "setcontext", "makecontext", "swapcontext", "process_madvise",
     "aio_read", "aio_write", "lio_listio", "mq_open", "sem_open", "sched_setaffinity", "setrlimit", "prlimit",
 }
 _IMPORT_SUFFIX_RE = re.compile(r"(_chk|_2|64)+$")
+# CUDA's doors out of the process's own memory: code or data from a file (the rest of cu*/cuda* runs on the device or
+# manages it), another process's memory or descriptors, and any driver function by name.
+_CUDA_DOOR_RE = re.compile(r"^cu(da)?(ModuleLoad|LibraryLoadFromFile|LinkAddFile|GetProcAddress|GetDriverEntryPoint\w*|"
+                           r"Ipc\w+|ImportExternal\w+|Mem(Import|Export)\w*ShareableHandle|DeviceGetByPCIBusId)(_v\d+)?$")
 # whole families of C functions, whatever glibc version adds next: signals, page protection, exec and spawn, the
 # dynamic loader, processes
 _IMPORT_FAMILY_RE = re.compile(r"^(sig(?!nbit|nificand)|pkey_|mprotect|mmap|madvise|mremap|exec|posix_spawn|dl|clone|v?fork|"
@@ -491,7 +540,7 @@ def check_imports(symbols: list[str], allowed_ops) -> list[str]:
         if re.fullmatch(r"[A-Za-z_]\w*", name):  # a C function or variable
             base = LIBC_ALIAS_RE.sub("", name)
             if name in IMPORT_DOORS or base in IMPORT_DOORS or _IMPORT_SUFFIX_RE.sub("", base) in IMPORT_DOORS \
-                    or _IMPORT_FAMILY_RE.match(base):
+                    or _IMPORT_FAMILY_RE.match(base) or _CUDA_DOOR_RE.match(name):
                 out.append(f"the module calls `{name}` (processes, threads, files, signals and the like are closed doors)")
             elif not C_IMPORTS_RE.match(name):
                 out.append(f"the module calls `{name}`, which is not on the list of C functions a kernel module may use "

@@ -38,6 +38,14 @@ HIDDEN_FROM_THE_SCAN = {
     "marker_text_in_raw_string": 'const char* s = R"x(\n# 1 "/usr/include/stdio.h" 1 3 4\n)x";\n' + FORK,
     "section_name_assembly": '__attribute__((used, section(".text\\n.globl evil\\nevil: mov $57, %eax\\nsyscall\\nret\\n'
                              '.section .data\\n#"))) int x = 1;\n',
+    # A workspace macro named like a builtin that libstdc++ calls (`__builtin_expect`), expanded only inside <string>,
+    # whose body spells `__asm__` by token pasting (the -dD scan of its #define reads `__as ## m__`), and whose
+    # `syscall` hides inside a `movabs` immediate for a linear disassembler: it built, with 110 executed `syscall`s
+    # in std::string's code. A #define with a body may not come before a header the workspace does not own.
+    "macro_pasted_into_a_system_header": '// nonce a4-paste-2\n#define __builtin_expect(a, b) ({ __as##m__ volatile('
+                                         '"jmp 1f\\n.byte 0x48,0xb8\\n1: syscall\\n.byte 0x90,0x90,0x90,0x90,0x90,0x90\\n"); '
+                                         '(long)(a); })\n#include <string>\n'
+                                         'std::string copy(const std::string& s) { std::string t; t = s; return t; }\n',
     "cxx11_section_incbin": '[[gnu::used, gnu::section(".rodata\\n.incbin \\"/etc/hostname\\"\\n#")]] char y = 1;\n',
 }
 
@@ -331,11 +339,11 @@ def test_attack_kernel_speaking_the_pipe_protocol_is_refused(tmp_path, monkeypat
     ws = make_ws(tmp_path, "relu", model_new("relu", FORGED[name]), {"ops.cpp": src})
     v = env.evaluate(ws, backend="cpu", stage="compile")
     assert not v.compiled and "_fileno" in v.log, v.summary()
-    # the protocol's layer alone: the scan's token and import checks off, for sources of this test's own (a nonce,
-    # so that no later build reuses an object built under them)
+    # the protocol's layer alone, where a scan misses a door: the scan's token and import checks off, for a source
+    # that only this test builds (its own cache key: the comment)
     monkeypatch.setattr(scan, "check_tokens", lambda path, tokens: [])
     monkeypatch.setattr(scan, "check_imports", lambda symbols, ops: [])
-    (ws / "kernels" / "ops.cpp").write_text(src + f"\n// nonce {os.urandom(8).hex()}\n")
+    (ws / "kernels" / "ops.cpp").write_text("// built with the scan off (tests/test_attacks.py)\n" + src)
     v = env.evaluate(ws, backend="cpu")
     assert v.compiled, v.log
     assert v.reward == -1 and not v.correct and "no command" in (v.error or ""), v.summary()
@@ -614,3 +622,63 @@ def test_attack_no_verdict_waits_for_the_gate_while_it_holds_the_device(tmp_path
     v = _evaluate_within(120, ws, backend="cpu")
     assert isinstance(v, env.Verdict) and v.correct, v
     assert baseline.wait(60)
+
+
+# ------------------------------------------------------------------ Python from C++ through pybind11's free functions
+# pybind11's `eval_file` is found by argument-dependent lookup with no `pybind11::` written: an argument of a pybind11
+# type (`decltype(m())`, the type a call of the module object returns, is pybind11::object) makes the unqualified
+# name resolve there. The module built (PCH path) and `run("/tmp/payload.py")` ran the file's Python in the candidate's
+# process; its imports (PyRun_FileExFlags, _Py_fopen_obj) matched `_?Py\w+`. The name is refused, and the module's
+# Python C API imports come from an allow-list (objects, conversions, errors, the GIL: no running code, no import,
+# no files).
+PYTHON_BY_ADL = {
+    # (pybind11's getattr by another member name; the accessor case below is the end-to-end one)
+    "attr_with_type_hint": '// nonce a4-hint3\nusing H = decltype(std::declval<pybind11::module_&>().get_type());\n'
+                           'int run(H o, H k) { o.attr_with_type_hint<int>(k.cast<std::string>().c_str())(); return 1; }\n',
+    "eval_file": '#include <pybind11/eval.h>\n// nonce a4-evalfile\n'
+                 'using O = decltype(std::declval<pybind11::module_&>()());\nvoid run(O path) { eval_file(path); }\n',
+}
+
+
+@pytest.mark.parametrize("name", sorted(PYTHON_BY_ADL))
+def test_attack_python_by_argument_dependent_lookup_is_refused(name):
+    b = env.build({"kernels/x.cpp": MODULE + PYTHON_BY_ADL[name]}, "cpu")
+    assert not b.ok and b.violations and b.rebuilt == [], b.log
+
+
+def test_attack_python_c_api_imports_come_from_an_allow_list():
+    honest = ["PyErr_Occurred", "_Py_Dealloc", "PyObject_GetAttrString", "PyEval_GetBuiltins", "PyEval_SaveThread",
+              "PyObject_Vectorcall", "PyTuple_Size", "_Py_TrueStruct", "PyModuleDef_Init", "PyCapsule_New",
+              "PyThread_tss_get", "PyGILState_Ensure", "_PyType_Lookup", "_PyThreadState_UncheckedGet", "Py_GetVersion",
+              "PyFrame_GetCode", "PyExc_RuntimeError", "PyUnicode_AsUTF8AndSize", "PyLong_FromSsize_t", "PyFloat_AsDouble",
+              "cuModuleLoadData", "cuLaunchKernel", "cudaLaunchKernel", "cudaMemcpyAsync", "cuGetErrorString"]
+    assert scan.check_imports(honest, scan.IMPORT_OPS) == []
+    for name in ["PyRun_FileExFlags", "PyRun_SimpleString", "_Py_fopen_obj", "Py_fopen", "PyImport_ImportModule",
+                 "PyImport_AddModule", "PyEval_GetGlobals", "PyEval_EvalCode", "Py_CompileString", "Py_CompileStringObject",
+                 "PySys_GetObject", "PyFile_FromFd", "PyOS_setsig", "PyMarshal_ReadObjectFromString", "Py_Exit",
+                 "PyCodec_Decode", "Py_SomeFutureRunner", "cuModuleLoad", "cuLibraryLoadFromFile", "cudaLibraryLoadFromFile",
+                 "cuLinkAddFile_v2", "cuGetProcAddress_v2", "cudaGetDriverEntryPoint", "cudaIpcOpenMemHandle",
+                 "cuImportExternalMemory", "cuMemImportFromShareableHandle"]:
+        assert scan.check_imports([name], scan.IMPORT_OPS), name
+
+
+def test_attack_python_through_pybind11_accessors_is_refused(tmp_path):
+    """The same exec as above, with pybind11's own getattr: `decltype(m.doc())` is its attribute accessor, whose
+    constructor takes any object and name. forward() is plain PyTorch once the monitor is unhooked."""
+    init = f"cuda_extension.run_python(self, 'forward', '__func__', '__builtins__', 'exec', ('{UNLOCK}',))"
+    src = model_new("relu", "(x * self.scale).relu()", init_extra=init)
+    v = env.evaluate(make_ws(tmp_path, "relu", src, {"ops.cpp": (CASES / "python_by_accessor.cpp").read_text()}), backend="cpu")
+    assert v.reward <= 0 and not v.compiled, v.summary()
+
+
+def test_attack_macro_order_reads_returns_into_system_headers_and_keeps_guards():
+    """A workspace file that a system header includes (found by `__has_include` or on the -I path) may define a
+    macro that the rest of that header expands: returning into it counts as entering it. Guards and flags may come
+    before any include, and any macro after the last one."""
+    user = lambda p: p.startswith("/w/")
+    returned = ('# 1 "/w/x.cpp"\n# 1 "/usr/include/a.h" 1 3\n# 1 "/w/kernels/version" 1\n'
+                '#define __builtin_expect(a, b) x\n# 5 "/usr/include/a.h" 2 3\nint a;\n')
+    assert scan.check_macro_order("x.cpp", returned, user)
+    honest = ('# 1 "/w/x.cpp"\n#define MY_H\n#define N 4\n# 1 "/usr/include/c++/12/string" 1 3\nint a;\n# 4 "/w/x.cpp" 2\n'
+              '#define F(x) x\n# 1 "/w/kernels/h.h" 1\n#define G(x) x\n# 9 "/w/x.cpp" 2\nint b;\n')
+    assert scan.check_macro_order("x.cpp", honest, user) == []
