@@ -164,9 +164,28 @@ THREADS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(THREADS))
+# Doors the deny-lists did not name: stdio reaches every descriptor once a FILE's _fileno is set, vmsplice/preadv2/
+# pwritev2 read and write one directly, and alarm/setitimer are signals (the child kills itself at a time of its
+# choosing, while the parent is between two exchanges). Each built. A FILE's fields are refused as tokens, and the
+# module's C imports come from an allow-list, so the next door that no list names is closed too.
+DESCRIPTOR_DOORS = {
+    "stdio_fileno_write": '#include <cstdio>\nint f(int fd) { stdout->_fileno = fd; return std::fputs("x", stdout) + std::fflush(stdout); }\n',
+    "stdio_fileno_read": '#include <cstdio>\nint f(int fd) { char b[8]; stdin->_fileno = fd; return (int)std::fread(b, 1, 8, stdin); }\n',
+    "stdio_fclose_any_descriptor": '#include <cstdio>\nint f(int fd) { stdin->_fileno = fd; return std::fclose(stdin); }\n',
+    "vmsplice": 'struct io { void* b; unsigned long n; };\nextern "C" long vmsplice(int, const io*, unsigned long, unsigned);\n'
+                'long f(int fd) { char c = 1; io v{&c, 1}; return vmsplice(fd, &v, 1, 0); }\n',
+    "preadv2_pwritev2": 'struct io { void* b; unsigned long n; };\nextern "C" long pwritev2(int, const io*, int, long, int);\n'
+                        'extern "C" long preadv2(int, const io*, int, long, int);\n'
+                        'long f(int fd) { char c = 1; io v{&c, 1}; return pwritev2(fd, &v, 1, -1, 0) + preadv2(fd, &v, 1, -1, 0); }\n',
+    "alarm": 'extern "C" unsigned alarm(unsigned);\nunsigned f() { return alarm(1); }\n',
+    # (declared by the <sys/time.h> that Python.h includes)
+    "setitimer": 'int f() { itimerval t{{0, 0}, {0, 1000}}; return setitimer(ITIMER_REAL, &t, nullptr); }\n',
+}
+
+
+@pytest.mark.parametrize("name", sorted({**THREADS, **DESCRIPTOR_DOORS}))
 def test_attack_doors_under_other_names_are_refused(name):
-    b = env.build({"kernels/x.cpp": MODULE + THREADS[name]}, "cpu")
+    b = env.build({"kernels/x.cpp": MODULE + {**THREADS, **DESCRIPTOR_DOORS}[name]}, "cpu")
     assert not b.ok and b.violations, b.log
 
 
@@ -347,31 +366,6 @@ def test_attack_kernel_speaking_the_pipe_protocol_is_refused(tmp_path, monkeypat
     v = env.evaluate(ws, backend="cpu")
     assert v.compiled, v.log
     assert v.reward == -1 and not v.correct and "no command" in (v.error or ""), v.summary()
-
-
-# Doors the deny-lists did not name: stdio reaches every descriptor once a FILE's _fileno is set, vmsplice/preadv2/
-# pwritev2 read and write one directly, and alarm/setitimer are signals (the child kills itself at a time of its
-# choosing, while the parent is between two exchanges). Each built. A FILE's fields are refused as tokens, and the
-# module's C imports come from an allow-list, so the next door that no list names is closed too.
-DESCRIPTOR_DOORS = {
-    "stdio_fileno_write": '#include <cstdio>\nint f(int fd) { stdout->_fileno = fd; return std::fputs("x", stdout) + std::fflush(stdout); }\n',
-    "stdio_fileno_read": '#include <cstdio>\nint f(int fd) { char b[8]; stdin->_fileno = fd; return (int)std::fread(b, 1, 8, stdin); }\n',
-    "stdio_fclose_any_descriptor": '#include <cstdio>\nint f(int fd) { stdin->_fileno = fd; return std::fclose(stdin); }\n',
-    "vmsplice": 'struct io { void* b; unsigned long n; };\nextern "C" long vmsplice(int, const io*, unsigned long, unsigned);\n'
-                'long f(int fd) { char c = 1; io v{&c, 1}; return vmsplice(fd, &v, 1, 0); }\n',
-    "preadv2_pwritev2": 'struct io { void* b; unsigned long n; };\nextern "C" long pwritev2(int, const io*, int, long, int);\n'
-                        'extern "C" long preadv2(int, const io*, int, long, int);\n'
-                        'long f(int fd) { char c = 1; io v{&c, 1}; return pwritev2(fd, &v, 1, -1, 0) + preadv2(fd, &v, 1, -1, 0); }\n',
-    "alarm": 'extern "C" unsigned alarm(unsigned);\nunsigned f() { return alarm(1); }\n',
-    # (declared by the <sys/time.h> that Python.h includes)
-    "setitimer": 'int f() { itimerval t{{0, 0}, {0, 1000}}; return setitimer(ITIMER_REAL, &t, nullptr); }\n',
-}
-
-
-@pytest.mark.parametrize("name", sorted(DESCRIPTOR_DOORS))
-def test_attack_descriptor_and_signal_doors_are_refused(name):
-    b = env.build({"kernels/x.cpp": MODULE + DESCRIPTOR_DOORS[name]}, "cpu")
-    assert not b.ok and b.violations, b.log
 
 
 def test_attack_c_imports_come_from_an_allow_list():
