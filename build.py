@@ -139,11 +139,16 @@ def preprocess(tc: dict, src: Path, out: Path, timeout: float, pch: Path | None 
     return r, (out.read_text(errors="replace") if r.returncode == 0 and out.exists() else "")
 
 
+_PCH_FAILED: set = set()
+
+
 def torch_pch(tc: dict, timeout: float) -> Path | None:
     """<torch/extension.h> precompiled with this toolchain's flags, built once (sandboxed, under a lock): parsing it
     is half of compiling a binding file. Returns the .gch path (next to a link named like the header, as GCC looks
     for X.gch beside X), or None where it cannot be built (the build goes on without it)."""
     gch = CACHE_DIR / "pch" / tc["pch_id"] / "torch" / "extension.h.gch"
+    if tc["pch_id"] in _PCH_FAILED:  # (tried once in this process: builds go on without it, not 50 s slower each)
+        return None
     with file_lock(CACHE_DIR / "locks" / f"pch-{tc['pch_id']}.lock"):
         if not gch.exists():
             header = next((Path(r) / "torch" / "extension.h" for r in tc["roots"] if (Path(r) / "torch" / "extension.h").exists()), None)
@@ -155,6 +160,7 @@ def torch_pch(tc: dict, timeout: float) -> Path | None:
                 r = run_sandboxed([*tc["cxx"], "-x", "c++-header", str(header), "-o", f"{t}/torch/extension.h.gch"], t,
                                   timeout, mem_gb=None, output_limit=4000)
                 if r.returncode != 0:
+                    _PCH_FAILED.add(tc["pch_id"])
                     return None
                 for p in (t, f"{t}/torch", f"{t}/torch/extension.h.gch"):  # readable by the sandbox's uid
                     os.chmod(p, 0o755 if Path(p).is_dir() else 0o644)

@@ -298,6 +298,16 @@ def test_binding_files_compile_from_the_precompiled_torch_header():
     assert sorted(b.rebuilt) == sorted(files.keys() - {"binding_registry.h"})
 
 
+def test_a_precompiled_header_that_fails_is_tried_once(monkeypatch):
+    """Where the header cannot be precompiled, builds go on without it, and do not try again each time."""
+    calls = []
+    real = builder.run_sandboxed
+    monkeypatch.setattr(builder, "run_sandboxed", lambda cmd, *a, **k: (calls.append(cmd), real(["false"], *a, **k))[1])
+    tc = dict(builder.toolchain("cpu"), pch_id=f"fails-{os.urandom(4).hex()}")
+    assert builder.torch_pch(tc, 60) is None and builder.torch_pch(tc, 60) is None
+    assert len(calls) == 1 and not (env.CACHE_DIR / "pch" / tc["pch_id"]).exists()
+
+
 def test_the_module_links_the_shared_cxx_runtime(monkeypatch):
     """A folder on the link line that holds a libstdc++.a (one of the CUDA library folders beside torch, on the
     H200) gave every module its own static copy of the C++ runtime, beside torch's, with its locale, file and
