@@ -266,7 +266,9 @@ def test_every_row_runs_and_compile_agrees_with_eager(run_a, monkeypatch):
         with torch.no_grad():
             ya, yb, yc = model(*a), model(*b), torch.compile(model)(*a)
         torch.testing.assert_close(yc, ya, atol=1e-2, rtol=1e-2)
-        assert not torch.allclose(ya, yb, atol=1e-2, rtol=1e-2)  # depends on its input
+        # depends on its input (exactly as env.py calls a task degenerate: a mean over many elements of two random
+        # inputs may differ by well under 1%)
+        assert not torch.equal(ya, yb)
 
 
 @pytest.mark.slow
