@@ -330,12 +330,15 @@ def check_directives(path: str, text: str) -> list[str]:
                        + ", ".join(f"#{d}" for d in sorted(ALLOWED_DIRECTIVES) if d) + ")")
         elif m.group(1) == "pragma":  # here too: the preprocessor consumes some (GCC system_header, poison)
             rest = re.sub(r"/\*.*?\*/", " ", text[m.end():m.end() + 400], flags=re.S).split("\n")[0]
-            words = re.findall(r"[A-Za-z_]\w*", rest)[:2]
-            name = " ".join(words) if words and words[0] in ("GCC", "clang", "STDC") else "".join(words[:1])
-            if name not in ALLOWED_PRAGMAS:
-                out.append(f"{path}: `#pragma {name}` is not allowed in kernel sources (allowed: "
-                           + ", ".join(sorted(ALLOWED_PRAGMAS)) + ")")
+            out += _pragma_violation(path, re.findall(r"[A-Za-z_]\w*", rest)[:2])
     return list(dict.fromkeys(out))
+
+
+def _pragma_violation(path: str, words: list) -> list[str]:
+    """[] if the pragma whose first words these are is on ALLOWED_PRAGMAS, else its violation."""
+    name = " ".join(words) if words and words[0] in ("GCC", "clang", "STDC") else "".join(words[:1])
+    return [] if name in ALLOWED_PRAGMAS else [
+        f"{path}: `#pragma {name}` is not allowed in kernel sources (allowed: {', '.join(sorted(ALLOWED_PRAGMAS))})"]
 
 
 def split_preprocessed(text: str, is_user) -> tuple[list[str], list[tuple[str, str]]]:
@@ -416,11 +419,7 @@ def check_tokens(path: str, tokens: list[str]) -> list[str]:
     out = []
     for i, t in enumerate(tokens):
         if t == "pragma" and i and tokens[i - 1] == "#":  # the preprocessed text prints every pragma as `#pragma`
-            words = tokens[i + 1:i + 3]
-            name = " ".join(words) if words and words[0] in ("GCC", "clang", "STDC") else "".join(words[:1])
-            if name not in ALLOWED_PRAGMAS:
-                out.append(f"{path}: `#pragma {name}` is not allowed in kernel sources (allowed: "
-                           + ", ".join(sorted(ALLOWED_PRAGMAS)) + ")")
+            out += _pragma_violation(path, tokens[i + 1:i + 3])
             continue
         if t == "_Pragma":
             out.append(f"{path}: `_Pragma(...)` is not allowed in kernel sources; write the `#pragma` line itself")
