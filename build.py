@@ -12,6 +12,7 @@ workspace's own pragmas come from an allow-list that does not hold `pch_preproce
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -65,11 +66,8 @@ def toolchain(backend: str) -> dict:
     cxx = os.environ.get("CXX", "g++")
     tc = {"cxx": [cxx, "-O3", "-fPIC", std, "-w", *defs, *inc], "ldflags": [], "roots": roots}
     libdir = ce.library_paths()[0]
-    # The compiler's own folder first: a later -L folder that holds a libstdc++.a (CUDA library folders beside torch
-    # may) would otherwise give the module a static copy of the C++ runtime, beside torch's shared one.
-    runtime = subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True, text=True).stdout.strip()
-    first = [f"-L{Path(runtime).parent}"] if os.path.isabs(runtime) else []
-    tc["ldflags"] = [*first, f"-L{libdir}", f"-Wl,-rpath,{libdir}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
+    tc["ldflags"] = [*shared_cxx_runtime(cxx), f"-L{libdir}", f"-Wl,-rpath,{libdir}", "-lc10", "-ltorch", "-ltorch_cpu",
+                     "-ltorch_python"]
     if backend == "cpu":
         tc["cxx"] += ["-fopenmp", "-march=native"]
         tc["ldflags"] += ["-fopenmp"]
@@ -91,6 +89,20 @@ def toolchain(backend: str) -> dict:
     tc["id"] = hashlib.sha256(json.dumps([tc, version, torch.__version__, SCAN_VERSION]).encode()).hexdigest()[:16]
     _TOOLCHAIN[backend] = tc
     return tc
+
+
+def shared_cxx_runtime(cxx: str) -> list:
+    """The shared C++ runtime that torch itself runs on, by its path, first on the link line. `-lstdc++` (which g++
+    adds) takes the first libstdc++.so or libstdc++.a on its search path: a folder that holds only the static one
+    (a CUDA library folder beside torch; on one H200 host, the compiler's own folder, whose libstdc++.so is a dangling
+    link) gives the module a second, static C++ runtime beside torch's, with its locale, file and random-device
+    imports, which the import check refuses. With the shared library named first, nothing is left for the archive."""
+    with contextlib.suppress(OSError):
+        for line in open("/proc/self/maps"):  # Linux: what this process (which imported torch) has loaded
+            if "/libstdc++.so" in line:
+                return [line.split()[-1]]
+    found = subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True, text=True).stdout.strip()
+    return [str(Path(found).resolve())] if os.path.isabs(found) and Path(found).exists() else []
 
 
 def shared_cudart(libdirs: list, major: str) -> str:

