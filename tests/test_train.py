@@ -281,6 +281,8 @@ def test_bad_inputs(tmp_path, relu_dataset, capsys):
     assert "needs tasks" in bad(capsys, ["--stage", "warmup", *common])
     assert "--env-gpus needs the cuda backend" in bad(capsys, ["--stage", "warmup", *common, "--env-gpus", "1"])
     assert "--set" in bad(capsys, ["--stage", "warmup", *common, "--set", "no_such_key=1"])
+    assert "grad_ckpt 'maybe': expected auto, on or off" in bad(capsys, ["--stage", "warmup", *common, "--dataset",
+                                                                         str(relu_dataset), "--set", "grad_ckpt=maybe"])
     # a finished stage is not silently overwritten
     (Path(rd) / "warmup").mkdir(parents=True)
     (Path(rd) / "warmup" / "latest.json").write_text(json.dumps({"step": 0, "ckpt": "ckpt-000000", "done": True}))
