@@ -197,19 +197,25 @@ LOGITS_CHUNK = 1024  # model tokens whose fp32 logits exist at once: (1024, 1520
 
 
 def _logp_entropy(lm_head, h, tok, temperature):
-    """Log-probs of tokens tok (n,) and entropies, (n,) each, under softmax(lm_head(h) / temperature); h (n, H)."""
+    """Log-probs of tokens tok (n,) and entropies, (n,) each, under softmax(lm_head(h) / temperature); h (n, H).
+    The entropy is logged, never trained on: it carries no gradient. With a graph, the backward's recompute of a
+    checkpointed chunk would rebuild the entropy's saved (n, V) tensors too and, since no gradient ever reaches
+    them, keep them until the whole backward ends: two (N, V) fp32 tensors after all, 40 GB at Qwen-7B's shape."""
     logits = lm_head(h).float()  # (n, V)
     if temperature and temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
-    return logp_all.gather(-1, tok[:, None])[:, 0], -(logp_all.exp() * logp_all).sum(-1)
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp_all.gather(-1, tok[:, None])[:, 0], entropy
 
 
 def action_logprobs(pm, ids, attn, act, temperature=1.0, chunk=LOGITS_CHUNK):
     """Log-probs and entropies of the model tokens under softmax(logits / temperature), the distribution
     the rollouts sampled from (temperature <= 0, greedy: T = 1). act: (B, T) bool, True where token t was
     written by the model (t >= 1). Only those positions go through lm_head: prompts and tool output are
-    usually most of the sequence and would cost (B, T, vocab) memory for nothing. Returns (N,), (N,).
+    usually most of the sequence and would cost (B, T, vocab) memory for nothing. Returns (N,), (N,) (the entropy
+    without gradient).
 
     The logits are computed `chunk` tokens at a time: 4 sequences of 8k tokens at a 152k vocabulary are
     20 GB per fp32 (N, V) tensor, and log_softmax, exp and their gradients are several of them. With
@@ -307,8 +313,8 @@ def choose_grad_ckpt(cfg, model, device) -> tuple[bool, str]:
         raise ValueError(f"grad_ckpt {cfg.grad_ckpt!r}: expected auto, on or off")
     tokens = cfg.micro_batch * cfg.max_context
     need = activation_gb(model, tokens)
-    what = f"activations of {cfg.micro_batch} x {cfg.max_context} tokens ~{need:.0f} GB without it, " \
-           f"~{activation_gb(model, tokens, True):.0f} GB with it"
+    what = f"activations of {cfg.micro_batch} x {cfg.max_context} tokens ~{need:.1f} GB without it, " \
+           f"~{activation_gb(model, tokens, True):.1f} GB with it"
     if cfg.grad_ckpt != "auto":
         return cfg.grad_ckpt == "on", f"{what} (grad_ckpt={cfg.grad_ckpt})"
     if not (torch.cuda.is_available() and str(device).startswith("cuda")):
