@@ -308,7 +308,8 @@ def choose_grad_ckpt(cfg, model, device) -> tuple[bool, str]:
     optimiser states and the allocator's fragmentation (the rollout engine's KV cache is released before every
     update). Checkpointing costs one more forward per update (~30% of its time), so a model that fits, like the
     135M default, runs without it. Without a GPU auto is off (the CPU presets' sequences are short).
-    Returns (on, the reason, for the log)."""
+    train.py asks once, at setup, and writes the answer ("on" / "off") into cfg.grad_ckpt: every update after
+    that reads it back. Returns (on, the reason, for the log)."""
     if cfg.grad_ckpt not in ("auto", "on", "off"):
         raise ValueError(f"grad_ckpt {cfg.grad_ckpt!r}: expected auto, on or off")
     tokens = cfg.micro_batch * cfg.max_context

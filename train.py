@@ -7,6 +7,8 @@ multi-turn agentic PPO, all on LoRA adapters of one base model, with a held-out 
     # default: one H200 with the embedded SmolLM2-135M-Instruct on the elementwise family (docs/curriculum.md);
     # without a GPU the same command runs the CPU-sized preset "cpu" (the first line says so)
     python train.py --stage all --run-dir runs/default
+    # a 7B model on one H200: the updates checkpoint activations when they would not fit (--set grad_ckpt=auto|on|off)
+    python train.py --stage all --run-dir runs/qwen7b --model Qwen/Qwen2.5-Coder-7B-Instruct
     # the paper's ablations in small: the same run without RFT, without critic pre-training
     python train.py --stage all --run-dir runs/no-rft --skip rft
     python train.py --stage all --run-dir runs/no-critic --skip critic
