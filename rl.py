@@ -2,18 +2,21 @@
 updates (PPO, and one supervised epoch helper shared by SFT/RFT and critic pre-training). Pure functions on
 tensors and a peft model; train.py owns the stages and the rollouts, runs.py the run folder.
 
-A `cfg` here is train.py's Config (read only: micro_batch, minibatches, gamma, lam, critic_lam, eps_low,
-eps_high, value_clip, tis_cap, kl_coef, max_grad_norm, temperature, seed, lora_r, lora_alpha, ppo_epochs).
+A `cfg` here is train.py's Config (read: micro_batch, minibatches, gamma, lam, critic_lam, eps_low, eps_high,
+value_clip, tis_cap, kl_coef, max_grad_norm, temperature, seed, lora_r, lora_alpha, ppo_epochs, grad_ckpt,
+max_context; written: micro_batch, halved when a micro-batch runs out of GPU memory, see halve_on_oom).
 Every loss is divided by the token count of its GLOBAL minibatch and LoRA gradients are summed over ranks
 (sync_grads), so N ranks compute the one-process token-mean gradient without a DDP wrapper.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,20 +193,43 @@ def hidden_states(pm, ids, attn):
     return pm.get_base_model().base_model(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
 
 
-def action_logprobs(pm, ids, attn, act, temperature=1.0):
-    """Log-probs and entropies of the model tokens under softmax(logits / temperature), the distribution
-    the rollouts sampled from (temperature <= 0, greedy: T = 1). act: (B, T) bool, True where token t was
-    written by the model (t >= 1). Only those positions go through lm_head: prompts and tool output are
-    usually most of the sequence and would cost (B, T, vocab) memory for nothing. Returns (N,), (N,)."""
-    h = hidden_states(pm, ids, attn)[:, :-1]  # (B, T-1, H): the state before token t+1
-    sel = act[:, 1:]  # (B, T-1)
-    logits = pm.get_base_model().get_output_embeddings()(h[sel]).float()  # (N, V)
+LOGITS_CHUNK = 1024  # model tokens whose fp32 logits exist at once: (1024, 152064) is 0.6 GB at Qwen's vocabulary
+
+
+def _logp_entropy(lm_head, h, tok, temperature):
+    """Log-probs of tokens tok (n,) and entropies, (n,) each, under softmax(lm_head(h) / temperature); h (n, H).
+    The entropy is logged, never trained on: it carries no gradient. With a graph, the backward's recompute of a
+    checkpointed chunk would rebuild the entropy's saved (n, V) tensors too and, since no gradient ever reaches
+    them, keep them until the whole backward ends: two (N, V) fp32 tensors after all, 40 GB at Qwen-7B's shape."""
+    logits = lm_head(h).float()  # (n, V)
     if temperature and temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, ids[:, 1:][sel][:, None])[:, 0]  # (N,)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)  # (N,)
-    return logp, entropy
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp_all.gather(-1, tok[:, None])[:, 0], entropy
+
+
+def action_logprobs(pm, ids, attn, act, temperature=1.0, chunk=LOGITS_CHUNK):
+    """Log-probs and entropies of the model tokens under softmax(logits / temperature), the distribution
+    the rollouts sampled from (temperature <= 0, greedy: T = 1). act: (B, T) bool, True where token t was
+    written by the model (t >= 1). Only those positions go through lm_head: prompts and tool output are
+    usually most of the sequence and would cost (B, T, vocab) memory for nothing. Returns (N,), (N,) (the entropy
+    without gradient).
+
+    The logits are computed `chunk` tokens at a time: 4 sequences of 8k tokens at a 152k vocabulary are
+    20 GB per fp32 (N, V) tensor, and log_softmax, exp and their gradients are several of them. With
+    gradients on, each chunk is checkpointed: the backward recomputes its logits instead of keeping them, so
+    at most one chunk's (chunk, V) tensors exist at any time, forward or backward."""
+    h = hidden_states(pm, ids, attn)[:, :-1]  # (B, T-1, H): the state before token t+1
+    sel = act[:, 1:]  # (B, T-1)
+    h, tok = h[sel], ids[:, 1:][sel]  # (N, H), (N,)
+    lm_head = pm.get_base_model().get_output_embeddings()
+    recompute = torch.is_grad_enabled() and h.requires_grad
+    parts = [checkpoint(_logp_entropy, lm_head, h[i:i + chunk], tok[i:i + chunk], temperature, use_reentrant=False)
+             if recompute else _logp_entropy(lm_head, h[i:i + chunk], tok[i:i + chunk], temperature)
+             for i in range(0, max(len(tok), 1), chunk)]  # N = 0: one empty chunk (a loss of 0 that backward accepts)
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
 def action_values(pm, head, ids, attn, act):
@@ -256,6 +282,97 @@ def optimizer_step(opt, sched, params, max_norm):
     sched.step()
     opt.zero_grad(set_to_none=True)
     return float(norm)
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory: activation checkpointing when the activations would not fit, micro-batches halved on out-of-memory
+# ----------------------------------------------------------------------------------------------
+def activation_gb(model, tokens: int, checkpointed: bool = False) -> float:
+    """Estimated GB that a forward with gradients keeps for the backward (the updates' peak beyond the weights),
+    for `tokens` tokens in one micro-batch. Per token and decoder layer, measured with autograd's saved-tensor
+    hooks on Qwen2 / Llama layers (bf16 base, peft LoRA on every linear layer, whose fp32 weights make fp32
+    copies of each projection's input; tests/test_train.py checks the constants): about 37 * hidden + 10 *
+    intermediate bytes. Checkpointed, a layer keeps only its bf16 input (2 * hidden bytes) and the backward
+    recomputes one layer at a time: layers * 2 * hidden + one layer's full share. Qwen2.5-7B (28 layers,
+    3584 / 18944) at 4 x 8192 tokens: 295 GB without, 17 GB with; SmolLM2-135M: 36 GB without."""
+    c = model.config.get_text_config()
+    layer = 37 * c.hidden_size + 10 * c.intermediate_size  # bytes per token
+    per_token = c.num_hidden_layers * 2 * c.hidden_size + layer if checkpointed else c.num_hidden_layers * layer
+    return tokens * per_token / 1e9
+
+
+def choose_grad_ckpt(cfg, model, device) -> tuple[bool, str]:
+    """cfg.grad_ckpt: "on" | "off" | "auto". auto: checkpoint when the activations of one micro-batch of full-length
+    sequences (cfg.micro_batch x cfg.max_context tokens, the worst case the preset allows) would take more than
+    half of the GPU memory free once the model is loaded; the other half is for the logit chunks, the LoRA
+    optimiser states and the allocator's fragmentation (the rollout engine's KV cache is released before every
+    update). Checkpointing costs one more forward per update (~30% of its time), so a model that fits, like the
+    135M default, runs without it. Without a GPU auto is off (the CPU presets' sequences are short).
+    train.py asks once, at setup, and writes the answer ("on" / "off") into cfg.grad_ckpt: every update after
+    that reads it back. Returns (on, the reason, for the log)."""
+    if cfg.grad_ckpt not in ("auto", "on", "off"):
+        raise ValueError(f"grad_ckpt {cfg.grad_ckpt!r}: expected auto, on or off")
+    tokens = cfg.micro_batch * cfg.max_context
+    need = activation_gb(model, tokens)
+    what = f"activations of {cfg.micro_batch} x {cfg.max_context} tokens ~{need:.1f} GB without it, " \
+           f"~{activation_gb(model, tokens, True):.1f} GB with it"
+    if cfg.grad_ckpt != "auto":
+        return cfg.grad_ckpt == "on", f"{what} (grad_ckpt={cfg.grad_ckpt})"
+    if not (torch.cuda.is_available() and str(device).startswith("cuda")):
+        return False, f"{what}; auto: off without a GPU"
+    free = torch.cuda.mem_get_info(torch.device(device))[0] / 1e9
+    return need > free / 2, f"{what}; auto: {'more' if need > free / 2 else 'less'} than half of the {free:.0f} GB free"
+
+
+@contextlib.contextmanager
+def grad_checkpointing(pm, on: bool):
+    """Activation checkpointing of every decoder layer for the forward/backward passes inside the block (the
+    updates), never outside it: rollouts (engine.py's own decode loop, or HF generate) and no-grad passes see the
+    model as it was. transformers' incantation with use_reentrant=False: the non-reentrant checkpoint passes
+    gradients to the LoRA weights inside a layer even though the layer's input (frozen embeddings) needs none,
+    so the enable_input_require_grads hook is removed again. transformers checkpoints a layer only when the layer is in
+    training mode: the layers' own flag is set, not their children's, so dropout (if a model had any) stays as
+    the rest of the model is (the PPO ratio needs the forward the old log-probs were taken with)."""
+    if not on:
+        yield
+        return
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    lm = pm.get_base_model()
+    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lm.disable_input_require_grads()  # the hook it adds is for the reentrant variant: it would only cost a gradient
+    layers = [m for m in lm.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    modes = [m.training for m in layers]
+    for m in layers:
+        m.training = True
+    try:
+        yield
+    finally:
+        for m, t in zip(layers, modes):
+            m.training = t
+        lm.gradient_checkpointing_disable()
+
+
+def halve_on_oom(cfg, what: str, attempt, reset):
+    """attempt(micro_batch) runs one whole unit of work (a minibatch's accumulation, a no-grad pass) with that
+    micro-batch. Out of GPU memory: reset() (drop the gradients the failed attempt accumulated), halve
+    cfg.micro_batch for the rest of the run, say so in one line, try again; at micro-batch 1, the error stands.
+    The estimate in choose_grad_ckpt is for the worst case and rough; this is the guard when it is wrong (long
+    episodes at a large vocabulary, another process on the GPU). attempt must hold no collective: ranks halve
+    independently, and every loss is divided by the global token count, so the result is the same."""
+    while True:
+        try:
+            return attempt(cfg.micro_batch)
+        except torch.OutOfMemoryError:
+            if cfg.micro_batch <= 1:
+                raise
+        # outside the except block: the traceback, and the activations its frames hold, are gone
+        reset()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        old, cfg.micro_batch = cfg.micro_batch, cfg.micro_batch // 2
+        who = f"rank {dist.get_rank()} " if dist_on() else ""
+        print(f"memory | {who}{what}: out of GPU memory at micro_batch {old}: the pass starts again at micro_batch "
+              f"{cfg.micro_batch} (kept for the rest of the run)", flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -314,16 +431,20 @@ def ppo_update(pm, head, opts, seqs, cfg, device, step: int = 0) -> dict:
     B = len(seqs)
     # 1) no-grad pass over micro-batches: old log-probs (the training forward), reference log-probs (adapter
     #    off), old values. Flattened (N,) in row-major order of the model tokens of the whole batch.
-    old_logp, ref_logp, old_v = [], [], []
-    with torch.no_grad():
-        for i in range(0, B, cfg.micro_batch):
-            ids, attn, act = collate(seqs[i:i + cfg.micro_batch], device)
-            pm.set_adapter("actor")
-            old_logp.append(action_logprobs(pm, ids, attn, act, cfg.temperature)[0])
-            with pm.disable_adapter():
-                ref_logp.append(action_logprobs(pm, ids, attn, act, cfg.temperature)[0])
-            pm.set_adapter("critic")
-            old_v.append(action_values(pm, head, ids, attn, act))
+    def old_pass(mb):
+        old_logp, ref_logp, old_v = [], [], []
+        with torch.no_grad():
+            for i in range(0, B, mb):
+                ids, attn, act = collate(seqs[i:i + mb], device)
+                pm.set_adapter("actor")
+                old_logp.append(action_logprobs(pm, ids, attn, act, cfg.temperature)[0])
+                with pm.disable_adapter():
+                    ref_logp.append(action_logprobs(pm, ids, attn, act, cfg.temperature)[0])
+                pm.set_adapter("critic")
+                old_v.append(action_values(pm, head, ids, attn, act))
+        return old_logp, ref_logp, old_v
+
+    old_logp, ref_logp, old_v = halve_on_oom(cfg, "ppo old log-probs", old_pass, lambda: None)
     pm.set_adapter("actor")
     cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, device=device)
     flat_old, flat_ref, flat_v = cat(old_logp), cat(ref_logp), cat(old_v)  # (N,) each
@@ -356,35 +477,42 @@ def ppo_update(pm, head, opts, seqs, cfg, device, step: int = 0) -> dict:
     # 3) epochs x minibatches, each minibatch accumulated over micro-batches; token-mean losses
     stats = {"pg_loss": [], "vf_loss": [], "entropy": [], "clipfrac": [], "approx_kl": [], "grad_norm": []}
     a_params, c_params = adapter_params(pm, "actor"), adapter_params(pm, "critic")
-    for epoch in range(cfg.ppo_epochs):
-        for idx in minibatches(B, cfg.minibatches, cfg.seed, step, epoch, device):
-            n_tok = all_sum(_t(float(sum(counts[i] for i in idx)), device)).clamp(min=1)
-            acc = {k: torch.zeros((), dtype=torch.float64, device=device)
-                   for k in ("pg_loss", "vf_loss", "entropy", "clipfrac", "approx_kl")}
-            for j in range(0, len(idx), cfg.micro_batch):
-                part = idx[j:j + cfg.micro_batch]
-                ids, attn, act = collate([seqs[i] for i in part], device)
-                take = lambda flat: torch.cat([flat[offsets[i]:offsets[i + 1]] for i in part])
-                pm.set_adapter("actor")
-                logp, ent = action_logprobs(pm, ids, attn, act, cfg.temperature)
-                old = take(flat_old)
-                pg, clipped = policy_loss(logp, old, take(flat_adv), cfg.eps_low, cfg.eps_high, take(weight))
-                if train_actor:
-                    (pg.sum() / n_tok).backward()
-                acc["pg_loss"] += pg.detach().sum() / n_tok
-                acc["entropy"] += ent.detach().sum() / n_tok
-                acc["clipfrac"] += clipped.sum() / n_tok
-                acc["approx_kl"] += (old - logp.detach()).sum() / n_tok
-                pm.set_adapter("critic")
-                v = action_values(pm, head, ids, attn, act)
-                vl = value_loss(v, take(flat_v), take(flat_ret), cfg.value_clip)
-                (vl.sum() / n_tok).backward()
-                acc["vf_loss"] += vl.detach().sum() / n_tok
+
+    def accumulate(idx, n_tok, mb):  # one minibatch's gradients, mb sequences per forward
+        acc = {k: torch.zeros((), dtype=torch.float64, device=device)
+               for k in ("pg_loss", "vf_loss", "entropy", "clipfrac", "approx_kl")}
+        for j in range(0, len(idx), mb):
+            part = idx[j:j + mb]
+            ids, attn, act = collate([seqs[i] for i in part], device)
+            take = lambda flat: torch.cat([flat[offsets[i]:offsets[i + 1]] for i in part])
+            pm.set_adapter("actor")
+            logp, ent = action_logprobs(pm, ids, attn, act, cfg.temperature)
+            old = take(flat_old)
+            pg, clipped = policy_loss(logp, old, take(flat_adv), cfg.eps_low, cfg.eps_high, take(weight))
             if train_actor:
-                stats["grad_norm"].append(optimizer_step(*opts["actor"], a_params, cfg.max_grad_norm))
-            optimizer_step(*opts["critic"], c_params + list(head.parameters()), cfg.max_grad_norm)
-            for k, v in acc.items():
-                stats[k].append(float(all_sum(v)))
+                (pg.sum() / n_tok).backward()
+            acc["pg_loss"] += pg.detach().sum() / n_tok
+            acc["entropy"] += ent.detach().sum() / n_tok
+            acc["clipfrac"] += clipped.sum() / n_tok
+            acc["approx_kl"] += (old - logp.detach()).sum() / n_tok
+            pm.set_adapter("critic")
+            v = action_values(pm, head, ids, attn, act)
+            vl = value_loss(v, take(flat_v), take(flat_ret), cfg.value_clip)
+            (vl.sum() / n_tok).backward()
+            acc["vf_loss"] += vl.detach().sum() / n_tok
+        return acc
+
+    zero_grads = lambda: [opt.zero_grad(set_to_none=True) for opt, _ in opts.values()]
+    with grad_checkpointing(pm, choose_grad_ckpt(cfg, pm, device)[0]):
+        for epoch in range(cfg.ppo_epochs):
+            for idx in minibatches(B, cfg.minibatches, cfg.seed, step, epoch, device):
+                n_tok = all_sum(_t(float(sum(counts[i] for i in idx)), device)).clamp(min=1)
+                acc = halve_on_oom(cfg, "ppo update", lambda mb: accumulate(idx, n_tok, mb), zero_grads)
+                if train_actor:
+                    stats["grad_norm"].append(optimizer_step(*opts["actor"], a_params, cfg.max_grad_norm))
+                optimizer_step(*opts["critic"], c_params + list(head.parameters()), cfg.max_grad_norm)
+                for k, v in acc.items():
+                    stats[k].append(float(all_sum(v)))
     pm.set_adapter("actor")
     return {**st, **{k: sum(v) / len(v) if v else None for k, v in stats.items()}}
 
@@ -429,13 +557,18 @@ def fit_epoch(loss_fn, opt, params, data: list, n_minibatches: int, cfg, device,
         n_tok = all_sum(_t(float(sum(sum(data[i]["loss_mask"][1:]) for i in idx)), device))
         if float(n_tok) == 0:
             continue  # every rank sees the same global count: they all skip this step together
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        for j in range(0, len(idx), cfg.micro_batch):
-            part = [data[i] for i in idx[j:j + cfg.micro_batch]]
-            ids, attn, act = collate(part, device)
-            loss = loss_fn(part, ids, attn, act) / n_tok
-            loss.backward()
-            total += loss.detach()
+
+        def accumulate(mb):  # this minibatch's gradients, mb sequences per forward
+            total = torch.zeros((), dtype=torch.float64, device=device)
+            for j in range(0, len(idx), mb):
+                part = [data[i] for i in idx[j:j + mb]]
+                ids, attn, act = collate(part, device)
+                loss = loss_fn(part, ids, attn, act) / n_tok
+                loss.backward()
+                total += loss.detach()
+            return total
+
+        total = halve_on_oom(cfg, "update", accumulate, lambda: opt[0].zero_grad(set_to_none=True))
         optimizer_step(*opt, params, cfg.max_grad_norm)
         losses.append(float(all_sum(total)))
     return sum(losses) / len(losses) if losses else None
@@ -444,15 +577,17 @@ def fit_epoch(loss_fn, opt, params, data: list, n_minibatches: int, cfg, device,
 def sft_epoch(pm, opt, data: list, n_minibatches: int, cfg, device, epoch: int, stream: int = 0):
     """One epoch of next-token loss on model tokens (sft: teacher demonstrations; rft: kept own episodes)."""
     pm.set_adapter("actor")
-    return fit_epoch(lambda part, ids, attn, act: sft_loss(pm, ids, attn, act)[0], opt, adapter_params(pm, "actor"),
-                     data, n_minibatches, cfg, device, epoch, stream)
+    with grad_checkpointing(pm, choose_grad_ckpt(cfg, pm, device)[0]):
+        return fit_epoch(lambda part, ids, attn, act: sft_loss(pm, ids, attn, act)[0], opt, adapter_params(pm, "actor"),
+                         data, n_minibatches, cfg, device, epoch, stream)
 
 
 def critic_epoch(pm, head, opt, data: list, cfg, device, epoch: int):
     """One epoch of critic pre-training (its LoRA adapter and the value head): MSE to Monte-Carlo returns."""
     pm.set_adapter("critic")
-    loss = fit_epoch(lambda part, ids, attn, act: value_sse(pm, head, part, ids, attn, act, cfg.gamma), opt,
-                     adapter_params(pm, "critic") + list(head.parameters()), data, cfg.minibatches, cfg, device, epoch, 1)
+    with grad_checkpointing(pm, choose_grad_ckpt(cfg, pm, device)[0]):
+        loss = fit_epoch(lambda part, ids, attn, act: value_sse(pm, head, part, ids, attn, act, cfg.gamma), opt,
+                         adapter_params(pm, "critic") + list(head.parameters()), data, cfg.minibatches, cfg, device, epoch, 1)
     pm.set_adapter("actor")
     return loss
 
@@ -460,14 +595,18 @@ def critic_epoch(pm, head, opt, data: list, cfg, device, epoch: int):
 def critic_ev(pm, head, eps: list, cfg, device):
     """(explained variance, MSE) of the critic's values against the Monte-Carlo returns, over the episodes of
     all ranks (critic pre-training's held-out score). Leaves the critic adapter active."""
-    preds, targets = [], []
+    def values(mb):
+        preds, targets = [], []
+        with torch.no_grad():
+            for i in range(0, len(eps), mb):
+                part = eps[i:i + mb]
+                ids, attn, act = collate(part, device)
+                preds.append(action_values(pm, head, ids, attn, act).float())
+                targets.append(mc_returns(part, cfg.gamma, device))
+        return preds, targets
+
     pm.set_adapter("critic")
-    with torch.no_grad():
-        for i in range(0, len(eps), cfg.micro_batch):
-            part = eps[i:i + cfg.micro_batch]
-            ids, attn, act = collate(part, device)
-            preds.append(action_values(pm, head, ids, attn, act).float())
-            targets.append(mc_returns(part, cfg.gamma, device))
+    preds, targets = halve_on_oom(cfg, "critic values", values, lambda: None)
     p = torch.cat(preds) if preds else torch.zeros(0, device=device)
     t = torch.cat(targets) if targets else torch.zeros(0, device=device)
     s = all_sum(torch.stack([torch.tensor(float(p.numel()), dtype=torch.float64, device=device),

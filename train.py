@@ -7,6 +7,8 @@ multi-turn agentic PPO, all on LoRA adapters of one base model, with a held-out 
     # default: one H200 with the embedded SmolLM2-135M-Instruct on the elementwise family (docs/curriculum.md);
     # without a GPU the same command runs the CPU-sized preset "cpu" (the first line says so)
     python train.py --stage all --run-dir runs/default
+    # a 7B model on one H200: the updates checkpoint activations when they would not fit (--set grad_ckpt=auto|on|off)
+    python train.py --stage all --run-dir runs/qwen7b --model Qwen/Qwen2.5-Coder-7B-Instruct
     # the paper's ablations in small: the same run without RFT, without critic pre-training
     python train.py --stage all --run-dir runs/no-rft --skip rft
     python train.py --stage all --run-dir runs/no-critic --skip critic
@@ -93,7 +95,8 @@ import agent
 import env
 import teacher
 import tools
-from rl import adapter_params, add_adapters, barrier, critic_epoch, critic_ev, gather, ppo_update, sft_epoch, shard
+from rl import (adapter_params, add_adapters, barrier, choose_grad_ckpt, critic_epoch, critic_ev, gather, ppo_update, sft_epoch,
+                shard)
 from rollouts import fit_context, harness_failed, rft_filter, rollout_stats, split_tasks, step_tasks, trainable
 from runs import (Ctx, begin_stage, claim_devices, fmt_time, gpu_peak, latest, load_checkpoint, log_event, log_step, n_cores,
                   new_opts, open_tb, save_checkpoint, stage_done, stage_end, time_generate, workers, write_json)
@@ -149,7 +152,8 @@ class Config:
     lr_warmup: int = 2  # steps of linear lr warm-up (optimizer steps)
     ppo_epochs: int = 1  # passes over each rollout batch
     minibatches: int = 2  # optimizer steps per pass
-    micro_batch: int = 4  # sequences per forward (gradient accumulation up to a minibatch)
+    micro_batch: int = 4  # sequences per forward (gradient accumulation up to a minibatch); halved on out-of-memory
+    grad_ckpt: str = "auto"  # activation checkpointing in the updates: auto (when the activations would not fit) | on | off
     eps_low: float = 0.2
     eps_high: float = 0.28
     value_clip: float = 0.5
@@ -239,7 +243,11 @@ def run(cfg: Config, a, stages: list, order: list, src: str | None) -> int:
     n_params = sum(p.numel() for p in pm.parameters())
     ctx.say(f"train | model {cfg.model or agent.DEFAULT_MODEL} ({n_params / 1e6:.1f}M params, LoRA r={cfg.lora_r}) | tasks "
             f"{len(train)} train ({len(teacher_tasks)} for the teacher) / {len(heldout)} held-out | ranks {world} | device {device}")
-    log_event(ctx, {"event": "start", "setup_s": round(time.time() - t_start, 1), "resume": a.resume})  # data, model
+    on, why = choose_grad_ckpt(cfg, pm, device)  # decided once, with the model loaded and no KV cache yet (rl.py says how)
+    cfg.grad_ckpt = "on" if on else "off"
+    ctx.say(f"train | activation checkpointing {cfg.grad_ckpt} in the updates: {why}")
+    log_event(ctx, {"event": "start", "setup_s": round(time.time() - t_start, 1), "resume": a.resume,  # data, model
+                    "grad_ckpt": cfg.grad_ckpt})
     if stages[0] == order[0]:  # a run from the start: the base model's row first
         heldout_eval(ctx, "base")
     for s in stages:
@@ -746,6 +754,8 @@ def check_inputs(cfg: Config, a) -> tuple[list, list, str | None]:
         raise env.UsageError("--env-gpus needs the cuda backend (it dedicates GPUs to kernel timing)")
     if cfg.teacher_url and not cfg.teacher_model:
         raise env.UsageError("--teacher-url needs --teacher-model (the server's model name)")
+    if cfg.grad_ckpt not in ("auto", "on", "off"):
+        raise env.UsageError(f"grad_ckpt {cfg.grad_ckpt!r}: expected auto, on or off")
     if cfg.family not in ("elementwise", "paper"):
         raise env.UsageError(f"family {cfg.family!r}: expected elementwise or paper")
     if not a.resume:

@@ -10,6 +10,9 @@ them; and the table of such runs (peak memory, seconds and projected preset time
     # a short run on one, then its table (bash bench/run_h200.sh big-7b OUT does both)
     python train.py --stage all --model /tmp/qwen7b --run-dir /tmp/run-big-7b ...
     python bench/big_model.py --report /tmp/run-big-1.5b /tmp/run-big-7b
+    # what an update needs at each shape (rl.activation_gb, with and without activation checkpointing), and a CPU
+    # measurement of the logits' share: peak RSS of one forward/backward on the tiny shape, 4,096 model tokens
+    python bench/big_model.py --memory
 
 Why the speed and memory are the real model's: they follow from the shapes (layers, widths, heads, KV heads,
 vocabulary, tied or untied embeddings, bf16), which are Qwen's own (Qwen2Config, checked against the published
@@ -46,6 +49,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import preset_time  # noqa: E402
+import rl  # noqa: E402
 import train  # noqa: E402  (the embedded tokenizer, as train.py's tiny model uses it)
 from runs import fmt_time  # noqa: E402
 
@@ -179,6 +183,54 @@ def report(dirs: list) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------------------------
+# --memory: the update's memory at each shape
+# ----------------------------------------------------------------------------------------------
+MEASURE = r"""
+import resource, sys, torch
+sys.path.insert(0, sys.argv[1])
+import big_model, rl, train
+torch.set_num_threads(1)
+ckpt, chunk, T = sys.argv[2] == "on", int(sys.argv[3]), int(sys.argv[4])
+from transformers import AutoModelForCausalLM
+lm = AutoModelForCausalLM.from_config(big_model.qwen_config("tiny", train.tiny_tokenizer()), dtype=torch.float32)
+pm, head = rl.add_adapters(lm, train.Config(lora_r=16, lora_alpha=32), "cpu")
+ids, attn, act = rl.collate([{"tokens": torch.randint(0, 49152, (T,)).tolist(), "loss_mask": [1] * T}], "cpu")
+base = int(open('/proc/self/statm').read().split()[1]) * resource.getpagesize() / 1024  # resident now, KiB (ru_maxrss's unit)
+with rl.grad_checkpointing(pm, ckpt):
+    logp, _ = rl.action_logprobs(pm, ids, attn, act, chunk=chunk)
+    logp.sum().backward()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 2**20)
+"""
+
+
+def memory(tokens: int) -> int:
+    """The estimate at the default preset's worst micro-batch for each shape, then the CPU measurement."""
+    import subprocess
+    import types
+    cfg = train.Config()
+    n = cfg.micro_batch * cfg.max_context
+    smol = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, vocab_size=49152)  # SmolLM2-135M
+    print(f"update memory beyond the weights, one micro-batch of {cfg.micro_batch} x {cfg.max_context} tokens (the default "
+          "preset's worst case; rl.activation_gb)")
+    print(f"{'shape':<10} {'weights GB':>10} {'activations GB':>15} {'checkpointed GB':>16} {'logits (N, V) fp32 GB':>22} "
+          f"{'one chunk GB':>12}")
+    for name, c in (("smollm135", smol), ("qwen1.5b", CONFIGS["qwen1.5b"]), ("qwen7b", CONFIGS["qwen7b"])):
+        m = types.SimpleNamespace(config=Qwen2Config(**c))
+        w = PARAMS.get(name, 134_515_008) * 2 / 1e9
+        print(f"{name:<10} {w:>10.1f} {rl.activation_gb(m, n):>15.0f} {rl.activation_gb(m, n, True):>16.0f} "
+              f"{n * c['vocab_size'] * 4 / 1e9:>22.1f} {rl.LOGITS_CHUNK * c['vocab_size'] * 4 / 1e9:>12.2f}")
+    print(f"\nmeasured on this CPU (Linux): peak RSS growth of one forward + backward of rl.action_logprobs, the tiny shape "
+          f"(vocabulary 50,000), {tokens} model tokens, fp32")
+    root = str(Path(__file__).resolve().parent)
+    for ckpt, chunk in (("off", 10**9), ("off", rl.LOGITS_CHUNK), ("on", rl.LOGITS_CHUNK)):
+        r = subprocess.run([sys.executable, "-c", MEASURE, root, ckpt, str(chunk), str(tokens)], capture_output=True, text=True,
+                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+        got = f"{float(r.stdout.split()[-1]):.2f} GB" if r.returncode == 0 else f"failed: {r.stderr.strip().splitlines()[-1:]}"
+        print(f"  checkpointing {ckpt:<3} | logits {'in one chunk' if chunk > tokens else f'in chunks of {chunk}':<17} | {got}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n")[1])
@@ -186,9 +238,13 @@ def main(argv=None) -> int:
     ap.add_argument("--config", choices=list(CONFIGS), default="qwen7b")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--report", nargs="+", metavar="RUN_DIR", help="the table of these train.py run folders")
+    ap.add_argument("--memory", action="store_true", help="the update's memory at each shape (estimate; CPU measurement)")
+    ap.add_argument("--tokens", type=int, default=4096, help="--memory: model tokens of the CPU measurement")
     a = ap.parse_args(argv)
+    if a.memory:
+        return memory(a.tokens)
     if bool(a.save) == bool(a.report):
-        ap.error("give either --save DIR or --report RUN_DIR ...")
+        ap.error("give either --save DIR or --report RUN_DIR ... (or --memory)")
     return save(Path(a.save), a.config, a.seed) if a.save else report(a.report)
 
 

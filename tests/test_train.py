@@ -281,6 +281,8 @@ def test_bad_inputs(tmp_path, relu_dataset, capsys):
     assert "needs tasks" in bad(capsys, ["--stage", "warmup", *common])
     assert "--env-gpus needs the cuda backend" in bad(capsys, ["--stage", "warmup", *common, "--env-gpus", "1"])
     assert "--set" in bad(capsys, ["--stage", "warmup", *common, "--set", "no_such_key=1"])
+    assert "grad_ckpt 'maybe': expected auto, on or off" in bad(capsys, ["--stage", "warmup", *common, "--dataset",
+                                                                         str(relu_dataset), "--set", "grad_ckpt=maybe"])
     # a finished stage is not silently overwritten
     (Path(rd) / "warmup").mkdir(parents=True)
     (Path(rd) / "warmup" / "latest.json").write_text(json.dumps({"step": 0, "ckpt": "ckpt-000000", "done": True}))
@@ -774,6 +776,178 @@ def test_seed_sets_lora_init_and_minibatch_order():
     assert rl.minibatches(16, 2, 0, 3, 0) == rl.minibatches(16, 2, 0, 3, 0)
     assert rl.minibatches(16, 2, 1, 3, 0) != rl.minibatches(16, 2, 0, 3, 0)
     assert rl.minibatches(1, 4, 0, 0, 0) == [[0]]  # never more minibatches than sequences
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory at 7B (issue 19): activation checkpointing, log-probs in chunks, the micro-batch halved on OOM
+# ----------------------------------------------------------------------------------------------
+def lora_toy(cfg, layers=2, V=16):
+    """toy_lm with peft adapters whose B matrices and value head are non-zero (every LoRA weight gets a gradient),
+    in eval mode, as a model from from_pretrained is (transformers checkpoints only layers in training mode)."""
+    pm, head = rl.add_adapters(toy_lm(V=V, layers=layers), cfg, "cpu")
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        head.weight.copy_(torch.randn(head.weight.shape, generator=g) * 0.1)
+    pm.eval()
+    return pm, head
+
+
+def saved_bytes(fn, module):
+    """Bytes of the activations autograd keeps for the backward while fn() runs (module's parameters excluded), and fn()."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
+def test_grad_checkpointing_gives_the_same_loss_and_lora_gradients():
+    """The actor's next-token loss and the critic's value loss, with checkpointing off and on: the same losses and
+    the same gradients on every LoRA weight and the value head. On really checkpoints (the layers keep < 1/4 of
+    the activations: a model in eval mode would silently not), and leaves nothing behind for the rollouts."""
+    cfg = train.Config(lora_r=4, lora_alpha=8)
+    pm, head = lora_toy(cfg)
+    eps = predictable_episodes(3, seed=4)
+    ids, attn, act = rl.collate(eps, "cpu")
+    params = rl.adapter_params(pm, "actor") + rl.adapter_params(pm, "critic") + list(head.parameters())
+    res = {}
+    for on in (False, True):
+        for p in params:
+            p.grad = None
+        with rl.grad_checkpointing(pm, on):
+            pm.set_adapter("actor")
+            b_actor, (nll, _) = saved_bytes(lambda: rl.sft_loss(pm, ids, attn, act), pm)
+            nll.backward()
+            pm.set_adapter("critic")
+            vl = rl.value_sse(pm, head, eps, ids, attn, act)
+            vl.backward()
+        pm.set_adapter("actor")
+        res[on] = (float(nll.detach()), float(vl.detach()), [p.grad.clone() for p in params], b_actor)
+    assert res[False][0] == pytest.approx(res[True][0], rel=1e-6) and res[False][1] == pytest.approx(res[True][1], rel=1e-6)
+    assert all(g.abs().sum() > 0 for g in res[False][2])  # every weight gets a gradient: the comparison means something
+    for a, b in zip(res[False][2], res[True][2]):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), float((a - b).abs().max())
+    assert res[True][3] < res[False][3] / 4, (res[True][3], res[False][3])
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    layers = [m for m in pm.modules() if isinstance(m, GradientCheckpointingLayer)]
+    assert layers and not any(m.gradient_checkpointing or m.training for m in layers)  # as before: off, eval
+    emb = pm.get_base_model().get_input_embeddings()
+    assert not emb._forward_hooks  # no requires-grad hook left on the embeddings
+
+
+def test_grad_ckpt_choice():
+    """auto: on when one micro-batch of full-length sequences needs more than half of the free GPU memory; off
+    without a GPU; on / off as given; anything else is an error."""
+    pm, _ = rl.add_adapters(toy_lm(), train.Config(lora_r=4), "cpu")
+    assert rl.choose_grad_ckpt(train.Config(grad_ckpt="auto"), pm, "cpu")[0] is False
+    assert rl.choose_grad_ckpt(train.Config(grad_ckpt="on"), pm, "cpu")[0] is True
+    assert rl.choose_grad_ckpt(train.Config(grad_ckpt="off"), pm, "cpu")[0] is False
+    with pytest.raises(ValueError):
+        rl.choose_grad_ckpt(train.Config(grad_ckpt="yes"), pm, "cpu")
+    from transformers import Qwen2Config
+    import types
+    q7 = types.SimpleNamespace(config=Qwen2Config(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28))
+    q135 = types.SimpleNamespace(config=Qwen2Config(hidden_size=576, intermediate_size=1536, num_hidden_layers=30))
+    tokens = train.Config().micro_batch * train.Config().max_context
+    assert rl.activation_gb(q7, tokens) > 250 and rl.activation_gb(q7, tokens, checkpointed=True) < 25
+    assert rl.activation_gb(q135, tokens) < 40  # the default model at the default preset: no checkpointing on an H200
+
+
+def test_activation_estimate_matches_what_autograd_keeps():
+    """rl.activation_gb's per-token constants against the activations a bf16 Qwen2 model with LoRA on every linear
+    layer really keeps for the backward (two shapes, so both the hidden and the intermediate term are checked)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    for H, I in ((256, 1344), (512, 1024)):
+        torch.manual_seed(0)
+        lm = Qwen2ForCausalLM(Qwen2Config(hidden_size=H, intermediate_size=I, num_hidden_layers=2, num_attention_heads=H // 64,
+                                          num_key_value_heads=2, vocab_size=256)).to(torch.bfloat16)
+        pm, _ = rl.add_adapters(lm, train.Config(lora_r=16, lora_alpha=32), "cpu")
+        ids = torch.randint(0, 256, (2, 64))
+        kept, _ = saved_bytes(lambda: rl.hidden_states(pm, ids, torch.ones_like(ids)), pm)
+        est = rl.activation_gb(pm, ids.numel()) * 1e9
+        assert 0.8 < kept / est < 1.25, (H, I, kept, est)
+
+
+def test_chunked_logprobs_equal_the_full_ones():
+    """action_logprobs in chunks of 3 tokens (checkpointed under autograd) against one chunk of everything: the same
+    log-probs, entropies and LoRA gradients; and the chunks keep no (N, vocab) logits for the backward."""
+    cfg = train.Config(lora_r=4, lora_alpha=8)
+    pm, _ = lora_toy(cfg, V=512)
+    ids, attn, act = rl.collate(predictable_episodes(3, seed=5, vocab=(8, 512)), "cpu")
+    params = rl.adapter_params(pm, "actor")
+    out = {}
+    for chunk in (10**6, 3):
+        for p in params:
+            p.grad = None
+        kept, (logp, ent) = saved_bytes(lambda: rl.action_logprobs(pm, ids, attn, act, 0.7, chunk=chunk), pm)
+        assert not ent.requires_grad  # logged only (a graph would keep every chunk's (n, V) tensors, see rl.py)
+        logp.sum().backward()
+        out[chunk] = (logp.detach(), ent.detach(), [p.grad.clone() for p in params], kept)
+    (lp_full, ent_full, g_full, kept_full), (lp, en, g, kept) = out[10**6], out[3]  # both checkpointed
+    n = int(act.sum())
+    assert lp.shape == (n,) and n > 3  # several chunks
+    assert torch.allclose(lp, lp_full, atol=1e-6) and torch.allclose(en, ent_full, atol=1e-6)
+    for a, b in zip(g_full, g):
+        assert a.abs().sum() > 0 and torch.allclose(a, b, rtol=1e-4, atol=1e-5), float((a - b).abs().max())
+    kept_h, _ = saved_bytes(lambda: rl.hidden_states(pm, ids, attn), pm)
+    assert max(kept, kept_full) - kept_h < n * 512 * 4  # less than one (N, V) fp32 tensor kept for the backward
+    with torch.no_grad():  # no_grad (the old log-probs): the same numbers
+        assert torch.allclose(rl.action_logprobs(pm, ids, attn, act, 0.7, chunk=2)[0], lp_full, atol=1e-6)
+
+
+def fake_oom(pm, at: int):
+    """A forward pre-hook that raises torch.OutOfMemoryError once, on the at-th forward with gradients on."""
+    n = [0]
+
+    def hook(module, args, kwargs):
+        if torch.is_grad_enabled():
+            n[0] += 1
+            if n[0] == at:
+                raise torch.OutOfMemoryError("CUDA out of memory (fake, from the test)")
+    return pm.get_base_model().base_model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def test_out_of_memory_halves_the_micro_batch_and_gives_the_same_update(capsys):
+    """The 2nd forward with gradients runs out of memory (PPO: the critic's, after the actor's backward has put
+    gradients on the actor's LoRA; RFT: the 2nd micro-batch's, after the 1st one's backward): the minibatch starts
+    again at half the micro-batch with the partial gradients dropped, and the update equals a run that used the
+    smaller micro-batch from the start (SGD with lr 1: a parameter's change is its gradient); one line says so.
+    At micro-batch 1 the error stands."""
+    eps = predictable_episodes(4, seed=6)
+    for what in ("ppo", "rft"):
+        deltas, lines = {}, {}
+        for name, mb, oom in (("ref", 1, False), ("oom", 2, True)):
+            cfg = train.Config(lora_r=4, lora_alpha=8, minibatches=1, micro_batch=mb, max_grad_norm=1e9, tis_cap=0)
+            pm, head = lora_toy(cfg)
+            params = rl.adapter_params(pm, "actor") + rl.adapter_params(pm, "critic") + list(head.parameters())
+            before = [p.detach().clone() for p in params]
+            h = fake_oom(pm, 2) if oom else None
+            if what == "ppo":
+                rl.ppo_update(pm, head, opts_for(pm, head, sgd=True), eps, cfg, "cpu")
+            else:
+                rl.sft_epoch(pm, opts_for(pm, head, sgd=True)["actor"], eps, 1, cfg, "cpu", 0)
+            if h:
+                h.remove()
+            deltas[name] = torch.cat([(b - p.detach()).flatten() for b, p in zip(before, params)])
+            lines[name] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("memory |")]
+            assert cfg.micro_batch == 1
+        assert lines["ref"] == [] and len(lines["oom"]) == 1 and "micro_batch 2" in lines["oom"][0], lines
+        assert deltas["ref"].abs().sum() > 0
+        assert torch.allclose(deltas["oom"], deltas["ref"], rtol=1e-5, atol=1e-6), (what, float((deltas["oom"] - deltas["ref"]).abs().max()))
+    cfg = train.Config(lora_r=4, minibatches=1, micro_batch=1)
+    pm, head = lora_toy(cfg)
+    h = fake_oom(pm, 1)
+    with pytest.raises(torch.OutOfMemoryError):
+        rl.sft_epoch(pm, opts_for(pm, head, sgd=True)["actor"], eps, 1, cfg, "cpu", 0)
+    h.remove()
 
 
 GRAD_SCRIPT = r'''
