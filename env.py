@@ -530,12 +530,16 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
             n_sets = ref.answer()[0]["timed_sets"]
             timed_seeds = timed_seeds[:n_sets]
             ref_outs = [unpack(*ref.answer()) for _ in check_seeds + timed_seeds]
+            if need_baselines:  # torch.compile compiles at its first run (seconds of CPU work): here, while the device
+                ref.ask({"op": "use", "fn": "compile"})  # is not held for timing, and no other verdict waits on us
+                ref.ask({"op": "load", "seed": timed_seeds[0]})
+                ref.ask({"op": "run"})
         except (EOFError, ValueError, KeyError, TypeError, ChildError) as e:
             v.error = f"the reference model.py failed: {e if isinstance(e, ChildError) else ref.why_dead()}"
             return
         ref_checks, ref_timed = ref_outs[:len(check_seeds)], ref_outs[len(check_seeds):]
         ref_busy.close()  # (before our own baselines, which wait for every holder)
-        lap("reference outputs")  # (the candidate starts meanwhile when the baselines are cached)
+        lap("reference outputs")  # (and torch.compile's compile; the candidate starts meanwhile when the baselines are cached)
         if need_baselines:
             try:
                 with no_candidates(backend), file_lock(gpu_lock_path(backend)):

@@ -248,7 +248,9 @@ def _child_main(spec_path: str):
             if op == "exit":
                 os._exit(0)
             elif op == "use":
-                fn = fns[cmd["fn"]] if cmd["fn"] in fns else torch.compile(fns["eager"])
+                if cmd["fn"] == "compile" and "compile" not in fns:  # compiled at its first run, then kept
+                    fns["compile"] = torch.compile(fns["eager"])
+                fn = fns[cmd["fn"]]
             elif op == "load":
                 loaded = inputs_for(cmd["seed"] ^ seed_pad(spec["key"], nonce))
                 if buffers is None:

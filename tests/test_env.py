@@ -3,6 +3,7 @@
 Every workspace here uses the same kernel source (tests/env_cases/ops.cpp, one function per case),
 so the suite pays for one g++ build of a torch extension; the content-hash cache serves the rest.
 """
+import contextlib
 import json
 import os
 import socket
@@ -424,6 +425,33 @@ def assert_nothing_escaped(mark, out):
     assert not mark.exists() and not Path("/dev/shm", mark.name).exists()
     survivors = subprocess.run(["pgrep", "-f", "sleep 123.456"], capture_output=True, text=True).stdout.split()
     assert survivors == [], "a process outlived its sandbox"
+
+
+def test_torch_compile_compiles_before_the_device_is_held(tmp_path, monkeypatch):
+    """A task's first profile times eager and torch.compile while no candidate is alive and the device is held: every
+    other verdict waits meanwhile. torch.compile compiles at its first run (seconds of CPU work): that run comes before."""
+    held, log = [False], []
+
+    @contextlib.contextmanager
+    def gate(backend):
+        held[0] = True
+        try:
+            yield
+        finally:
+            held[0] = False
+    monkeypatch.setattr(env, "no_candidates", gate)
+    ask = protocol.Child.ask
+    monkeypatch.setattr(protocol.Child, "ask", lambda self, cmd: (log.append((held[0], cmd.get("op"), cmd.get("fn"))),
+                                                                  ask(self, cmd))[1])
+    fresh = RELU + f"\n# a task never timed before: {os.urandom(8).hex()}\n"
+    ws = make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)"))
+    (ws / "model.py").write_text(fresh)
+    v = env.evaluate(ws, backend="cpu", stage="profile")
+    assert v.correct and v.compile_ms > 0, v.summary()
+    first_compiled_run = log[[op for _, op, _ in log].index("use") + 2]  # use compile, load, run
+    assert log[[op for _, op, _ in log].index("use")][2] == "compile" and first_compiled_run[1] == "run", log
+    assert first_compiled_run[0] is False, "torch.compile's first run happened while the device was held"
+    assert any(h and fn == "compile" for h, _, fn in log), "the compiled baseline was not timed under the gate"
 
 
 def test_escape_sandboxed_child(tmp_path):
