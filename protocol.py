@@ -34,6 +34,10 @@ from sandbox import run_sandboxed
 from scan import ALLOWED_OPS, INIT_OPS
 
 ENV_PY = Path(__file__).resolve().parent / "env.py"  # a child is `python env.py _child SPEC`
+# ... or, where the sandbox's fork server works, a fresh fork of an interpreter that imported these once (sandbox.py):
+# torch (seconds), torch._dynamo (which the dispatch monitor's first operator imports: 1.5 s on 2 cores) and this module.
+# An empty list: every child exec'ed (bench/verdict_split.py times both).
+FORK_PRELOAD = ["torch", "torch._dynamo", "protocol"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -311,7 +315,9 @@ class Child:
         def go():
             try:
                 self.result = run_sandboxed(argv, run_dir, cfg.timeout, writable=writable, mem_gb=cfg.mem_gb, env=extra,
-                                            pass_fds=[self.cmd_r, self.rep_w], kind=backend, started=self._started)
+                                            pass_fds=[self.cmd_r, self.rep_w], kind=backend, started=self._started,
+                                            fork={"preload": FORK_PRELOAD, "call": ["protocol", "_child_main", [argv[-1]]]}
+                                            if FORK_PRELOAD else None)
             except BaseException as e:  # noqa: BLE001  - a child that never ran is a child that ended, with its reason
                 self.failed = f"{type(e).__name__}: {e}"
             finally:

@@ -1,15 +1,16 @@
 """Where a CACHED verdict's time goes (build and baselines cached): env.evaluate's own code paths, timestamped in the
-parent and in both children, on one clock (CLOCK_MONOTONIC is system-wide, the children's PID namespace included).
-Prints a table of phases (median ms over --repeats verdicts) and, for scale, what the pieces cost on their own.
+parent and in both children on one clock (CLOCK_MONOTONIC is system-wide, the children's PID namespace included).
+Children exec'ed (`python env.py _child`, each importing torch) and forked from the sandbox's fork server
+(protocol.FORK_PRELOAD) are compared in one run, verdicts alternating; prints a timeline per way (median ms over
+--repeats verdicts), the verdict's phases side by side, and what the pieces cost on their own.
 
     python bench/verdict_split.py                         # CPU backend, the bench's 256x512x256 matmul
     python bench/verdict_split.py --backend cuda --repeats 8
 
-How: protocol.Child starts `python -E -B <ENV_PY> _child SPEC`; this script points ENV_PY at a wrapper
-(bench/_traced_child.py) that stamps the interpreter's start, `import torch`, `import env`, and every message the
-child sends, on stderr, then runs the harness's own protocol._child_main. The parent's side is stamped by wrapping
-sandbox.run_sandboxed, protocol.Child's methods and env.Verdict.phases (env._lap_timer). Nothing here is timed by a
-test; the numbers are for reading.
+How: the children run bench/_traced_child.py (exec'ed in place of env.py, or called in the forked child), which stamps
+its start, `import torch`, `import protocol`, and messages on stderr, then runs the harness's own
+protocol._child_main. The parent's side is stamped by wrapping protocol.run_sandboxed, protocol.Child's methods and
+env.Verdict.phases (env._lap_timer). Nothing here is timed by a test; the numbers are for reading.
 """
 import argparse
 import os
@@ -56,6 +57,7 @@ assert v.correct, v.summary()
 
 # -- stamps -------------------------------------------------------------------------------------
 events = []  # (monotonic seconds, who, what)
+sums = []  # (who, the child's per-command totals) of the last verdict
 
 
 def stamp(who, what):
@@ -67,6 +69,8 @@ _run_sandboxed, _init, _answer, _close = protocol.run_sandboxed, protocol.Child.
 
 
 def traced_run_sandboxed(argv, *a, **k):
+    if k.get("fork"):
+        k["fork"] = dict(k["fork"], call=["bench._traced_child", "main", k["fork"]["call"][2]])
     who = "ref" if '"mode": "reference"' in Path(argv[-1]).read_text() else "cand"
     stamp(who, "spawn (run_sandboxed called)")
     r = _run_sandboxed(argv, *a, **k)
@@ -74,7 +78,10 @@ def traced_run_sandboxed(argv, *a, **k):
     for line in r.stderr.splitlines():
         if line.startswith("TRACE "):
             _, t, what = line.split(" ", 2)
-            events.append((float(t), who, what))
+            if what.startswith("child: ms handling"):
+                sums.append((who, what))
+            else:
+                events.append((float(t), who, what))
     return r
 
 
@@ -117,31 +124,56 @@ def traced_lap_timer(phases):
 
 env._lap_timer = traced_lap_timer
 
-# -- cached verdicts ------------------------------------------------------------------------------
-runs = []
+# -- cached verdicts, the two ways alternating -------------------------------------------------
+FORK = protocol.FORK_PRELOAD
+runs = {"exec": [], "fork": []}
+secs = {"exec": [], "fork": []}
+phases = {"exec": [], "fork": []}
+per_op = {"exec": [], "fork": []}
+t0 = time.monotonic()
+env.evaluate(ws, backend=backend)  # starts the fork servers (once per trainer process): not counted below
+print(f"  first forked verdict (starts the fork servers): {time.monotonic() - t0:.3f} s", flush=True)
 for i in range(args.repeats):
-    events.clear()
-    t0 = time.monotonic()
-    stamp("parent", "evaluate() called")
-    v = env.evaluate(ws, backend=backend)
-    stamp("parent", "evaluate() returned")
-    assert v.correct, v.summary()
-    runs.append({(who, what): (t - t0) * 1e3 for t, who, what in events})
-    print(f"  verdict {i}: {(time.monotonic() - t0):.3f} s, runtime {v.runtime_ms:.4f} ms", flush=True)
+    for way in ("exec", "fork"):
+        protocol.FORK_PRELOAD = FORK if way == "fork" else []
+        events.clear()
+        t0 = time.monotonic()
+        stamp("parent", "evaluate() called")
+        v = env.evaluate(ws, backend=backend)
+        stamp("parent", "evaluate() returned")
+        assert v.correct, v.summary()
+        secs[way].append(time.monotonic() - t0)
+        phases[way].append(dict(v.phases, rest=secs[way][-1] - sum(v.phases.values())))
+        runs[way].append({(who, what): (t - t0) * 1e3 for t, who, what in events})
+        per_op[way].append(list(sums))
+        sums.clear()
+        print(f"  verdict {i} ({way}): {secs[way][-1]:.3f} s, runtime {v.runtime_ms:.4f} ms", flush=True)
 
 med = lambda xs: statistics.median(xs) if xs else float("nan")
-keys = list(dict.fromkeys(k for r in runs for k in sorted(r, key=r.get)))
-at = {k: med([r[k] for r in runs if k in r]) for k in keys}
-keys.sort(key=at.get)
-print(f"\n## cached verdict timeline ({backend}, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}, median of "
-      f"{len(runs)} verdicts; ms since evaluate() was called; the children run concurrently)\n")
-print("| t (ms) | process | event | since this process's previous event (ms) |\n|---|---|---|---|")
-last = {}
-for k in keys:
-    who, what = k
-    prev = last.get(who, 0.0)
-    print(f"| {at[k]:.0f} | {who} | {what} | {at[k] - prev:.0f} |")
-    last[who] = at[k]
+for way in ("exec", "fork"):
+    keys = list(dict.fromkeys(k for r in runs[way] for k in r))
+    at = {k: med([r[k] for r in runs[way] if k in r]) for k in keys}
+    keys.sort(key=at.get)
+    label = {"exec": "exec'ed", "fork": "forked from the fork server"}[way]
+    print(f"\n## cached verdict timeline, children {label} ({backend}, {os.cpu_count()} cpus, "
+          f"load {os.getloadavg()[0]:.1f}, median of {len(runs[way])} verdicts; ms since evaluate() was called; the children "
+          "run concurrently)\n")
+    print("| t (ms) | process | event | since this process's previous event (ms) |\n|---|---|---|---|")
+    last = {}
+    for k in keys:
+        who, what = k
+        print(f"| {at[k]:.0f} | {who} | {what} | {at[k] - last.get(who, 0.0):.0f} |")
+        last[who] = at[k]
+    print("\n(the children's own time per command, in the verdict of median length)")
+    mid = sorted(range(len(secs[way])), key=lambda i: secs[way][i])[len(secs[way]) // 2]
+    for who, what in per_op[way][mid]:
+        print(f"- {who}: {what}")
+names = list(dict.fromkeys(n for w in phases.values() for ph in w for n in ph))
+print(f"\n## cached verdict phases (env.Verdict.phases, median ms of {args.repeats} verdicts each)\n")
+print("| phase | children exec'ed | children forked | forked / exec'ed |\n|---|---|---|---|")
+for n in [*names, "verdict"]:
+    e, f = ((med(secs[w]) if n == "verdict" else med([ph.get(n, 0.0) for ph in phases[w]])) * 1e3 for w in ("exec", "fork"))
+    print(f"| {n} | {e:.0f} | {f:.0f} | {f / e if e else float('nan'):.2f} |")
 
 # -- the pieces on their own (for scale) --------------------------------------------------------
 if not args.no_components:
