@@ -210,7 +210,6 @@ def _jail(cfg: dict, argv: list[str] | None):
         for w in sorted(writable, key=len):
             os.makedirs(w, exist_ok=True)
             mount(f"/proc/self/fd/{keep[w]}", w, None, MS_BIND | MS_REC)
-            os.close(keep[w])
         rw = set(writable) | set(covers)
         for line in open("/proc/self/mountinfo"):
             fields = line.split()
@@ -232,6 +231,9 @@ def _jail(cfg: dict, argv: list[str] | None):
             with contextlib.suppress(OSError):
                 mount(d, d, None, MS_BIND | MS_REC)
                 mount(None, d, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | 8)
+        for fd in keep.values():  # (an O_PATH descriptor of a folder leads past any cover mounted over it)
+            with contextlib.suppress(OSError):
+                os.close(fd)
         os.chdir(cwd)  # re-enter the cwd through its writable bind mount
     if cfg["uid"] is not None:  # its folders become the unprivileged uid's (only they are visible and writable)
         for i, w in enumerate(writable):
@@ -437,7 +439,7 @@ def _apply_limits(limits: dict):
 # on the CUDA backend every child creates its own context. Probed once per server (the isolation probe's code, forked):
 # where it fails, children are exec'ed.
 CLONE_FLAGS = {"--mount": 0x00020000, "--user": 0x10000000, "--pid": 0x20000000, "--net": 0x40000000, "--ipc": 0x08000000}
-PR_SET_PDEATHSIG = 1
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4
 _SERVERS: dict = {}
 _SERVERS_LOCK = threading.Lock()
 
@@ -540,6 +542,7 @@ def _recv_json(sock, deadline):
 def _serve_forks(sock_fd: int, preload: list):
     """The fork server's loop (`python sandbox.py _forkserver FD PRELOAD`): one fork per request; ends with the parent."""
     libc = ctypes.CDLL(None, use_errno=True)  # (no PR_SET_PDEATHSIG: it fires when the parent's THREAD that started us ends)
+    libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # no process of its uid may ptrace it or read its memory (no CAP_SYS_PTRACE)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # its children (M) are reaped by the kernel
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C is for the parent
     import importlib
@@ -624,6 +627,13 @@ def _forked_child(req: dict, libc):
         os.environ.update(req["env"])
         tempfile.tempdir = None  # (cached from the server's TMPDIR)
         _jail(req["cfg"], None)
+        libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # as after an exec: its /proc/self is its own uid's (CUDA writes there)
+        # Nothing but stdio and pass_fds (on the exec path, exec closes the rest: Python opens its files close-on-exec).
+        keep = {0, *req["targets"]}
+        for fd in map(int, os.listdir("/proc/self/fd")):
+            if fd not in keep:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
         module, function, args = req["call"]
         import importlib
         getattr(importlib.import_module(module), function)(*args)
