@@ -3,7 +3,8 @@ checks and times them. The parent holds the clock and every secret; a child only
 it is about to make, and sends back what it is asked for, over pipes (JSON headers and raw tensor bytes, never
 pickle). Every command carries a fresh nonce that its reply must echo: only the harness that read the command knows
 it, so a message that native code in the child writes to the reply pipe itself is refused. A child is
-`python env.py _child SPEC`, which runs _child_main here.
+`python env.py _child SPEC`, or (where it works) a fresh fork of sandbox.py's fork server, which imported torch before
+any candidate existed; either runs _child_main here.
 
     ref = Child({"mode": "reference", ...}, run_dir, "cuda", cfg)     # the trusted task code
     times = timed_runs(ref, seeds, cfg)                               # milliseconds per run, by this process's clock

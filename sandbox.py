@@ -1,7 +1,9 @@
 """sandbox.py: child processes that cannot touch the host, and the locks the timing relies on.
 
 Used by env.py (builds, reference and candidate children), agent.py (the `bash` tool), synth.py and
-evaluate.py (task children). One function, `run_sandboxed(argv, cwd, timeout, ...)`.
+evaluate.py (task children). One function, `run_sandboxed(argv, cwd, timeout, ...)`. With `fork=`, the child is not
+exec'ed but forked from a fork server that imported torch once (ForkServer): the same layers, without the seconds of
+`import torch` per child (env.py's verdict children).
 
 Layers, each probed once per process (`isolation(kind)`) and reported once on stderr when missing. A layer is given
 up only where the plans with it fail again after a weaker one started (a failure of the moment, such as a fork refused
