@@ -550,8 +550,7 @@ def _serve_forks(sock_fd: int, preload: list):
     import importlib
     for name in preload:
         importlib.import_module(name)
-    torch = sys.modules.get("torch")
-    if (torch is not None and torch.cuda.is_initialized()) or "libcuda.so" in open("/proc/self/maps").read():
+    if _cuda_initialised():
         sys.exit("sandbox.py: the fork server's imports initialised CUDA; it does not fork")  # (children are exec'ed)
     sock = socket.socket(fileno=sock_fd)
     while True:
@@ -566,6 +565,21 @@ def _serve_forks(sock_fd: int, preload: list):
             _forked(json.loads(msg), fds, libc)  # never returns
         for fd in fds:
             os.close(fd)
+
+
+def _cuda_initialised() -> bool:
+    """Whether this process initialised CUDA: torch's lazy init, or the driver's cuInit by anyone (cuCtxGetCurrent
+    answers CUDA_ERROR_NOT_INITIALIZED = 3 before it, and has no effect). A forked child of an initialised process
+    cannot use the GPU."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return True
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:  # no driver: nothing to initialise
+        return False
+    ctx = ctypes.c_void_p()
+    return cuda.cuCtxGetCurrent(ctypes.byref(ctx)) != 3
 
 
 def _forked(req: dict, fds: list, libc):

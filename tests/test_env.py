@@ -457,6 +457,16 @@ def test_a_forked_child_holds_only_its_own_descriptors(tmp_path):
         assert int(pid) == 1, r.stdout
 
 
+def test_children_are_exec_ed_where_the_fork_server_fails(tmp_path, monkeypatch, capfd):
+    """A fork server that cannot start (here: a module it cannot import; on a GPU host, imports that initialised CUDA)
+    fails its probe, once, and every child is exec'ed instead: the verdict is the same."""
+    monkeypatch.setattr(protocol, "FORK_PRELOAD", ["torch", f"no_such_module_{os.urandom(4).hex()}"])
+    ws = make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)"))
+    v = env.evaluate(ws, backend="cpu", stage="verify")
+    assert v.correct, v.summary()
+    assert capfd.readouterr().err.count("the fork server's probe child failed; children are exec'ed") == 2  # (2 envs)
+
+
 def test_verdict_children_are_forked_fresh(tmp_path, monkeypatch):
     """Both children of a verdict are forked from the fork server (no `import torch` per child), each a new process."""
     calls, real = [], sandbox.ForkServer.run
