@@ -437,9 +437,10 @@ def _apply_limits(limits: dict):
 # same _jail (mounts, /dev, capabilities, uid) as an exec'ed child, and runs the requested function instead of exec'ing
 # a new interpreter. What C inherits is the server's memory: imported modules and the requests' paths and environments,
 # never a secret (a child reads its own from its spec file, as on the exec path); and no descriptor but its
-# stdout/stderr and the pass_fds. The server never initialises CUDA (it refuses to fork once torch.cuda is initialised):
-# on the CUDA backend every child creates its own context. Probed once per server (the isolation probe's code, forked):
-# where it fails, children are exec'ed.
+# stdout/stderr and the pass_fds. The server never initialises CUDA (it does not serve where its imports did): on the
+# CUDA backend every child creates its own context. Probed once per server (the isolation probe's code, forked): where
+# it fails, children are exec'ed. The server is not dumpable (no process of its uid without CAP_SYS_PTRACE can trace
+# it), and ends when the harness's end of its socket closes.
 CLONE_FLAGS = {"--mount": 0x00020000, "--user": 0x10000000, "--pid": 0x20000000, "--net": 0x40000000, "--ipc": 0x08000000}
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4
 _SERVERS: dict = {}
@@ -592,11 +593,12 @@ def _forked(req: dict, fds: list, libc):
         os.write(report, json.dumps({"pid": os.getpid()}).encode())
         # The child's descriptors at the numbers it expects: stdin /dev/null, stdout, stderr, pass_fds; nothing else.
         high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 1 << 12) for fd in fds]
+        report = high[0]
         for fd in map(int, os.listdir("/proc/self/fd")):
             if fd not in high:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-        report, high = high[0], high[1:]
+        high = high[1:]
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         for fd, target in zip(high, req["targets"]):
             os.dup2(fd, target)  # (dup2's copy is inheritable)
