@@ -60,6 +60,11 @@ What the sandbox protects against (sandbox.py has the layers)
     no_new_privs, no network; a killed child takes all its descendants with it.
   - crashes, hangs, fork bombs, huge allocations, megabytes of output: a fresh process per verdict, wall
     clock timeouts, cgroups or rlimits, truncated logs.
+  - reaching harness state: each child is a fresh process, forked (where sandbox.py's fork server works, else
+    exec'ed) from a trusted interpreter that this process exec'ed, that imported torch before any candidate existed
+    and never holds a secret (a child reads its key from its own spec file); it never initialises CUDA, so every
+    child creates its own context. A forked child goes through the same layers as an exec'ed one, and keeps no
+    descriptor but its stdio and its two pipes.
   - slowing the baselines: they are never timed while a candidate is alive on that device, and every process
     the policy controls counts as one: the candidate child, a build, the agent's bash tool; so does another
     verdict's reference child until its outputs are in (the policy decides when verdicts start).
@@ -96,6 +101,9 @@ What it does NOT protect against (be honest; RL will look)
   - the time includes two pipe round trips and the sample's copy: for tiny kernels the reward sees host
     overhead (bench/env_bench.py states this floor; bench/floor_diag.py splits it). It is the same for the
     candidate and both baselines, except the candidate's dispatch monitor (tens of microseconds a run).
+  - a forked child shares the fork server's memory copy-on-write: the imported modules, and what the server read,
+    the paths and environments of the children it forked (other verdicts' run folders by name, never their
+    content, which the cache's cover hides).
   - where a layer is unavailable (no namespaces in some containers; an unprivileged uid only where the
     interpreter is reachable by it), isolation falls back to the rest; this is said once on stderr.
   - GPU memory is not capped per candidate on the CUDA backend (RLIMIT_AS breaks CUDA).

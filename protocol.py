@@ -3,7 +3,8 @@ checks and times them. The parent holds the clock and every secret; a child only
 it is about to make, and sends back what it is asked for, over pipes (JSON headers and raw tensor bytes, never
 pickle). Every command carries a fresh nonce that its reply must echo: only the harness that read the command knows
 it, so a message that native code in the child writes to the reply pipe itself is refused. A child is
-`python env.py _child SPEC`, which runs _child_main here.
+`python env.py _child SPEC`, or (where it works) a fresh fork of sandbox.py's fork server, which imported torch before
+any candidate existed; either runs _child_main here.
 
     ref = Child({"mode": "reference", ...}, run_dir, "cuda", cfg)     # the trusted task code
     times = timed_runs(ref, seeds, cfg)                               # milliseconds per run, by this process's clock
@@ -34,6 +35,10 @@ from sandbox import run_sandboxed
 from scan import ALLOWED_OPS, INIT_OPS
 
 ENV_PY = Path(__file__).resolve().parent / "env.py"  # a child is `python env.py _child SPEC`
+# ... or, where the sandbox's fork server works, a fresh fork of an interpreter that imported these once (sandbox.py):
+# torch (seconds), torch._dynamo (which the dispatch monitor's first operator imports: 1.5 s on 2 cores) and this module.
+# An empty list: every child exec'ed (bench/verdict_split.py times both).
+FORK_PRELOAD = ["torch", "torch._dynamo", "protocol"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -313,7 +318,9 @@ class Child:
         def go():
             try:
                 self.result = run_sandboxed(argv, run_dir, cfg.timeout, writable=writable, mem_gb=cfg.mem_gb, env=extra,
-                                            pass_fds=[self.cmd_r, self.rep_w], kind=backend, started=self._started)
+                                            pass_fds=[self.cmd_r, self.rep_w], kind=backend, started=self._started,
+                                            fork={"preload": FORK_PRELOAD, "call": ["protocol", "_child_main", [argv[-1]]]}
+                                            if FORK_PRELOAD else None)
             except BaseException as e:  # noqa: BLE001  - a child that never ran is a child that ended, with its reason
                 self.failed = f"{type(e).__name__}: {e}"
             finally:

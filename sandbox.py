@@ -1,7 +1,9 @@
 """sandbox.py: child processes that cannot touch the host, and the locks the timing relies on.
 
 Used by env.py (builds, reference and candidate children), agent.py (the `bash` tool), synth.py and
-evaluate.py (task children). One function, `run_sandboxed(argv, cwd, timeout, ...)`.
+evaluate.py (task children). One function, `run_sandboxed(argv, cwd, timeout, ...)`. With `fork=`, the child is not
+exec'ed but forked from a fork server that imported torch once (ForkServer): the same layers, without the seconds of
+`import torch` per child (env.py's verdict children).
 
 Layers, each probed once per process (`isolation(kind)`) and reported once on stderr when missing. A layer is given
 up only where the plans with it fail again after a weaker one started (a failure of the moment, such as a fork refused
@@ -36,6 +38,7 @@ import os
 import resource
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -166,9 +169,10 @@ MNT_FLAGS = {"nodev": MS_NODEV, "noexec": 8, "noatime": 1024, "nodiratime": 2048
 PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 38, 24, 47, 4
 
 
-def _jail(cfg: dict, argv: list[str]):
+def _jail(cfg: dict, argv: list[str] | None):
     """cfg: {"mount": bool, "writable": [...], "hide": [...], "visible": [...], "readable": [...], "uid": int | None}. Only ever
-    changes mounts of a mount namespace of its own (never the host's)."""
+    changes mounts of a mount namespace of its own (never the host's). Then execs argv, or (argv None: a child of the fork
+    server) returns, to run its function in this process."""
     libc = ctypes.CDLL(None, use_errno=True)
 
     def mount(src, tgt, fstype, flags, data=None):
@@ -208,7 +212,6 @@ def _jail(cfg: dict, argv: list[str]):
         for w in sorted(writable, key=len):
             os.makedirs(w, exist_ok=True)
             mount(f"/proc/self/fd/{keep[w]}", w, None, MS_BIND | MS_REC)
-            os.close(keep[w])
         rw = set(writable) | set(covers)
         for line in open("/proc/self/mountinfo"):
             fields = line.split()
@@ -230,13 +233,17 @@ def _jail(cfg: dict, argv: list[str]):
             with contextlib.suppress(OSError):
                 mount(d, d, None, MS_BIND | MS_REC)
                 mount(None, d, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | 8)
+        for fd in keep.values():  # (an O_PATH descriptor of a folder leads past any cover mounted over it)
+            with contextlib.suppress(OSError):
+                os.close(fd)
         os.chdir(cwd)  # re-enter the cwd through its writable bind mount
     if cfg["uid"] is not None:  # its folders become the unprivileged uid's (only they are visible and writable)
         for i, w in enumerate(writable):
             if i == 0 or os.stat(w).st_uid != cfg["uid"]:  # the cwd always (the parent writes into it); caches once
                 _chown_tree(w, cfg["uid"])
     _drop_privileges(libc, cfg["uid"])
-    os.execvp(argv[0], argv)
+    if argv is not None:
+        os.execvp(argv[0], argv)
 
 
 DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")  # and /dev/nvidia* (the GPU), nothing else
@@ -337,13 +344,16 @@ def _cgroup(name: str, pids_max: int, mem_bytes: int | None) -> list[Path]:
 def run_sandboxed(argv: list[str], cwd: str | Path, timeout: float, *, writable=(), hide=None, readable=(),
                   mem_gb: float | None = 16.0, cpu_s: float | None = None, env: dict | None = None, pass_fds=(),
                   output_limit: int = 20_000, max_tasks: int = 1024, kind: str = "cpu", iso: Isolation | None = None,
-                  started=None) -> SandboxResult:
+                  started=None, fork: dict | None = None) -> SandboxResult:
     """Run argv in a child process that cannot hurt us (see the module docstring). `cwd` and `writable` stay
     writable; everything else is read-only, and `hide` (default: the cache root) is empty but for the `readable`
     folders in it (read-only). stdout/stderr are kept to `output_limit` characters each (head and tail).
     kind="cuda" for children that use the GPU (no address-space limit, the layers CUDA tolerates here).
     started(pid): called with the child's process group once it runs, for a caller (another thread) that may need
-    to kill it sooner."""
+    to kill it sooner.
+    fork={"preload": [modules], "call": [module, function, args]}: the same child, but forked from a fork server that
+    imported `preload` once (see ForkServer) and running module.function(*args) instead of exec'ing argv; argv is run
+    where no fork server is available ("probe": True: the server's probe child, run before its probe has passed)."""
     cwd = str(Path(cwd).resolve())
     iso = isolation(kind) if iso is None else iso
     child_env = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
@@ -357,35 +367,35 @@ def run_sandboxed(argv: list[str], cwd: str | Path, timeout: float, *, writable=
     # RLIMIT_AS breaks CUDA's address-space reservations; a memory cgroup (where writable) is used instead.
     has_mem_cgroup = any((g / "memory.max").exists() or (g / "memory.limit_in_bytes").exists() for g in groups)
     mem_limit = int(mem_gb * 2**30) if mem_gb and not has_mem_cgroup and kind != "cuda" else None
-
-    def limits():  # runs in the child between fork and exec
-        for g in groups:
-            with open(g / "cgroup.procs", "w") as f:
-                f.write(str(os.getpid()))
-        if mem_limit:
-            resource.setrlimit(resource.RLIMIT_AS, (mem_limit, mem_limit))
-        if cpu_s:
-            resource.setrlimit(resource.RLIMIT_CPU, (int(cpu_s), int(cpu_s) + 5))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 30, 1 << 30))  # stdout/stderr land in files on the host's /tmp
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if os.geteuid() != 0:
-            resource.setrlimit(resource.RLIMIT_NPROC, (max_tasks * 4, max_tasks * 4))
+    limits = {"groups": [str(g) for g in groups], "mem_limit": mem_limit, "cpu_s": cpu_s, "max_tasks": max_tasks}
 
     t0 = time.monotonic()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        p = subprocess.Popen(cmd, cwd=cwd, env=child_env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                             start_new_session=True, preexec_fn=limits, pass_fds=tuple(pass_fds))
-        if started:
-            started(p.pid)
-        timed_out = False
-        try:
-            p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        finally:  # also when the caller is interrupted (Ctrl-C): never leave a child behind
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGKILL)  # also reaps stragglers that kept our process group
-            p.wait()
+        forked = None
+        if fork is not None:
+            server = fork_server(fork["preload"], child_env, iso, kind, probe=not fork.get("probe"))
+            forked = server and server.run(fork["call"], iso, cfg, cwd, child_env, limits, [out.fileno(), err.fileno()],
+                                           list(pass_fds), timeout, started)
+        if forked:
+            rc, timed_out = forked
+        else:
+            p = subprocess.Popen(cmd, cwd=cwd, env=child_env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                 start_new_session=True, preexec_fn=lambda: _apply_limits(limits), pass_fds=tuple(pass_fds))
+            if started:
+                started(p.pid)
+            timed_out = False
+            try:
+                p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            finally:  # also when the caller is interrupted (Ctrl-C): never leave a child behind
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.pid, signal.SIGKILL)  # also reaps stragglers that kept our process group
+                p.wait()
+            # Under `unshare --fork --kill-child`, a signal that kills the child shows up as 128+sig.
+            rc = p.returncode
+            if rc > 128 and "--fork" in iso.prefix:
+                rc = -(rc - 128)
         for g in groups:  # leftover tasks in the cgroup (escaped the group): kill, then remove it
             with contextlib.suppress(OSError, ValueError):
                 if (g / "cgroup.kill").exists():
@@ -399,11 +409,263 @@ def run_sandboxed(argv: list[str], cwd: str | Path, timeout: float, *, writable=
                 except OSError:
                     time.sleep(0.02)
         texts = [_read_limited(f, output_limit) for f in (out, err)]
-    # Under `unshare --fork --kill-child`, a signal that kills the child shows up as 128+sig.
-    rc = p.returncode
-    if rc > 128 and "--fork" in iso.prefix:
-        rc = -(rc - 128)
     return SandboxResult(rc, texts[0], texts[1], timed_out, time.monotonic() - t0)
+
+
+def _apply_limits(limits: dict):
+    """In the child, before anything of it runs (between fork and exec, or in the fork server's child)."""
+    for g in limits["groups"]:
+        with open(Path(g) / "cgroup.procs", "w") as f:
+            f.write(str(os.getpid()))
+    if limits["mem_limit"]:
+        resource.setrlimit(resource.RLIMIT_AS, (limits["mem_limit"], limits["mem_limit"]))
+    if limits["cpu_s"]:
+        resource.setrlimit(resource.RLIMIT_CPU, (int(limits["cpu_s"]), int(limits["cpu_s"]) + 5))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 30, 1 << 30))  # stdout/stderr land in files on the host's /tmp
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if os.geteuid() != 0:
+        resource.setrlimit(resource.RLIMIT_NPROC, (limits["max_tasks"] * 4, limits["max_tasks"] * 4))
+
+
+# ----------------------------------------------------------------------------------------------
+# The fork server: a FRESH sandboxed process per child without paying `import torch` (seconds) in each
+# ----------------------------------------------------------------------------------------------
+# A trusted interpreter, exec'ed by the harness (never forked from it: it holds none of the harness's state), imports
+# `preload` once and then forks on request. Each request forks M (the role `unshare --fork --kill-child` plays on the
+# exec path): M takes the limits and the namespaces, forks C, waits for it and reports its exit status to the
+# parent over a socket that only M holds. C is PID 1 of its new PID namespace, mounts its own /proc, goes through the
+# same _jail (mounts, /dev, capabilities, uid) as an exec'ed child, and runs the requested function instead of exec'ing
+# a new interpreter. What C inherits is the server's memory: imported modules and the requests' paths and environments,
+# never a secret (a child reads its own from its spec file, as on the exec path); and no descriptor but its
+# stdout/stderr and the pass_fds. The server never initialises CUDA (it does not serve where its imports did): on the
+# CUDA backend every child creates its own context. Probed once per server (the isolation probe's code, forked): where
+# it fails, children are exec'ed. The server is not dumpable (no process of its uid without CAP_SYS_PTRACE can trace
+# it), and ends when the harness's end of its socket closes.
+CLONE_FLAGS = {"--mount": 0x00020000, "--user": 0x10000000, "--pid": 0x20000000, "--net": 0x40000000, "--ipc": 0x08000000}
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4
+_SERVERS: dict = {}
+_SERVERS_LOCK = threading.Lock()
+
+
+def fork_server(preload: list, env: dict, iso: Isolation, kind: str, probe: bool = True) -> ForkServer | None:
+    """The fork server for these modules, environment (but HOME and TMPDIR, each child's own) and layers, started on
+    first use and probed once (probe=False: the probe's own child); None where it does not start or its probe fails."""
+    key = (tuple(preload), kind, iso, tuple(sorted((k, v) for k, v in env.items() if k not in ("HOME", "TMPDIR"))))
+    with _SERVERS_LOCK:
+        if key not in _SERVERS:
+            try:
+                _SERVERS[key] = ForkServer(preload, env)
+            except OSError as e:
+                print(f"sandbox.py: no fork server ({e}); children are exec'ed", file=sys.stderr)
+                _SERVERS[key] = None
+        server = _SERVERS[key]
+    if server is None or not probe:
+        return server
+    with server.probe_lock:  # one probe per server; a child of a server that failed it is exec'ed
+        if server.ok is None:
+            with tempfile.TemporaryDirectory() as d:
+                os.chmod(d, 0o777)
+                own = {k: v for k, v in env.items() if k not in ("HOME", "TMPDIR", "LANG", "PYTHONDONTWRITEBYTECODE")}
+                r = run_sandboxed(["false"], d, 120, mem_gb=None, kind=kind, iso=iso, env=own,
+                                  fork={"preload": preload, "call": ["sandbox", "_fork_probe", [kind]], "probe": True})
+            server.ok = r.returncode == 0 and r.stdout.strip() == "forked"
+            if not server.ok:
+                print(f"sandbox.py: the fork server's probe child failed; children are exec'ed\n{r.stderr[-600:]}",
+                      file=sys.stderr)
+    return server if server.ok else None
+
+
+def _fork_probe(kind: str):
+    if kind == "cuda":
+        exec(_CUDA_PROBE, {})
+    print("forked")
+
+
+class ForkServer:
+    def __init__(self, preload: list, env: dict):
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.home = tempfile.mkdtemp(prefix="forkserver-")  # its HOME and TMPDIR (a child gets its own)
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-E", "-B", str(SANDBOX_PY), "_forkserver", str(theirs.fileno()),
+                                          json.dumps(preload)], env=dict(env, HOME=self.home, TMPDIR=self.home,
+                                                                   PYTORCH_NVML_BASED_CUDA_CHECK="1"),
+                                         cwd=self.home, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                         pass_fds=[theirs.fileno()], start_new_session=True)
+        finally:
+            theirs.close()
+        self.lock, self.probe_lock, self.ok = threading.Lock(), threading.Lock(), None
+
+    def run(self, call, iso, cfg, cwd, env, limits, stdio, pass_fds, timeout, started):
+        """(returncode, timed_out) of call run in a forked child, or None where it could not be forked (set-up failed:
+        then nothing of the child ran)."""
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        req = {"call": call, "prefix": list(iso.prefix), "cfg": cfg, "cwd": cwd, "env": env, "limits": limits,
+               "targets": [1, 2, *pass_fds]}
+        pid = None
+        try:
+            try:
+                with self.lock:
+                    socket.send_fds(self.sock, [json.dumps(req).encode()], [theirs.fileno(), *stdio, *pass_fds])
+            finally:
+                theirs.close()
+            deadline = time.monotonic() + timeout
+            first = _recv_json(mine, deadline)
+            if not isinstance(first, dict) or "error" in first or not isinstance(first.get("pid"), int):
+                return None
+            pid = first["pid"]
+            if started:
+                started(pid)
+            last = _recv_json(mine, deadline)
+            if last == "timeout":
+                return -signal.SIGKILL, True
+            if isinstance(last, dict) and "error" in last:  # M's set-up failed: nothing of the child ran
+                print(f"sandbox.py: a forked child could not be set up ({last['error']}); it is exec'ed", file=sys.stderr)
+                return None
+            return (last["rc"] if isinstance(last, dict) and isinstance(last.get("rc"), int) else -signal.SIGKILL), False
+        except OSError:  # the server is gone (killed for memory?): exec'ed from now on
+            self.ok = False
+            return None
+        finally:  # also when the caller is interrupted: never leave a child behind
+            if pid:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+            mine.close()
+
+
+def _recv_json(sock, deadline):
+    """The next message (a dict), None at the end of the socket, "timeout" past the deadline."""
+    sock.settimeout(max(0.0, deadline - time.monotonic()))
+    try:
+        data = sock.recv(1 << 16)
+    except TimeoutError:
+        return "timeout"
+    return json.loads(data) if data else None
+
+
+def _serve_forks(sock_fd: int, preload: list):
+    """The fork server's loop (`python sandbox.py _forkserver FD PRELOAD`): one fork per request; ends with the parent."""
+    libc = ctypes.CDLL(None, use_errno=True)  # (no PR_SET_PDEATHSIG: it fires when the parent's THREAD that started us ends)
+    libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # no process of its uid may ptrace it or read its memory (no CAP_SYS_PTRACE)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # its children (M) are reaped by the kernel
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C is for the parent
+    import importlib
+    for name in preload:
+        importlib.import_module(name)
+    if _cuda_initialised():
+        sys.exit("sandbox.py: the fork server's imports initialised CUDA; it does not fork")  # (children are exec'ed)
+    sock = socket.socket(fileno=sock_fd)
+    while True:
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 64)
+        except OSError:
+            os._exit(0)
+        if not msg:  # the parent is gone
+            os._exit(0)
+        if os.fork() == 0:
+            sock.close()
+            _forked(json.loads(msg), fds, libc)  # never returns
+        for fd in fds:
+            os.close(fd)
+
+
+def _cuda_initialised() -> bool:
+    """Whether this process initialised CUDA: torch's lazy init, or the driver's cuInit by anyone (cuCtxGetCurrent
+    answers CUDA_ERROR_NOT_INITIALIZED = 3 before it, and has no effect). A forked child of an initialised process
+    cannot use the GPU."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return True
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:  # no driver: nothing to initialise
+        return False
+    ctx = ctypes.c_void_p()
+    return cuda.cuCtxGetCurrent(ctypes.byref(ctx)) != 3
+
+
+def _forked(req: dict, fds: list, libc):
+    """M: limits, namespaces, then C; reports C's exit status. Never returns."""
+    report = fds[0]
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.setsid()
+        os.write(report, json.dumps({"pid": os.getpid()}).encode())
+        # The child's descriptors at the numbers it expects: stdin /dev/null, stdout, stderr, pass_fds; nothing else.
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 1 << 12) for fd in fds]
+        report = high[0]
+        for fd in map(int, os.listdir("/proc/self/fd")):
+            if fd not in high:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        high = high[1:]
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        for fd, target in zip(high, req["targets"]):
+            os.dup2(fd, target)  # (dup2's copy is inheritable)
+            os.close(fd)
+        _apply_limits(req["limits"])
+        prefix = req["prefix"]
+        flags = sum(f for name, f in CLONE_FLAGS.items() if name in prefix)
+        uid, gid = os.getuid(), os.getgid()
+        if flags and libc.unshare(flags) != 0:
+            raise OSError(ctypes.get_errno(), f"unshare: {os.strerror(ctypes.get_errno())}")
+        if "--map-root-user" in prefix:
+            for f, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
+                with open(f"/proc/self/{f}", "w") as fh:
+                    fh.write(text)
+        pid = os.fork()
+    except BaseException as e:  # noqa: BLE001
+        with contextlib.suppress(OSError):
+            os.write(report, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+        os._exit(0)
+    if pid == 0:
+        os.close(report)
+        _forked_child(req, libc)
+    for fd in req["targets"][2:]:  # M keeps only its report socket (the pipes' ends now belong to C alone)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _, status = os.waitpid(pid, 0)
+    with contextlib.suppress(OSError):
+        os.write(report, json.dumps({"rc": os.waitstatus_to_exitcode(status)}).encode())
+    os._exit(0)
+
+
+def _forked_child(req: dict, libc):
+    """C: PID 1 of its namespace (where --pid), its own /proc, the jail, then the function. Never returns."""
+    code = 1
+    try:
+        if "--kill-child" in req["prefix"]:
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if "--mount-proc" in req["prefix"]:  # as `unshare --mount-proc` does
+            for args in ((None, "/", None, MS_REC | MS_PRIVATE, None), ("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | 8, None)):
+                if libc.mount(*(a.encode() if isinstance(a, str) else a for a in args)) != 0:
+                    raise OSError(ctypes.get_errno(), f"mount {args[1]}: {os.strerror(ctypes.get_errno())}")
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        tempfile.tempdir = None  # (cached from the server's TMPDIR)
+        _jail(req["cfg"], None)
+        libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # as after an exec: its /proc/self is its own uid's (CUDA writes there)
+        # Nothing but stdio and pass_fds (on the exec path, exec closes the rest: Python opens its files close-on-exec).
+        keep = {0, *req["targets"]}
+        for fd in map(int, os.listdir("/proc/self/fd")):
+            if fd not in keep:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        module, function, args = req["call"]
+        import importlib
+        getattr(importlib.import_module(module), function)(*args)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001
+        import traceback
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(BaseException):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
 
 
 def _code_dirs() -> list[str]:
@@ -477,3 +739,5 @@ def _alive_path(backend: str) -> Path:
 if __name__ == "__main__":
     if len(sys.argv) > 3 and sys.argv[1] == "_jail":
         _jail(json.loads(sys.argv[2]), sys.argv[3:])
+    elif len(sys.argv) == 4 and sys.argv[1] == "_forkserver":
+        _serve_forks(int(sys.argv[2]), json.loads(sys.argv[3]))

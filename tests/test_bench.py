@@ -37,6 +37,15 @@ def test_rollout_bench_tiny_with_profile(tmp_path):
     assert "profile | batch 2 | ours" in out and "| static | " in out and "x static)" in out
 
 
+def test_verdict_split_compares_exec_and_fork():
+    """bench/verdict_split.py: the timeline of a cached verdict, children exec'ed and forked, stamped in both children."""
+    out = bench("verdict_split.py", "--repeats", "1", "--no-components")
+    for way in ("exec'ed", "forked from the fork server"):
+        section = out.split(f"children {way}")[1].split("##")[0]
+        assert "| cand | child: first message sent (ready) |" in section and "| parent | lap: timed runs |" in section, out
+    assert "| verdict |" in out.split("cached verdict phases")[1], out
+
+
 def test_train_bench_tiny_update():
     out = bench("train_bench.py", "--device", "cpu", "--tiny", "--no-split", "--no-trl")
     row = next(json.loads(x) for x in out.splitlines() if x.startswith('{"impl": "train.py"'))

@@ -225,11 +225,18 @@ def test_editing_one_kernel_rebuilds_only_that_file(tmp_path):
 
 
 # ------------------------------------------------------------------ the sandbox itself
-def test_sandbox_contains_fork_bomb_network_and_writes(tmp_path):
+def sandboxed_python(way, code, cwd, timeout, **kw):
+    """Python `code` in a sandboxed child, exec'ed (`python -c`) or forked from the fork server (as verdict children are)."""
+    fork = {"preload": protocol.FORK_PRELOAD, "call": ["builtins", "exec", [code, {}]]} if way == "fork" else None
+    return env.run_sandboxed([sys.executable, "-c", code], cwd, timeout=timeout, fork=fork, **kw)
+
+
+@pytest.mark.parametrize("way", ["exec", "fork"])
+def test_sandbox_contains_fork_bomb_network_and_writes(tmp_path, way):
     cwd = tmp_path / "box"
     cwd.mkdir()
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
-    r = env.run_sandboxed([sys.executable, "-c", bomb], cwd, timeout=5)
+    r = sandboxed_python(way, bomb, cwd, 5)
     assert r.timed_out
     # the parent survives and can still start processes
     assert subprocess.run([sys.executable, "-c", "print(1)"], capture_output=True, text=True).stdout == "1\n"
@@ -252,7 +259,7 @@ def test_sandbox_contains_fork_bomb_network_and_writes(tmp_path):
         open("inside.txt", "w").write("ok")
         print("DONE")
         """)
-    r = env.run_sandboxed([sys.executable, "-c", probe], cwd, timeout=30)
+    r = sandboxed_python(way, probe, cwd, 30)
     server.close()
     assert "DONE" in r.stdout and (cwd / "inside.txt").read_text() == "ok"
     iso = env.isolation()
@@ -454,13 +461,58 @@ def test_torch_compile_compiles_before_the_device_is_held(tmp_path, monkeypatch)
     assert any(h and fn == "compile" for h, _, fn in log), "the compiled baseline was not timed under the gate"
 
 
-def test_escape_sandboxed_child(tmp_path):
+@pytest.mark.parametrize("way", ["exec", "fork"])
+def test_escape_sandboxed_child(tmp_path, way):
     mark, probe = escape_probe(tmp_path)
     (tmp_path / "box").mkdir()
     (env.CACHE_DIR / "baselines").mkdir(parents=True, exist_ok=True)
-    r = env.run_sandboxed([sys.executable, "-c", probe], tmp_path / "box", timeout=60)
+    r = sandboxed_python(way, probe, tmp_path / "box", 60)
     assert r.returncode == 0, r.stderr
     assert_nothing_escaped(mark, r.stdout)
+
+
+def test_a_forked_child_holds_only_its_own_descriptors(tmp_path):
+    """A child of the fork server holds its stdio and pass_fds, nothing of the server's (its socket to the harness,
+    other children's pipes), and runs as a fresh process of its own (PID 1 of its namespace where there is one)."""
+    (tmp_path / "box").mkdir()
+    r_, w_ = os.pipe()
+    try:
+        code = "import os\nprint(sorted(int(f) for f in os.listdir('/proc/self/fd')), os.getpid())"
+        r = sandboxed_python("fork", code, tmp_path / "box", 60, pass_fds=[w_])
+    finally:
+        os.close(r_)
+        os.close(w_)
+    assert r.returncode == 0, r.stderr
+    fds, pid = r.stdout.split("]")
+    fds = json.loads(fds + "]")
+    assert {0, 1, 2, w_} <= set(fds) and len(fds) == 5, r.stdout  # and the descriptor listdir read the folder with
+    if "--pid" in sandbox.isolation("cpu").prefix:
+        assert int(pid) == 1, r.stdout
+
+
+def test_children_are_exec_ed_where_the_fork_server_fails(tmp_path, monkeypatch, capfd):
+    """A fork server that cannot start (here: a module it cannot import; on a GPU host, imports that initialised CUDA)
+    fails its probe, once, and every child is exec'ed instead: the verdict is the same."""
+    monkeypatch.setattr(protocol, "FORK_PRELOAD", ["torch", f"no_such_module_{os.urandom(4).hex()}"])
+    ws = make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)"))
+    v = env.evaluate(ws, backend="cpu", stage="verify")
+    assert v.correct, v.summary()
+    assert capfd.readouterr().err.count("the fork server's probe child failed; children are exec'ed") == 2  # (2 envs)
+
+
+def test_verdict_children_are_forked_fresh(tmp_path, monkeypatch):
+    """Both children of a verdict are forked from the fork server (no `import torch` per child), each a new process."""
+    calls, real = [], sandbox.ForkServer.run
+
+    def spy(self, call, *a, **k):
+        r = real(self, call, *a, **k)
+        calls.append((call[:2], r))
+        return r
+    monkeypatch.setattr(sandbox.ForkServer, "run", spy)
+    v = env.evaluate(make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)")), backend="cpu")
+    assert v.correct, v.summary()
+    assert [c for c, _ in calls if c[0] == "protocol"] == [["protocol", "_child_main"]] * 2, calls
+    assert all(r == (0, False) for c, r in calls if c[0] == "protocol"), calls
 
 
 def test_readable_folder_inside_the_hidden_cache_is_read_only(tmp_path):
