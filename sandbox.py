@@ -439,8 +439,8 @@ def _apply_limits(limits: dict):
 # parent over a socket that only M holds. C is PID 1 of its new PID namespace, mounts its own /proc, goes through the
 # same _jail (mounts, /dev, capabilities, uid) as an exec'ed child, and runs the requested function instead of exec'ing
 # a new interpreter. What C inherits is the server's memory: imported modules and the requests' paths and environments,
-# never a secret (a child reads its own from its spec file, as on the exec path); and no descriptor but its
-# stdout/stderr and the pass_fds. The server never initialises CUDA (it refuses to fork once torch.cuda is initialised):
+# never a secret (a child reads its own from its spec file, as on the exec path); its address-space layout and hash
+# secret (random states it draws again: _reseed); and no descriptor but its stdout/stderr and the pass_fds. The server never initialises CUDA (it refuses to fork once torch.cuda is initialised):
 # on the CUDA backend every child creates its own context. Probed once per server (the isolation probe's code, forked):
 # where it fails, children are exec'ed.
 CLONE_FLAGS = {"--mount": 0x00020000, "--user": 0x10000000, "--pid": 0x20000000, "--net": 0x40000000, "--ipc": 0x08000000}
