@@ -103,7 +103,10 @@ What it does NOT protect against (be honest; RL will look)
     candidate and both baselines, except the candidate's dispatch monitor (tens of microseconds a run).
   - a forked child shares the fork server's memory copy-on-write: the imported modules, and what the server read,
     the paths and environments of the children it forked (other verdicts' run folders by name, never their
-    content, which the cache's cover hides).
+    content, which the cache's cover hides); and its address-space layout and Python's hash secret, which only an
+    exec draws again: every candidate forked from one server has the same addresses (libraries, heap, the objects
+    the harness makes before ModelNew loads), so the in-process pointer arithmetic above needs no search once it
+    has been learnt (random states are drawn again in each child).
   - where a layer is unavailable (no namespaces in some containers; an unprivileged uid only where the
     interpreter is reachable by it), isolation falls back to the rest; this is said once on stderr.
   - GPU memory is not capped per candidate on the CUDA backend (RLIMIT_AS breaks CUDA).

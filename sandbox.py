@@ -167,6 +167,7 @@ PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")  # a fresh tmpfs each
 KEEP_RW = ("/proc",)  # left writable: CUDA fails to start (error 304) on a read-only /proc; its /proc/sys is read-only
 MNT_FLAGS = {"nodev": MS_NODEV, "noexec": 8, "noatime": 1024, "nodiratime": 2048, "relatime": 1 << 21}
 PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 38, 24, 47, 4
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4
 
 
 def _jail(cfg: dict, argv: list[str] | None):
@@ -242,6 +243,8 @@ def _jail(cfg: dict, argv: list[str] | None):
             if i == 0 or os.stat(w).st_uid != cfg["uid"]:  # the cwd always (the parent writes into it); caches once
                 _chown_tree(w, cfg["uid"])
     _drop_privileges(libc, cfg["uid"])
+    if cfg.get("kill_child"):  # (`unshare --kill-child` set it before us; the kernel clears it when the uid changes)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if argv is not None:
         os.execvp(argv[0], argv)
 
@@ -361,7 +364,7 @@ def run_sandboxed(argv: list[str], cwd: str | Path, timeout: float, *, writable=
     cfg = {"mount": iso.mount, "writable": [cwd, *[str(Path(w).resolve()) for w in writable]], "uid": iso.uid,
            "hide": [str(Path(h).resolve()) for h in ([CACHE_DIR] if hide is None else hide)], "visible": _code_dirs(),
            "readable": [str(Path(r).resolve()) for r in readable],
-           "strict": iso.strict}
+           "strict": iso.strict, "kill_child": "--kill-child" in iso.prefix}
     cmd = [*iso.prefix, sys.executable, "-E", "-S", str(SANDBOX_PY), "_jail", json.dumps(cfg), *argv]
     groups = _cgroup(uuid.uuid4().hex, max_tasks, int(mem_gb * 2**30) if mem_gb else None)
     # RLIMIT_AS breaks CUDA's address-space reservations; a memory cgroup (where writable) is used instead.
@@ -436,13 +439,13 @@ def _apply_limits(limits: dict):
 # parent over a socket that only M holds. C is PID 1 of its new PID namespace, mounts its own /proc, goes through the
 # same _jail (mounts, /dev, capabilities, uid) as an exec'ed child, and runs the requested function instead of exec'ing
 # a new interpreter. What C inherits is the server's memory: imported modules and the requests' paths and environments,
-# never a secret (a child reads its own from its spec file, as on the exec path); and no descriptor but its
-# stdout/stderr and the pass_fds. The server never initialises CUDA (it does not serve where its imports did): on the
-# CUDA backend every child creates its own context. Probed once per server (the isolation probe's code, forked): where
-# it fails, children are exec'ed. The server is not dumpable (no process of its uid without CAP_SYS_PTRACE can trace
-# it), and ends when the harness's end of its socket closes.
+# never a secret (a child reads its own from its spec file, as on the exec path); its address-space layout and hash
+# secret (random states it draws again: _reseed); and no descriptor but its stdout/stderr and the pass_fds. The server
+# never initialises CUDA (it does not serve where its imports did): on the CUDA backend every child creates its own
+# context. Probed once per server (the isolation probe's code, forked): where it fails, children are exec'ed. The
+# server is not dumpable (no process of its uid without CAP_SYS_PTRACE can trace it), and ends when the harness's end
+# of its socket closes.
 CLONE_FLAGS = {"--mount": 0x00020000, "--user": 0x10000000, "--pid": 0x20000000, "--net": 0x40000000, "--ipc": 0x08000000}
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4
 _SERVERS: dict = {}
 _SERVERS_LOCK = threading.Lock()
 
@@ -634,8 +637,9 @@ def _forked_child(req: dict, libc):
     """C: PID 1 of its namespace (where --pid), its own /proc, the jail, then the function. Never returns."""
     code = 1
     try:
-        if "--kill-child" in req["prefix"]:
+        if "--kill-child" in req["prefix"]:  # (and again after the jail's change of uid, which clears it)
             libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        _reseed()
         if "--mount-proc" in req["prefix"]:  # as `unshare --mount-proc` does
             for args in ((None, "/", None, MS_REC | MS_PRIVATE, None), ("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | 8, None)):
                 if libc.mount(*(a.encode() if isinstance(a, str) else a for a in args)) != 0:
@@ -666,6 +670,19 @@ def _forked_child(req: dict, libc):
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
+
+
+def _reseed():
+    """Random states of the child's own, as an exec'ed interpreter draws them: a fork copies the server's, and numpy's
+    and torch's global generators would be the same in every child (the same values in every candidate and in every
+    reference child, for the server's life). `random` reseeds itself at fork (os.register_at_fork); the hash secret
+    and the address space's layout cannot be drawn again without an exec (env.py's docstring)."""
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed()  # (from the OS's entropy)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.default_generator.seed()  # (the CPU's: a GPU's generator is made in the child, with its own context)
 
 
 def _code_dirs() -> list[str]:
