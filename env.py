@@ -142,8 +142,8 @@ import torch
 
 import scan
 from build import HEADER_EXT, SOURCE_EXT, build, error_excerpt, toolchain_id_light  # noqa: F401  (env.build: step 3)
-from protocol import (CHILD_ENV, PIPE_BYTES, Child, ChildError, _child_main, median, recv, sample_of, send,  # noqa: F401
-                      spread, timed_runs, unpack)  # steps 4-5 (env.Child, env.timed_runs ...)
+from protocol import (CHILD_ENV, PIPE_BYTES, Child, ChildError, ChildTimeout, _child_main, median, recv,  # noqa: F401
+                      sample_of, send, spread, timed_runs, unpack)  # steps 4-5 (env.Child, env.timed_runs ...)
 from scan import ALLOWED_OPS, IMPORT_OPS, INIT_OPS  # noqa: F401  (env.IMPORT_OPS: what the module may import)
 from reward import MARGIN, reward_for  # noqa: F401  (env.reward_for: the verdict's reward)
 from sandbox import (CACHE_DIR, SandboxResult, candidate_alive, file_lock, gpu_lock_path, isolation, no_candidates,
@@ -157,6 +157,7 @@ MAX_SOURCES, MAX_SOURCE_BYTES = 256, 8 << 20  # what one candidate's kernel sour
 class Config:
     backend: str = "auto"  # auto | cuda | cpu
     timeout: float = 300.0  # wall clock for one candidate run (verify + profile)
+    run_timeout: float = 30.0  # wall clock for one command of a loaded candidate (a run, a sample): a hang ends here
     compile_timeout: float = 600.0  # wall clock for one build (nvcc with torch headers is slow)
     atol: float = 1e-2
     rtol: float = 1e-2
@@ -577,6 +578,8 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
         cand.reply_limit = 2 * max(sum(t.numel() * t.element_size() for t in _tensors(o)) for o in ref_outs) + (1 << 20)
         try:
             _drive_candidate(v, cand, check_seeds, ref_checks, timed_seeds, ref_timed, cfg, backend, lap)
+        except ChildTimeout as e:
+            v.error, v.log = f"ModelNew timed out: {e}", ""
         except (EOFError, ValueError, TypeError, KeyError, AttributeError) as e:
             dead = cand.why_dead() if not cand.thread.is_alive() or isinstance(e, EOFError) else None
             v.error = f"ModelNew {dead}" if dead else f"the candidate process sent a malformed reply ({type(e).__name__}: {e})"
@@ -590,6 +593,7 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
 
 def _drive_candidate(v, cand, check_seeds, ref_checks, timed_seeds, ref_timed, cfg, backend, lap):
     obj, _ = cand.answer()  # "ready", or the error that stopped model_new.py from loading
+    cand.cmd_timeout = cfg.run_timeout  # (loading may take long; each command after it may not)
     lap("candidate start")
     if not isinstance(obj, dict) or obj.get("ready") is not True or not isinstance(obj.get("init_ops"), list):
         raise ValueError("no ready message")

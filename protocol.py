@@ -337,6 +337,10 @@ class Child:
         self._started_evt.set()
 
     reply_limit = 1 << 34  # bytes one reply may declare; the parent lowers it to what it expects
+    # Seconds one command may take (None: only the verdict's wall-clock limit). A kernel that never returns holds the
+    # device, or keeps a candidate alive that every new task's baselines wait for, until the child is stopped: the
+    # parent stops it after one slow command, not at the verdict's limit (minutes).
+    cmd_timeout: float | None = None
 
     def ask(self, obj):
         """Sends a command with a fresh nonce and returns the reply that echoes it. Only the harness, which read the
@@ -349,10 +353,21 @@ class Child:
             send(self.cmd_w, dict(obj, nonce=nonce))
         except OSError as e:  # (BrokenPipeError: the child died after its last reply)
             raise EOFError("the child process ended") from e
-        return self.answer(expect=nonce)
+        return self.answer(expect=nonce, what=obj.get("op"))
 
-    def answer(self, expect: str | None = None):
-        obj, blobs = recv(self.rep_r, limit=self.reply_limit, alive=self.thread.is_alive, expect=expect)
+    def answer(self, expect: str | None = None, what: str | None = None):
+        alive = self.thread.is_alive
+        if self.cmd_timeout is not None:
+            deadline = time.monotonic() + self.cmd_timeout
+            alive = lambda: self.thread.is_alive() and time.monotonic() < deadline  # noqa: E731
+        try:
+            obj, blobs = recv(self.rep_r, limit=self.reply_limit, alive=alive, expect=expect)
+        except EOFError:
+            if self.cmd_timeout is None or not self.thread.is_alive():
+                raise
+            with contextlib.suppress(OSError):  # still running past its deadline: stopped (the device is free again)
+                os.killpg(self.pgid, signal.SIGKILL)
+            raise ChildTimeout(f"one `{what}` took longer than {self.cmd_timeout:g} s") from None
         if isinstance(obj, dict) and "error" in obj and isinstance(obj["error"], str) and len(obj) == 1:
             raise ChildError(obj["error"])
         return obj, blobs
@@ -379,6 +394,10 @@ class Child:
         r = self.result
         tail = error_excerpt(r.stderr, 12) if r.stderr.strip() else ""
         return (r.crash or f"exited with code {r.returncode}") + (f"\n{tail}" if tail else "")
+
+
+class ChildTimeout(EOFError):
+    """A command the child did not answer within Child.cmd_timeout; the child was stopped."""
 
 
 class ChildError(Exception):

@@ -175,6 +175,16 @@ def test_faults_are_contained(tmp_path, name):
     assert time.monotonic() - t0 < 120
 
 
+def test_a_hanging_run_is_stopped_at_its_own_deadline(tmp_path):
+    """A kernel that never returns keeps the device (timed runs) or a live candidate (checks: every new task's
+    baselines wait for it) until its child is stopped: one command's deadline, not the verdict's 300 s."""
+    t0 = time.monotonic()
+    v = env.evaluate(make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.spin(x)")), backend="cpu",
+                     stage="verify", run_timeout=3)
+    assert v.reward == -1 and "timed out: one `run` took longer than 3 s" in (v.error or ""), v.summary()
+    assert time.monotonic() - t0 < 120
+
+
 @pytest.mark.parametrize("source,expect", [
     ("import torch\nclass ModelNew(torch.nn.Module:\n    pass\n", "SyntaxError"),
     ("import torch\nimport torch.nn as nn\nimport cuda_extension\nclass ModelNew(nn.Module):\n"
