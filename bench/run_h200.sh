@@ -6,7 +6,8 @@
 #   bash bench/run_h200.sh train     OUT   # RFT overfit sanity + GPU tests (in parallel); a short default-preset run
 #   bash bench/run_h200.sh default-random OUT  # the short default run on random weights (no GGUF needed)
 #   bash bench/run_h200.sh gpu-tests OUT   # the GPU tests of agent.py (FastEngine on CUDA)
-#   bash bench/run_h200.sh gpu-tests-all OUT  # every GPU test (three groups in parallel, ~9 min)
+#   bash bench/run_h200.sh gpu-tests-all OUT  # every GPU test (two groups side by side, then the curriculum's)
+#   bash bench/run_h200.sh verdict   OUT   # verdict time split (exec'ed vs forked children) and the env bench
 #   bash bench/run_h200.sh model OUT       # the embedded model from two carried parts (.gm1, then .gm2: two calls)
 #   bash bench/run_h200.sh learning OUT    # the staged run in small (sft ... ppo, held-out rows); twice to finish
 #   bash bench/run_h200.sh rollout   OUT   # rollout speed (HF generate vs FastEngine), with a kernel profile
@@ -22,7 +23,7 @@
 #   .gm1/ .gm2/  the embedded model's wheel (93 MB) split -b 46M, for the `model` part (two calls, back to back)
 #   .kb/KernelBench/level{1,2,3}/   KernelBench problem files (the data part samples 10 per level)
 set -u
-PARTS=${1:?usage: run_h200.sh "data|reference|train|default-random|gpu-tests|gpu-tests-all|model|learning|rollout|update|big-1.5b|big-7b|big-rollout ..." OUT}
+PARTS=${1:?usage: run_h200.sh "data|reference|train|default-random|gpu-tests|gpu-tests-all|verdict|model|learning|rollout|update|big-1.5b|big-7b|big-rollout ..." OUT}
 OUT=${2:-${OUT:-/tmp/h200}}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUDA_AGENT_CACHE=${CUDA_AGENT_CACHE:-/tmp/cam-cache} TOKENIZERS_PARALLELISM=false
@@ -156,11 +157,17 @@ big-rollout)
   done
   ;;
 gpu-tests-all)
-  # every GPU test, in three groups side by side (the env tests 6 at a time)
-  step 540 env_gpu python3 -m pytest -q -ra -m gpu -n 6 tests/test_env_gpu.py &
-  step 540 other_gpu python3 -m pytest -q -ra -s -m gpu tests/test_evaluate.py tests/test_agent.py tests/test_train.py &
-  step 540 curriculum_gpu python3 -m pytest -q -ra -s -m gpu tests/test_curriculum.py &
+  # every GPU test: the env tests (4 at a time) beside the model tests, then the curriculum's 15 verdicts alone
+  # (verdicts of first-seen tasks wait for every live candidate before they time their baselines)
+  step 300 env_gpu python3 -m pytest -q -ra -m gpu -n 4 tests/test_env_gpu.py &
+  step 300 other_gpu python3 -m pytest -q -ra -s -m gpu tests/test_evaluate.py tests/test_agent.py tests/test_train.py &
   wait
+  step 240 curriculum_gpu python3 -m pytest -q -ra -s -m gpu tests/test_curriculum.py
   ;;
-*) echo "unknown part $PART (data|reference|train|default-random|gpu-tests|gpu-tests-all|model|learning|rollout|update|big-1.5b|big-7b|big-rollout)"; exit 2 ;;
+verdict)
+  # issue 17 on the GPU: where a cached verdict's time goes (exec'ed vs forked children), then the env bench
+  step 200 verdict_split python3 bench/verdict_split.py --backend cuda --repeats 8
+  step 340 env_bench python3 bench/env_bench.py --backend cuda --no-naive --repeats 6
+  ;;
+*) echo "unknown part $PART (data|reference|train|default-random|gpu-tests|gpu-tests-all|verdict|model|learning|rollout|update|big-1.5b|big-7b|big-rollout)"; exit 2 ;;
 esac; done
