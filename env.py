@@ -59,7 +59,8 @@ What the sandbox protects against (sandbox.py has the layers)
     processes' own entries), a /dev of its own with an allow-list of device nodes, no capabilities,
     no_new_privs, no network; a killed child takes all its descendants with it.
   - crashes, hangs, fork bombs, huge allocations, megabytes of output: a fresh process per verdict, wall
-    clock timeouts, cgroups or rlimits, truncated logs.
+    clock timeouts (each command of a loaded candidate its own, run_timeout: a hang frees the device in seconds),
+    cgroups or rlimits, truncated logs.
   - reaching harness state: each child is a fresh process, forked (where sandbox.py's fork server works, else
     exec'ed) from a trusted interpreter that this process exec'ed, that imported torch before any candidate existed
     and never holds a secret (a child reads its key from its own spec file); it never initialises CUDA, so every
