@@ -1,6 +1,7 @@
 """bench/: CPU smoke runs of the benchmark scripts the README documents, and preset_time.py's projection
 checked against hand-computed numbers. (The figures themselves come from `bash bench/run_h200.sh` on a GPU.)"""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,9 +19,9 @@ import test_train  # noqa: E402
 elem_dataset = test_train.elem_dataset  # a fixture: the teacher's family (elementwise.py), 2 training tasks, 1 held out
 
 
-def bench(script, *args, timeout=600):
+def bench(script, *args, timeout=600, env=None):
     r = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT, capture_output=True, text=True,
-                       timeout=timeout)
+                       timeout=timeout, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r.stdout
 
@@ -35,6 +36,21 @@ def test_rollout_bench_tiny_with_profile(tmp_path):
     assert all(r["common_prefix"] == 4 for r in ours)  # ...over the 4 tokens HF generated (--baseline-tokens)
     assert all(r["ms_per_step"] * 4 == pytest.approx(r["seconds"] * 1e3) for r in rows if r["config"] == "static")
     assert "profile | batch 2 | ours" in out and "| static | " in out and "x static)" in out
+
+
+def test_env_bench_verdicts_in_flight(tmp_path):
+    """--workers 2: the cached task's verdicts 1 and 2 at a time, and the first verdicts of new tasks, alone and 2
+    together; the test session's build cache (--cache), so no cold build and no naive one."""
+    out = bench("env_bench.py", "--backend", "cpu", "--no-naive", "--repeats", "1", "--workers", "2", "--verdicts", "2",
+                "--cache", os.environ["CUDA_AGENT_CACHE"], env=dict(os.environ, OUT=str(tmp_path)))
+    flight = json.loads((tmp_path / "env_bench_cpu.json").read_text())["in_flight"]
+    assert [(r["what"], r["in_flight"], r["verdicts"]) for r in flight] == [
+        ("cached task", 1, 2), ("cached task", 2, 2), ("first verdict of a new task", 1, 1), ("first verdicts of new tasks", 2, 2)]
+    for r in flight:
+        assert r["per_hour"] == pytest.approx(3600 * r["verdicts"] / r["wall_s"]) and r["wall_s"] >= r["p90_s"] >= r["median_s"] > 0
+        assert r["wait_median_s"] <= r["median_s"] and r["wait_p90_s"] <= r["p90_s"]  # a verdict waits within its own time
+    assert "| cached task | 2 | 2 | " in out and "| first verdicts of new tasks | 2 | 2 | " in out and "| wait device | " in out
+    assert "cold build" not in out  # (the test cache may hold it: not measured)
 
 
 def test_train_bench_tiny_update():
