@@ -3,6 +3,7 @@ scratch each time, as KernelBench does), side by side in one run. Prints a table
 
     python bench/env_bench.py --backend cuda      # on the H200 (the numbers in docs/results.md)
     python bench/env_bench.py --backend cpu       # anywhere (slow: ~60 s per torch-header build on 2 cores)
+    python bench/env_bench.py --backend cuda --no-naive --workers 12   # and verdicts per hour, 12 in flight
 
 Measures: cold compile of a small kernel (CUDA-Agent layout: pure kernel + torch binding), rebuild after
 editing one kernel, full verdict time with the build cached (first with baselines to time, then steady
@@ -10,8 +11,6 @@ state), the spread (max/min) of runtime_ms over 5 repeated verdicts of the same 
 (a 1-element task's candidate and eager runtime by the verdict's protocol, and eager in-process), and where a
 verdict's time goes (env.Verdict.phases: scan, build, reference outputs, baselines, candidate start, checks,
 timed runs, waits for the device's locks).
-
-    python bench/env_bench.py --backend cuda --no-naive --workers 12   # also: verdicts per hour, 12 in flight
 
 --workers N adds verdicts in flight, as train.py's rollouts run them (threads, one workspace copy per episode):
 M = max(2N, 8) profile verdicts of the cached task from 1 thread, then from N threads (builds overlap, timing is
@@ -41,6 +40,8 @@ p.add_argument("--workers", type=int, default=0, help="also measure N verdicts i
 p.add_argument("--verdicts", type=int, default=0, help="verdicts per in-flight row (default max(2N, 8))")
 p.add_argument("--cache", help="use this build cache, not a fresh one: the cold-build rows are skipped (tests)")
 args = p.parse_args()
+if args.workers < 0 or args.verdicts < 0:
+    p.error("--workers and --verdicts must be >= 0")
 work = Path(tempfile.mkdtemp(prefix="env-bench-"))
 os.environ["CUDA_AGENT_CACHE"] = args.cache or str(work / "cache")  # by default a cold cache: nothing built before
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # the in-process timer, threaded as env.CHILD_ENV threads children
