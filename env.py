@@ -524,7 +524,9 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
         # The reference's outputs load the device like a candidate does: no other verdict times a baseline meanwhile
         # (in training many rollouts of one task reach this together, and the first one's baselines are cached).
         ref_busy = stack.enter_context(contextlib.ExitStack())
+        lap("reference outputs")  # (the run folder's set-up counts with the reference's work)
         ref_busy.enter_context(candidate_alive(backend))
+        lap("wait device")  # every wait for a device lock or the baselines' gate: bench/env_bench.py --workers
         ref = stack.enter_context(_closing(Child(dict(common, mode="reference", reference=str(run / "ref" / "model.py"),
                                                         seeds=check_seeds + timed_seeds, n_checks=len(check_seeds),
                                                         budget_mb=cfg.input_budget_mb),
@@ -556,6 +558,7 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
         if need_baselines:
             try:
                 with no_candidates(backend), file_lock(gpu_lock_path(backend)):
+                    lap("wait device")
                     times = {}
                     for name in ("eager", "compile"):
                         ref.ask({"op": "use", "fn": name})
@@ -574,7 +577,10 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
             os.replace(tmp, base_file)
         ref.close()
         lap("baselines")
-        cand = cand or start_candidate(candidate_alive(backend))
+        if cand is None:
+            stack.enter_context(candidate_alive(backend))
+            lap("wait device")
+            cand = start_candidate(contextlib.nullcontext())
         # a reply may not declare more than twice the largest reference output (a candidate cannot exhaust our memory)
         cand.reply_limit = 2 * max(sum(t.numel() * t.element_size() for t in _tensors(o)) for o in ref_outs) + (1 << 20)
         try:
@@ -633,6 +639,7 @@ def _drive_candidate(v, cand, check_seeds, ref_checks, timed_seeds, ref_timed, c
 
     try:
         with file_lock(gpu_lock_path(backend)):
+            lap("wait device")
             times = timed_runs(cand, timed_seeds, cfg, check, audit)
     except Rejected as e:
         v.error = str(e) or None

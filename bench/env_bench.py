@@ -3,15 +3,24 @@ scratch each time, as KernelBench does), side by side in one run. Prints a table
 
     python bench/env_bench.py --backend cuda      # on the H200 (the numbers in docs/results.md)
     python bench/env_bench.py --backend cpu       # anywhere (slow: ~60 s per torch-header build on 2 cores)
+    python bench/env_bench.py --backend cuda --no-naive --workers 12   # and verdicts per hour, 12 in flight
 
 Measures: cold compile of a small kernel (CUDA-Agent layout: pure kernel + torch binding), rebuild after
 editing one kernel, full verdict time with the build cached (first with baselines to time, then steady
 state), the spread (max/min) of runtime_ms over 5 repeated verdicts of the same >= 0.5 ms kernel, the timing floor
 (a 1-element task's candidate and eager runtime by the verdict's protocol, and eager in-process), and where a
 verdict's time goes (env.Verdict.phases: scan, build, reference outputs, baselines, candidate start, checks,
-timed runs).
+timed runs, waits for the device's locks).
+
+--workers N adds verdicts in flight, as train.py's rollouts run them (threads, one workspace copy per episode):
+M = max(2N, 8) profile verdicts of the cached task from 1 thread, then from N threads (builds overlap, timing is
+serialised per device by env.py's locks): verdicts per hour, median and p90 verdict seconds, and the seconds each
+verdict waited for the device ("wait device" in Verdict.phases). Then the first verdicts of new tasks (a PPO or
+teacher turn: baselines not cached, each task times eager and torch.compile while no candidate is alive, a gate
+that serialises them): one alone, then N different tasks together.
 """
 import argparse
+import concurrent.futures
 import json
 import os
 import shutil
@@ -22,17 +31,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-work = Path(tempfile.mkdtemp(prefix="env-bench-"))
-os.environ["CUDA_AGENT_CACHE"] = str(work / "cache")  # a cold cache: nothing built before this run
-os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # the in-process timer, threaded as env.CHILD_ENV threads children
-import env  # noqa: E402
-
 CASES = ROOT / "tests" / "env_cases"
 p = argparse.ArgumentParser()
 p.add_argument("--backend", default="auto")
 p.add_argument("--repeats", type=int, default=5)
 p.add_argument("--no-naive", action="store_true", help="skip the load_inline build (about a minute)")
+p.add_argument("--workers", type=int, default=0, help="also measure N verdicts in flight (0: not measured)")
+p.add_argument("--verdicts", type=int, default=0, help="verdicts per in-flight row (default max(2N, 8))")
+p.add_argument("--cache", help="use this build cache, not a fresh one: the cold-build rows are skipped (tests)")
 args = p.parse_args()
+if args.workers < 0 or args.verdicts < 0:
+    p.error("--workers and --verdicts must be >= 0")
+work = Path(tempfile.mkdtemp(prefix="env-bench-"))
+os.environ["CUDA_AGENT_CACHE"] = args.cache or str(work / "cache")  # by default a cold cache: nothing built before
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # the in-process timer, threaded as env.CHILD_ENV threads children
+import env  # noqa: E402
+
 backend = env.resolve_backend(args.backend)
 cuda = backend == "cuda"
 rows = []
@@ -74,34 +88,37 @@ else:
 if not args.no_naive:
     row("naive load_inline build (torch headers everywhere)", naive_s, "s")
 
-# 2. ours, cold: the CUDA-Agent layout (pure kernel file + torch binding), empty cache
-files = {"binding.cpp": (reg / "binding.cpp").read_text(), "binding_registry.h": (reg / "binding_registry.h").read_text(),
-         "kernels/axpby_binding.cpp": (reg / f"axpby_binding_{backend}.cpp").read_text(),
-         f"kernels/axpby.{'cu' if cuda else 'cpp'}": kernel_src}
-# once per toolchain (torch install, compiler, flags), not per kernel: the precompiled torch header and the probe
-# of PYBIND11_MODULE's expansion; both are cached like objects
-import build  # noqa: E402
+# 2. ours, cold: the CUDA-Agent layout (pure kernel file + torch binding), empty cache (not with --cache: it may hold them)
+if not args.cache:
+    files = {"binding.cpp": (reg / "binding.cpp").read_text(), "binding_registry.h": (reg / "binding_registry.h").read_text(),
+             "kernels/axpby_binding.cpp": (reg / f"axpby_binding_{backend}.cpp").read_text(),
+             f"kernels/axpby.{'cu' if cuda else 'cpp'}": kernel_src}
+    # once per toolchain (torch install, compiler, flags), not per kernel: the precompiled torch header and the probe
+    # of PYBIND11_MODULE's expansion; both are cached like objects
+    import build  # noqa: E402
 
-print("toolchain set-up (precompiled torch header, module probe) ...", flush=True)
-t0 = time.monotonic()
-tc = build.toolchain(backend)
-pch = build.torch_pch(tc, 600)
-build.module_expansion(tc, ".cpp", 600)
-row("one-time toolchain set-up (precompiled <torch/extension.h>, probe)", time.monotonic() - t0, "s",
-    "per machine and torch install" + ("" if pch else "; NO precompiled header"))
-print("env.build, cold object cache ...", flush=True)
-b = env.build(files, backend)
-assert b.ok, b.log
-print(f"  compiled from the precompiled header: {', '.join(b.pch) or 'none'}", flush=True)
-row("env.py cold build (same kernel, CUDA-Agent layout)", b.seconds, "s", f"<= {naive_s / 3:.3g} s (1/3 of naive)")
-row("  ratio to naive", b.seconds / naive_s, "x", "<= 0.33")
+    print("toolchain set-up (precompiled torch header, module probe) ...", flush=True)
+    t0 = time.monotonic()
+    tc = build.toolchain(backend)
+    pch = build.torch_pch(tc, 600)
+    build.module_expansion(tc, ".cpp", 600)
+    row("one-time toolchain set-up (precompiled <torch/extension.h>, probe)", time.monotonic() - t0, "s",
+        "per machine and torch install" + ("" if pch else "; NO precompiled header"))
+    print("env.build, cold object cache ...", flush=True)
+    b = env.build(files, backend)
+    assert b.ok, b.log
+    print(f"  compiled from the precompiled header: {', '.join(b.pch) or 'none'}", flush=True)
+    row("env.py cold build (same kernel, CUDA-Agent layout)", b.seconds, "s",
+        "" if args.no_naive else f"<= {naive_s / 3:.3g} s (1/3 of naive)")
+    if not args.no_naive:
+        row("  ratio to naive", b.seconds / naive_s, "x", "<= 0.33")
 
-# 3. rebuild after editing one kernel
-kname = f"kernels/axpby.{'cu' if cuda else 'cpp'}"
-files[kname] = kernel_src.replace("alpha * x[i]", "x[i] * alpha")
-b2 = env.build(files, backend)
-assert b2.ok and b2.rebuilt == [kname], (b2.rebuilt, b2.log)
-row("rebuild after editing one kernel", b2.seconds, "s", "<= 3 s")
+    # 3. rebuild after editing one kernel
+    kname = f"kernels/axpby.{'cu' if cuda else 'cpp'}"
+    files[kname] = kernel_src.replace("alpha * x[i]", "x[i] * alpha")
+    b2 = env.build(files, backend)
+    assert b2.ok and b2.rebuilt == [kname], (b2.rebuilt, b2.log)
+    row("rebuild after editing one kernel", b2.seconds, "s", "<= 3 s")
 
 # 4./5. full verdicts of a ~1 ms kernel (naive fp32 matmul 1024^3 on the H200), build cached
 ws = work / "ws"
@@ -146,6 +163,54 @@ dev = "cuda" if cuda else "cpu"
 eager_1 = ns["Model"](*ns["get_init_inputs"]()).to(dev).eval()
 inproc, _ = env.time_callable(eager_1, [[x.to(dev) for x in ns["get_inputs"]()] for _ in range(4)])
 
+
+# 7. verdicts in flight (--workers N), as train.py's rollouts run them: threads, each verdict on its own copy of the
+# workspace. The cached task's verdicts 1 and N at a time; then the first verdicts of new tasks (relu, each its own
+# size: no baseline or torch.compile graph cached), one alone and N together.
+def pct(xs, q):
+    return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def in_flight(what, n, workspaces):
+    def one(w):
+        t0 = time.monotonic()
+        v = env.evaluate(w, backend=backend)
+        assert v.correct, v.summary()
+        return time.monotonic() - t0, v.phases.get("wait device", 0.0)
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        secs, waits = zip(*pool.map(one, workspaces))
+    wall = time.monotonic() - t0
+    r = dict(what=what, in_flight=n, verdicts=len(secs), wall_s=wall, per_hour=3600 * len(secs) / wall,
+             median_s=pct(secs, 0.5), p90_s=pct(secs, 0.9), wait_median_s=pct(waits, 0.5), wait_p90_s=pct(waits, 0.9))
+    print(f"  {what}, {n} in flight: {len(secs)} verdicts in {wall:.1f} s ({r['per_hour']:.0f}/hour), "
+          f"median {r['median_s']:.2f} s, waited for the device {r['wait_median_s']:.2f} s (median)", flush=True)
+    return r
+
+
+def copies(src, tag, k):
+    for i in range(k):
+        shutil.copytree(src, work / f"{tag}{i}")
+    return [work / f"{tag}{i}" for i in range(k)]
+
+
+flight = []
+if args.workers:
+    n, m = args.workers, args.verdicts or max(2 * args.workers, 8)
+    print(f"verdicts in flight: {m} of the cached task, 1 then {n} at a time; first verdicts of {n + 1} new tasks ...", flush=True)
+    flight.append(in_flight("cached task", 1, copies(ws, "one-", m)))
+    flight.append(in_flight("cached task", n, copies(ws, "many-", m)))
+    relu = (ROOT / "examples" / "relu.py").read_text()
+    new = []
+    for k in range(n + 1):
+        (work / f"new-{k}").mkdir()
+        shutil.copytree(floor / "kernels", work / f"new-{k}" / "kernels")
+        shutil.copy(floor / "model_new.py", work / f"new-{k}")
+        code = f"# {work.name}, task {k}\n" + relu.replace("BATCH = 64", f"BATCH = {64 + k}")  # (a new task each run)
+        (work / f"new-{k}" / "model.py").write_text(code)
+    flight.append(in_flight("first verdict of a new task", 1, [work / "new-0"]))
+    flight.append(in_flight("first verdicts of new tasks", n, [work / f"new-{k}" for k in range(1, n + 1)]))
+
 row("full verdict, build cached, baselines timed (first)", verdicts[0][0], "s")
 steady = sorted(t for t, _, _ in verdicts[1:])
 row("full verdict, build + baselines cached (median)", steady[len(steady) // 2], "s", "<= 10 s")
@@ -169,6 +234,12 @@ for n in names:
     first = verdicts[0][2].get(n, 0.0)
     later = sorted(ph.get(n, 0.0) for _, _, ph in verdicts[1:])
     print(f"| {n} | {first:.3f} | {later[len(later) // 2]:.3f} |")
+if flight:
+    print("\n| verdicts | in flight | verdicts | wall (s) | verdicts/hour | median (s) | p90 (s) | waited for the device, "
+          "median / p90 (s) |\n|---|---|---|---|---|---|---|---|")
+    for r in flight:
+        print(f"| {r['what']} | {r['in_flight']} | {r['verdicts']} | {r['wall_s']:.1f} | {r['per_hour']:.0f} | "
+              f"{r['median_s']:.2f} | {r['p90_s']:.2f} | {r['wait_median_s']:.2f} / {r['wait_p90_s']:.2f} |")
 if os.environ.get("OUT"):
-    Path(os.environ["OUT"], f"env_bench_{backend}.json").write_text(json.dumps(rows, indent=1))
+    Path(os.environ["OUT"], f"env_bench_{backend}.json").write_text(json.dumps(dict(rows=rows, in_flight=flight), indent=1))
 shutil.rmtree(work, ignore_errors=True)

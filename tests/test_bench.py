@@ -1,6 +1,7 @@
 """bench/: CPU smoke runs of the benchmark scripts the README documents, and preset_time.py's projection
 checked against hand-computed numbers. (The figures themselves come from `bash bench/run_h200.sh` on a GPU.)"""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,9 +19,9 @@ import test_train  # noqa: E402
 elem_dataset = test_train.elem_dataset  # a fixture: the teacher's family (elementwise.py), 2 training tasks, 1 held out
 
 
-def bench(script, *args, timeout=600):
+def bench(script, *args, timeout=600, env=None):
     r = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT, capture_output=True, text=True,
-                       timeout=timeout)
+                       timeout=timeout, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r.stdout
 
@@ -44,6 +45,21 @@ def test_verdict_split_compares_exec_and_fork():
         section = out.split(f"children {way}")[1].split("##")[0]
         assert "| cand | child: first message sent (ready) |" in section and "| parent | lap: timed runs |" in section, out
     assert "| verdict |" in out.split("cached verdict phases")[1], out
+
+
+def test_env_bench_verdicts_in_flight(tmp_path):
+    """--workers 2: the cached task's verdicts 1 and 2 at a time, and the first verdicts of new tasks, alone and 2
+    together; the test session's build cache (--cache), so no cold build and no naive one."""
+    out = bench("env_bench.py", "--backend", "cpu", "--no-naive", "--repeats", "1", "--workers", "2", "--verdicts", "2",
+                "--cache", os.environ["CUDA_AGENT_CACHE"], env=dict(os.environ, OUT=str(tmp_path)))
+    flight = json.loads((tmp_path / "env_bench_cpu.json").read_text())["in_flight"]
+    assert [(r["what"], r["in_flight"], r["verdicts"]) for r in flight] == [
+        ("cached task", 1, 2), ("cached task", 2, 2), ("first verdict of a new task", 1, 1), ("first verdicts of new tasks", 2, 2)]
+    for r in flight:
+        assert r["per_hour"] == pytest.approx(3600 * r["verdicts"] / r["wall_s"]) and r["wall_s"] >= r["p90_s"] >= r["median_s"] > 0
+        assert r["wait_median_s"] <= r["median_s"] and r["wait_p90_s"] <= r["p90_s"]  # a verdict waits within its own time
+    assert "| cached task | 2 | 2 | " in out and "| first verdicts of new tasks | 2 | 2 | " in out and "| wait device | " in out
+    assert "cold build" not in out  # (the test cache may hold it: not measured)
 
 
 def test_train_bench_tiny_update():

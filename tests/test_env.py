@@ -806,6 +806,29 @@ def test_no_candidates_waits_for_live_candidates(tmp_path):
         pass
 
 
+def test_a_verdict_records_its_wait_for_the_device(tmp_path, monkeypatch):
+    """Verdict.phases["wait device"] (bench/env_bench.py --workers): the timing lock, held elsewhere until 1 s after
+    the verdict asks for it, shows as at least 1 s of waiting."""
+    import threading
+    asked, real = threading.Event(), env.file_lock
+
+    def spy(path, *a, **k):
+        if path == env.gpu_lock_path("cpu"):
+            asked.set()
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(env, "file_lock", spy)
+    ws = make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)"))
+    got = []
+    with real(env.gpu_lock_path("cpu")):
+        t = threading.Thread(target=lambda: got.append(env.evaluate(ws, backend="cpu")))
+        t.start()
+        assert asked.wait(300)
+        time.sleep(1.0)
+    t.join()
+    assert got[0].correct and got[0].phases["wait device"] >= 1.0, got[0].summary()
+
+
 # 8. Checks that can fail at the output's own scale.
 def test_zeros_do_not_pass_a_wide_softmax(tmp_path):
     v = env.evaluate(make_ws(tmp_path, "softmax_wide", model_new("softmax_wide", "torch.zeros_like(x)")), backend="cpu",
