@@ -62,6 +62,23 @@ def test_env_bench_verdicts_in_flight(tmp_path):
     assert "cold build" not in out  # (the test cache may hold it: not measured)
 
 
+def test_cuda_agent_bench_says_what_it_needs(tmp_path):
+    """bench/cuda_agent_bench.py (CUDA Agent's own scripts beside env.py) runs on a GPU only: elsewhere, and for a
+    folder that is not their agent_workdir, one line says why (the GPU run: bash bench/run_h200.sh cuda-agent)."""
+    run = lambda d: subprocess.run([sys.executable, str(ROOT / "bench" / "cuda_agent_bench.py"), "--agent-workdir", str(d)],
+                                   capture_output=True, text=True, timeout=300)
+    r = run(tmp_path)
+    assert r.returncode == 1 and "is not CUDA Agent's agent_workdir" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    (tmp_path / "utils").mkdir()
+    (tmp_path / "utils" / "compile.sh").write_text("exit 1\n")
+    (tmp_path / "model.py").write_text("")
+    r = run(tmp_path)
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU: the bench would run")
+    assert r.returncode == 1 and "needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_train_bench_tiny_update():
     out = bench("train_bench.py", "--device", "cpu", "--tiny", "--no-split", "--no-trl")
     row = next(json.loads(x) for x in out.splitlines() if x.startswith('{"impl": "train.py"'))
