@@ -51,7 +51,7 @@ class Build:
 
 
 _TOOLCHAIN: dict = {}
-SCAN_VERSION = "13"  # part of every object's cache key: an object built under an older scan is never reused
+SCAN_VERSION = "14"  # part of every object's cache key: an object built under an older scan is never reused
 
 
 def toolchain(backend: str) -> dict:

@@ -286,7 +286,7 @@ CPP_ALLOWED_TORCH = {"empty", "empty_like", "empty_strided", "zeros", "zeros_lik
                      "get_parallel_state", "cuda", "indexing", "irange", "scalarTypeToTypeMeta", "getCurrentCUDABlasHandle",
                      "getDefaultCUDAStream", "getStreamFromPool", "detail", "impl", "ScalarTypeToCPPTypeT",
                      "torchCheckFail", "torchCheckMsgImpl", "torchInternalAssertFail", "str", "toUnderlying"}
-CPP_ALLOWED_PYBIND = {"module_", "arg", "kw_only", "pos_only", "return_value_policy"}
+CPP_ALLOWED_PYBIND = {"module_", "module", "arg", "kw_only", "pos_only", "return_value_policy"}  # (module: module_'s older name, as CUDA Agent's registry writes it)
 ROOT_NAMESPACES = {"torch", "at", "aten", "c10", "caffe2", "pybind11", "py"}
 TOKEN_RE = re.compile(r'R"([^()\\\s]{0,16})\(.*?\)\1"|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|'
                       r"[A-Za-z_]\w*|\d[\w.]*|::|\S", re.S)

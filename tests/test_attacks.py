@@ -107,6 +107,16 @@ def test_attack_pragma_allow_list_keeps_honest_pragmas():
     assert scan.check_tokens("x.cpp", scan.split_preprocessed(f'# 1 "/w/x.cpp"\n{src}', lambda p: p == "/w/x.cpp")[0]) == []
 
 
+@pytest.mark.parametrize("src,ok", [
+    ("void apply(pybind11::module& m);\nvoid apply2(pybind11::module_& m);\n", True),  # CUDA Agent's registry spelling
+    ("void f() { pybind11::module::import(\"os\"); }\n", False),  # a door through the older name stays closed
+    ("void f() { pybind11::module_::import(\"os\"); }\n", False),
+])
+def test_attack_pybind_module_names_allow_the_type_not_its_doors(src, ok):
+    tokens = scan.split_preprocessed(f'# 1 "/w/x.cpp"\n{src}', lambda p: p == "/w/x.cpp")[0]
+    assert (scan.check_tokens("x.cpp", tokens) == []) == ok, scan.check_tokens("x.cpp", tokens)
+
+
 def test_attack_directives_check_keeps_honest_sources():
     """Every kernel source in the repository passes the directive check (pragmas, stringizing, comments with #)."""
     sources = [f for f in ROOT.rglob("*") if f.suffix in {".cpp", ".cu", ".h", ".cuh", ".hpp"} and f.is_file()
