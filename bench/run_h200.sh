@@ -38,7 +38,7 @@ fi
 if [ -d .wh ] && [ ! -f /tmp/site/.done ]; then
   # datasets 5 needs pyarrow >= 24; datasets 4.8 makes do with pyarrow >= 21
   d=d4; python3 -c "import pyarrow, sys; sys.exit(int(pyarrow.__version__.split('.')[0]) < 24)" && d=d5
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .wh/*.whl .wh/$d/*.whl \
+  mkdir -p /tmp/site && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .wh/*.whl .wh/$d/*.whl \
     && touch /tmp/site/.done
 fi
 export PYTHONPATH=/tmp/site:/tmp/gg${PYTHONPATH:+:$PYTHONPATH}
