@@ -46,6 +46,7 @@ work = Path(tempfile.mkdtemp(prefix="env-bench-"))
 os.environ["CUDA_AGENT_CACHE"] = args.cache or str(work / "cache")  # by default a cold cache: nothing built before
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # the in-process timer, threaded as env.CHILD_ENV threads children
 import env  # noqa: E402
+from workspaces import matmul_ws  # noqa: E402  (bench/)
 
 backend = env.resolve_backend(args.backend)
 cuda = backend == "cuda"
@@ -121,18 +122,7 @@ if not args.cache:
     row("rebuild after editing one kernel", b2.seconds, "s", "<= 3 s")
 
 # 4./5. full verdicts of a ~1 ms kernel (naive fp32 matmul 1024^3 on the H200), build cached
-ws = work / "ws"
-(ws / "kernels").mkdir(parents=True)
-if cuda:
-    (ws / "model.py").write_text((CASES / "cuda" / "matmul1k.py").read_text())
-    for f in (CASES / "cuda").glob("ops*"):
-        (ws / "kernels" / f.name).write_text(f.read_text())
-else:
-    (ws / "model.py").write_text((CASES / "matmul.py").read_text().replace("M, K, N = 64, 128, 96", "M, K, N = 256, 512, 256"))
-    (ws / "kernels" / "ops.cpp").write_text((CASES / "ops.cpp").read_text())
-(ws / "model_new.py").write_text("import torch\nimport torch.nn as nn\nimport cuda_extension\n\n\nclass ModelNew(nn.Module):\n"
-                                 "    def __init__(self):\n        super().__init__()\n\n"
-                                 "    def forward(self, a, b):\n        return cuda_extension.matmul(a, b)\n")
+ws = matmul_ws(work / "ws", cuda)
 env.evaluate(ws, backend=backend, stage="compile")  # build once (not part of the verdict timing)
 verdicts = []
 for i in range(args.repeats + 1):

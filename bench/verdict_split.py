@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 work = Path(tempfile.mkdtemp(prefix="verdict-split-"))
 os.environ.setdefault("CUDA_AGENT_CACHE", str(work / "cache"))
 import env  # noqa: E402
+from workspaces import matmul_ws  # noqa: E402  (bench/)
 import protocol  # noqa: E402
 import sandbox  # noqa: E402
 
@@ -36,21 +37,9 @@ p.add_argument("--no-components", action="store_true", help="skip the rows that 
 args = p.parse_args()
 backend = env.resolve_backend(args.backend)
 cuda = backend == "cuda"
-CASES = ROOT / "tests" / "env_cases"
 
 # -- the workspace: env_bench.py's verdict task --------------------------------------------------
-ws = work / "ws"
-(ws / "kernels").mkdir(parents=True)
-if cuda:
-    (ws / "model.py").write_text((CASES / "cuda" / "matmul1k.py").read_text())
-    for f in (CASES / "cuda").glob("ops*"):
-        (ws / "kernels" / f.name).write_text(f.read_text())
-else:
-    (ws / "model.py").write_text((CASES / "matmul.py").read_text().replace("M, K, N = 64, 128, 96", "M, K, N = 256, 512, 256"))
-    (ws / "kernels" / "ops.cpp").write_text((CASES / "ops.cpp").read_text())
-(ws / "model_new.py").write_text("import torch\nimport torch.nn as nn\nimport cuda_extension\n\n\nclass ModelNew(nn.Module):\n"
-                                 "    def __init__(self):\n        super().__init__()\n\n"
-                                 "    def forward(self, a, b):\n        return cuda_extension.matmul(a, b)\n")
+ws = matmul_ws(work / "ws", cuda)
 print("building and timing the baselines once (not part of the split) ...", flush=True)
 v = env.evaluate(ws, backend=backend)
 assert v.correct, v.summary()

@@ -1,0 +1,21 @@
+"""The verdict task the env benches share: a naive matmul (tests/env_cases), ~1 ms on the H200 (1024^3 fp32) and
+256x512x256 on the CPU backend, with its kernel sources and a ModelNew that calls it."""
+from pathlib import Path
+
+CASES = Path(__file__).resolve().parents[1] / "tests" / "env_cases"
+MODEL_NEW = ("import torch\nimport torch.nn as nn\nimport cuda_extension\n\n\nclass ModelNew(nn.Module):\n"
+             "    def __init__(self):\n        super().__init__()\n\n"
+             "    def forward(self, a, b):\n        return cuda_extension.matmul(a, b)\n")
+
+
+def matmul_ws(ws: Path, cuda: bool) -> Path:
+    (ws / "kernels").mkdir(parents=True)
+    if cuda:
+        (ws / "model.py").write_text((CASES / "cuda" / "matmul1k.py").read_text())
+        for f in (CASES / "cuda").glob("ops*"):
+            (ws / "kernels" / f.name).write_text(f.read_text())
+    else:
+        (ws / "model.py").write_text((CASES / "matmul.py").read_text().replace("M, K, N = 64, 128, 96", "M, K, N = 256, 512, 256"))
+        (ws / "kernels" / "ops.cpp").write_text((CASES / "ops.cpp").read_text())
+    (ws / "model_new.py").write_text(MODEL_NEW)
+    return ws
