@@ -365,8 +365,9 @@ class Child:
         except EOFError:
             if self.cmd_timeout is None or not self.thread.is_alive():
                 raise
-            with contextlib.suppress(OSError):  # still running past its deadline: stopped (the device is free again)
-                os.killpg(self.pgid, signal.SIGKILL)
+            if self.pgid:  # still running past its deadline: stopped (the device is free again)
+                with contextlib.suppress(OSError):
+                    os.killpg(self.pgid, signal.SIGKILL)
             raise ChildTimeout(f"one `{what}` took longer than {self.cmd_timeout:g} s") from None
         if isinstance(obj, dict) and "error" in obj and isinstance(obj["error"], str) and len(obj) == 1:
             raise ChildError(obj["error"])
