@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 work = Path(tempfile.mkdtemp(prefix="cuda-agent-bench-"))
 os.environ["CUDA_AGENT_CACHE"] = str(work / "cache")  # a cold cache: env.py's first build is a cold one
 import env  # noqa: E402
+from protocol import median  # noqa: E402  (the verdict's own median)
 from build import gpu_query  # noqa: E402
 
 p = argparse.ArgumentParser()
@@ -66,10 +67,6 @@ def theirs(ws: Path, *cmd) -> tuple[float, str]:
     if r.returncode != 0:
         sys.exit(f"cuda_agent_bench.py: `{' '.join(cmd)}` failed in {ws}:\n{(r.stdout + r.stderr)[-2000:]}")
     return time.monotonic() - t0, r.stdout
-
-
-def median(xs):
-    return sorted(xs)[len(xs) // 2]
 
 
 # 1. builds: theirs from scratch each time; ours cold once, then a rebuild after editing one kernel
