@@ -370,6 +370,32 @@ def time_callable(fn, input_sets, *, n_timed=20, min_s=0.25, warmup=3, lock_fd=N
 RMS_FLOOR = 0.1  # x the output dtype's epsilon: an RMS error this small is rounding noise of values below 1
 
 
+def _close_and_rms(o, r, atol, rtol, chunk=1 << 16):
+    """One pass over two flat tensors, in float64 (complex128) chunks that stay in cache, so that comparing GB-sized
+    outputs costs a fraction of a second, not seconds and a float64 copy of both: (values not close as
+    torch.isclose(equal_nan=True) decides, the largest |o - r| among those (NaN counts as inf), RMS of o - r and RMS
+    of r over the elements finite in both (None when there is none))."""
+    wide = torch.complex128 if r.is_complex() else torch.float64
+    bad, diff, se, sr, nf = 0, 0.0, 0.0, 0.0, 0
+    for i in range(0, r.numel(), chunk):
+        a, b = o[i:i + chunk].to(wide), r[i:i + chunk].to(wide)
+        d = a - b
+        # (an infinite d, as from inf against -inf, would pass |d| <= inf: non-finite values take the exact test below)
+        ok = (d.abs() <= b.abs() * rtol + atol) & d.isfinite()
+        if not bool(ok.all()):
+            ok |= torch.isclose(a, b, atol=atol, rtol=rtol, equal_nan=True)
+            n_bad = int((~ok).sum())
+            if n_bad:
+                bad += n_bad
+                diff = max(diff, d[~ok].abs().nan_to_num(float("inf")).max().item())
+            fin = torch.isfinite(a) & torch.isfinite(b)
+            d, b = d[fin], b[fin]
+        nf += b.numel()
+        se += float(d.abs().square().sum())
+        sr += float(b.abs().square().sum())
+    return bad, diff, (math.sqrt(se / nf) if nf else None), (math.sqrt(sr / nf) if nf else None)
+
+
 def compare(out, ref, atol, rtol, what: str) -> str | None:
     """None if `out` matches `ref` exactly in structure/shape/dtype and is close at two scales: every element
     within atol + rtol*|ref| (torch.isclose), AND the RMS error within rtol of the reference's own RMS (or
@@ -392,19 +418,12 @@ def compare(out, ref, atol, rtol, what: str) -> str | None:
         if ref.dtype == torch.bool or not (ref.is_floating_point() or ref.is_complex()):
             ok = torch.equal(out, ref)
             return None if ok else f"{what}: integer/bool output differs"
-        o, r = out.to(torch.complex128 if ref.is_complex() else torch.float64), ref.to(torch.complex128 if ref.is_complex() else torch.float64)
-        close = torch.isclose(o, r, atol=atol, rtol=rtol, equal_nan=True)
-        if not bool(close.all()):
-            bad = (~close).sum().item()
-            diff = (o - r).abs().nan_to_num(float("inf")).max().item()
-            return f"{what}: {bad}/{ref.numel()} values differ (max abs diff {diff:.3g}, atol={atol}, rtol={rtol})"
-        finite = torch.isfinite(r) & torch.isfinite(o)
-        if ref.numel() and bool(finite.any()):
-            rms = lambda x: x[finite].abs().pow(2).mean().sqrt().item()
-            err, scale = rms(o - r), rms(r)
-            if err > rtol * scale + RMS_FLOOR * torch.finfo(ref.dtype).eps:
-                return (f"{what}: RMS error {err:.3g} is {err / max(scale, 1e-30):.0%} of the reference's RMS {scale:.3g} "
-                        f"(allowed {rtol:.0%}): the values are at the wrong scale even where each is within atol")
+        bad, diff, err, scale = _close_and_rms(out.reshape(-1), ref.reshape(-1), atol, rtol)
+        if bad:
+            return f"{what}: {bad}/{ref.numel()} values differ (max abs diff among them {diff:.3g}, atol={atol}, rtol={rtol})"
+        if scale is not None and err > rtol * scale + RMS_FLOOR * torch.finfo(ref.dtype).eps:
+            return (f"{what}: RMS error {err:.3g} is {err / max(scale, 1e-30):.0%} of the reference's RMS {scale:.3g} "
+                    f"(allowed {rtol:.0%}): the values are at the wrong scale even where each is within atol")
         return None
     # a Python value (None, bool, int, float): the same type and value (`tensor == 3` is a tensor, and True == 1)
     same = type(out) is type(ref) and (out == ref or (isinstance(ref, float) and math.isnan(ref) and math.isnan(out)))

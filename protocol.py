@@ -58,27 +58,29 @@ SAMPLE = 65536  # elements per output compared after a timed run (every element 
 
 
 def send(fd: int, obj, blobs=(), re: str | None = None):
-    """One message: 8 bytes of header length, the JSON header, the raw blobs. `re`: the nonce of the command it answers."""
-    blobs = [bytes(b) for b in blobs]
-    head = json.dumps({"obj": obj, "sizes": [len(b) for b in blobs], "re": re}).encode()
-    data = len(head).to_bytes(8, "little") + head + b"".join(blobs)
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
+    """One message: 8 bytes of header length, the JSON header, the raw blobs. `re`: the nonce of the command it answers.
+    Blobs (bytes or arrays) are written from their own memory: a GB-sized output is never copied to be sent."""
+    views = [memoryview(b).cast("B") for b in blobs]
+    head = json.dumps({"obj": obj, "sizes": [v.nbytes for v in views], "re": re}).encode()
+    for view in [memoryview(len(head).to_bytes(8, "little") + head), *views]:
+        while view:
+            view = view[os.write(fd, view):]
 
 
-def _read_exact(fd: int, n: int, alive=None) -> bytes:
-    chunks = []
-    while n:
+def _read_exact(fd: int, n: int, alive=None, into=bytearray):
+    """n bytes into a new buffer: a bytearray, or with into=torch.uint8 a tensor that unpack() views as is (no
+    chunk list, no join, no zero-filling of GBs)."""
+    buf = torch.empty(n, dtype=torch.uint8) if into is torch.uint8 else bytearray(n)
+    view, got = memoryview(buf.numpy() if into is torch.uint8 else buf).cast("B"), 0
+    while got < n:
         while alive is not None and not select.select([fd], [], [], 0.5)[0]:
             if not alive():  # the child is gone, but something it left behind may still hold the pipe
                 raise EOFError("the child process ended")
-        chunk = os.read(fd, min(n, 1 << 24))
-        if not chunk:
+        k = os.readv(fd, [view[got:got + (1 << 24)]])
+        if not k:
             raise EOFError("the other side closed the pipe")
-        chunks.append(chunk)
-        n -= len(chunk)
-    return b"".join(chunks)
+        got += k
+    return buf
 
 
 def recv(fd: int, limit: int = 1 << 34, alive=None, expect: str | None = None):
@@ -96,7 +98,7 @@ def recv(fd: int, limit: int = 1 << 34, alive=None, expect: str | None = None):
     sizes = head.get("sizes", []) if isinstance(head, dict) else None
     if not isinstance(sizes, list) or not all(isinstance(s, int) and 0 <= s for s in sizes) or sum(sizes) > limit:
         raise ValueError("malformed message sizes")
-    return head.get("obj"), [_read_exact(fd, s, alive) for s in sizes]
+    return head.get("obj"), [_read_exact(fd, s, alive, into=torch.uint8) for s in sizes]
 
 
 def seed_pad(key: str, nonce: str) -> int:
@@ -110,7 +112,7 @@ def pack(out, blobs: list):
     """A nested output as JSON-able structure + raw tensor bytes (no pickle crosses the boundary)."""
     if isinstance(out, torch.Tensor):
         t = out.detach().contiguous().cpu()
-        blobs.append(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        blobs.append(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")  # (its own memory, sent as is)
         return {"t": len(blobs) - 1, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
     if isinstance(out, (tuple, list)):
         return {"seq": [pack(o, blobs) for o in out], "tuple": isinstance(out, tuple)}
@@ -134,10 +136,12 @@ def unpack(obj, blobs: list, depth: int = 0, used: set | None = None):
         if not isinstance(dtype, torch.dtype) or not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
             raise ValueError("malformed tensor in output")
         raw = blobs[obj["t"]] if isinstance(obj["t"], int) and 0 <= obj["t"] < len(blobs) else None
+        if isinstance(raw, (bytes, bytearray)):
+            raw = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         n = math.prod(shape)
-        if raw is None or len(raw) != n * torch.empty((), dtype=dtype).element_size():
+        if raw is None or raw.numel() != n * torch.empty((), dtype=dtype).element_size():
             raise ValueError("tensor bytes do not match the declared shape")
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape) if n else torch.empty(shape, dtype=dtype)
+        return raw.view(dtype).reshape(shape) if n else torch.empty(shape, dtype=dtype)
     if "seq" in obj and isinstance(obj["seq"], list):
         seq = [unpack(o, blobs, depth + 1, used) for o in obj["seq"]]
         return tuple(seq) if obj.get("tuple") else seq

@@ -852,6 +852,48 @@ def test_compare_scales():
         assert env.compare(wide * 1.001, wide, 1e-2, 1e-2, "x") is None
 
 
+def _compare_whole(out, ref, atol, rtol):
+    """compare()'s definition on whole tensors in float64: (values not close, RMS error, RMS of the reference)."""
+    import torch
+    wide = torch.complex128 if ref.is_complex() else torch.float64
+    o, r = out.to(wide).reshape(-1), ref.to(wide).reshape(-1)
+    bad = int((~torch.isclose(o, r, atol=atol, rtol=rtol, equal_nan=True)).sum())
+    fin = torch.isfinite(o) & torch.isfinite(r)
+    rms = lambda x: x[fin].abs().pow(2).mean().sqrt().item() if bool(fin.any()) else None
+    return bad, rms(o - r), rms(r)
+
+
+def test_chunked_compare_decides_as_the_whole_tensor_definition():
+    """compare() goes over outputs in cache-sized chunks (a GB-sized output in a fraction of a second); its counts and
+    RMS figures are those of the whole-tensor definition, across chunk boundaries, with NaN, inf and complex values."""
+    import torch
+    g = torch.Generator().manual_seed(0)
+    n = 3 * (1 << 16) + 123  # three chunks and a partial one
+    ref = torch.randn(n, generator=g)
+    cases = {"close": ref * 1.001, "far": ref + 0.5, "zeros": torch.zeros_like(ref), "few_far": ref.clone()}
+    cases["few_far"][[5, 1 << 16, n - 1]] += 1.0
+    special = ref.clone()
+    special[[0, 70000, 140000]] = float("nan")
+    special[[1, 70001]] = float("inf")
+    cases["nan_inf_same"] = special
+    ref_special = special.clone()
+    other = special.clone()
+    other[70001] = float("-inf")  # opposite infinities differ
+    other[2] = float("nan")  # NaN against a number differs
+    cases["nan_inf_other"] = other
+    for name, out in cases.items():
+        r = ref_special if name.startswith("nan_inf") else ref
+        bad, diff, err, scale = env._close_and_rms(out, r, 1e-2, 1e-2)
+        w_bad, w_err, w_scale = _compare_whole(out, r, 1e-2, 1e-2)
+        assert bad == w_bad, (name, bad, w_bad)
+        assert err == pytest.approx(w_err, rel=1e-9) and scale == pytest.approx(w_scale, rel=1e-9), name
+        assert (env.compare(out, r, 1e-2, 1e-2, "x") is None) == (name in ("close", "nan_inf_same")), name
+    c = torch.randn(n, dtype=torch.complex64, generator=g)
+    assert env._close_and_rms(c * 1.001, c, 1e-2, 1e-2)[0] == _compare_whole(c * 1.001, c, 1e-2, 1e-2)[0] == 0
+    assert env._close_and_rms(c + 1, c, 1e-2, 1e-2)[0] == _compare_whole(c + 1, c, 1e-2, 1e-2)[0] == n
+    assert env._close_and_rms(torch.zeros(0), torch.zeros(0), 1e-2, 1e-2) == (0, 0.0, None, None)
+
+
 def test_replies_cannot_exhaust_the_parent():
     """A reply that declares more bytes than the parent expects, or nests without end, is malformed (no read, no crash)."""
     for blob_case in (True, False):

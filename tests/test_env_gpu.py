@@ -61,7 +61,8 @@ def test_illegal_memory_access_is_contained(tmp_path):
     assert ok.correct, ok.summary()
 
 
-@pytest.mark.parametrize("name", ["read_reference_outputs", "disable_dispatch_monitor", "rebind_harness_clock"])
+@pytest.mark.parametrize("name", ["read_reference_outputs", "read_spec_seeds", "write_result_files", "disable_dispatch_monitor",
+                                  "rebind_harness_clock", "grow_op_allow_list"])
 def test_python_attacks_on_cuda(tmp_path, name):
     v = env.evaluate(ws_for(tmp_path, "relu", PY_ATTACKS[name]), backend="cuda")
     assert v.reward == -1 and v.violations, v.summary()
