@@ -892,6 +892,8 @@ def test_chunked_compare_decides_as_the_whole_tensor_definition():
     assert env._close_and_rms(c * 1.001, c, 1e-2, 1e-2)[0] == _compare_whole(c * 1.001, c, 1e-2, 1e-2)[0] == 0
     assert env._close_and_rms(c + 1, c, 1e-2, 1e-2)[0] == _compare_whole(c + 1, c, 1e-2, 1e-2)[0] == n
     assert env._close_and_rms(torch.zeros(0), torch.zeros(0), 1e-2, 1e-2) == (0, 0.0, None, None)
+    assert env._close_and_rms(ref + 0.5, ref, 1e-2, 1e-2, chunk=1000, count=False)[0] == 1000  # (stops after one chunk)
+    assert env.compare(cases["few_far"], ref, 1e-2, 1e-2, "x", count=False) is not None
 
 
 def test_replies_cannot_exhaust_the_parent():
