@@ -43,3 +43,50 @@ def test_redteam_a_hang_while_loading_is_stopped_at_a_deadline(tmp_path):
     took = time.monotonic() - t0
     assert v.reward == -1 and v.error, v.summary()
     assert took < 80, f"a candidate hanging in ModelNew.__init__ was alive (holding the device) for {took:.0f} s"
+
+
+# ------------------------------------------------------------------ 3. a reply sent byte by byte is under no command deadline
+# protocol._read_exact asks alive() (which carries Child.cmd_timeout's deadline) only when select() has waited 0.5 s
+# with nothing to read. A child that writes one byte every 0.2 s (a header length of 1 MiB, then JSON blanks) is never
+# past its deadline: the parent reads on until the verdict's wall clock kills the child. The kernel reaches the reply
+# pipe through stdio (env.py's docstring: a FILE whose descriptor field it sets; here by its offset, no banned token),
+# and needs no nonce: it never completes a message. Seen with run_timeout=3, timeout=45: "ModelNew timed out (the whole
+# process group was killed)" after 45 s, in the first check run (in a timed run, the device's timing lock is held as long).
+CASES = env.Path(__file__).resolve().parent / "redteam_cases"
+
+
+def test_redteam_recv_keeps_its_deadline_while_bytes_trickle():
+    import os
+    import threading
+    import protocol
+    r, w = os.pipe()
+    stop = threading.Event()
+
+    def trickle():
+        os.write(w, ((1 << 20) - 1).to_bytes(8, "little"))
+        for _ in range(80):  # 8 s of it, then silence (past which even today's recv gives up)
+            if stop.wait(0.1):
+                break
+            os.write(w, b" ")
+    threading.Thread(target=trickle, daemon=True).start()
+    deadline = time.monotonic() + 1.0
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(EOFError):
+            protocol.recv(r, alive=lambda: time.monotonic() < deadline, expect="nonce")
+    finally:
+        stop.set()
+        took = time.monotonic() - t0
+        os.close(w)
+        os.close(r)
+    assert took < 5, f"recv ran {took:.0f} s past a 1 s deadline"
+
+
+def test_redteam_a_kernel_trickling_bytes_is_stopped_at_the_run_deadline(tmp_path):
+    src = model_new("relu", "cuda_extension.trickle(x)")
+    ws = make_ws(tmp_path, "relu", src, {"ops.cpp": (CASES / "trickle.cpp").read_text()})
+    t0 = time.monotonic()
+    v = env.evaluate(ws, backend="cpu", stage="verify", run_timeout=3, timeout=60)
+    took = time.monotonic() - t0 - v.phases.get("build", 0)
+    assert v.compiled and v.reward == -1, v.summary()
+    assert "took longer than 3 s" in (v.error or "") and took < 40, (took, v.summary())
