@@ -90,3 +90,64 @@ def test_redteam_a_kernel_trickling_bytes_is_stopped_at_the_run_deadline(tmp_pat
     took = time.monotonic() - t0 - v.phases.get("build", 0)
     assert v.compiled and v.reward == -1, v.summary()
     assert "took longer than 3 s" in (v.error or "") and took < 40, (took, v.summary())
+
+
+# ------------------------------------------------------------------ 4. a model_new.py that crashes the scan: the harness's -1
+# evaluate() catches SyntaxError around ast.parse, but a deep attribute chain (`X = nn.b.b.b...`, 5000 deep) raises
+# RecursionError in ast.parse itself, and a 1000-deep one passes ast.parse and raises RecursionError in
+# scan.check_python (ast.unparse). The exception leaves env.evaluate; agent.py's final scoring turns it into
+# "final evaluation failed: RecursionError: ...", which rollouts.harness_failed counts as the HARNESS's failure: the
+# episode is neither trained on nor counted in the reward. A policy that expects a -1 can append one line to
+# model_new.py and have its failure dropped from the batch instead of penalised (the CLI prints a traceback).
+@pytest.mark.parametrize("depth", [1000, 5000])
+def test_redteam_a_model_new_that_crashes_the_scan_is_the_policys_own_minus_one(tmp_path, depth):
+    import rollouts
+    src = model_new("relu", "cuda_extension.relu_scale(x, self.scale)") + "\nX = nn" + ".b" * depth + "\n"
+    try:
+        v = env.evaluate(make_ws(tmp_path, "relu", src), backend="cpu", stage="compile")
+    except Exception as e:  # noqa: BLE001  - what agent.py's final() does with it
+        v = env.Verdict(backend="cpu", error=f"final evaluation failed: {type(e).__name__}: {e}")
+    assert v.reward == -1 and not rollouts.harness_failed({"verdict": v.to_dict()}), v.error
+
+
+# ------------------------------------------------------------------ 5. the parent's scan holds the trainer's GIL for minutes
+# scan.check_python calls ast.unparse(node.value) for every Attribute node: quadratic in an attribute chain's depth.
+# A model_new.py of 1 MiB made of `Y = nn.b.b...b` lines (320 deep, below the recursion limit; no violation: a missing
+# attribute of a module resolves to nothing) takes 154 s of pure Python in the TRAINER's process (agent.py runs every
+# tool call and every final verdict in a thread pool), outside every lock: the build's and the candidate's holds come
+# later. Meanwhile every other thread's pipe clock waits for the GIL at each exchange. Seen: a new task's baselines
+# timed in another thread while such a scan ran: eager 0.68 -> 17.3 ms, compile 0.58 -> 11.3 ms, cached (spread 2.4 and
+# 14: measured again while noisy, but only up to 3 times, and the least noisy kept; a policy whose rollouts of one task
+# keep scanning through the first three verdicts leaves the inflated value for good), and that verdict's own candidate,
+# 2x slower than eager when quiet, got reward +3.
+SLOW_SCAN = model_new("relu", "cuda_extension.relu_scale(x, self.scale)") + ("Y = nn" + ".b" * 250 + "\n") * 80
+
+
+def test_redteam_the_python_scan_is_not_quadratic():
+    import scan
+    scan.check_python("import torch\n")  # (its first call imports torch's modules)
+    t0 = time.monotonic()
+    scan.check_python(SLOW_SCAN)  # 42 KB; 1 MiB of it takes ~25x longer
+    took = time.monotonic() - t0
+    assert took < 1.0, f"42 KB of model_new.py took {took:.1f} s to scan (1 MiB: ~25x that, in the trainer's GIL)"
+
+
+def test_redteam_a_scan_in_another_thread_does_not_inflate_a_baseline(tmp_path):
+    import os
+    import threading
+    import scan
+    from test_env import RELU
+
+    def verdict(name):
+        ws = make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)"), name=name)
+        (ws / "model.py").write_text(RELU + f"\n# baseline nonce {os.urandom(8).hex()}\n")  # baselines measured here
+        return env.evaluate(ws, backend="cpu")
+    quiet = verdict("quiet")
+    slow = model_new("relu", "x") + ("Y = nn" + ".b" * 250 + "\n") * 1200  # (~80 s of scanning)
+    scanner = threading.Thread(target=scan.check_python, args=(slow,), daemon=True)
+    scanner.start()
+    loaded = verdict("loaded")
+    scanner.join()
+    assert quiet.eager_ms and loaded.eager_ms, (quiet.summary(), loaded.summary())
+    ratio = max(loaded.eager_ms / quiet.eager_ms, loaded.compile_ms / quiet.compile_ms)
+    assert ratio < 3, f"baselines timed beside a scan in another thread: {ratio:.1f}x slower ({loaded.summary()})"
