@@ -151,3 +151,15 @@ def test_redteam_a_scan_in_another_thread_does_not_inflate_a_baseline(tmp_path):
     assert quiet.eager_ms and loaded.eager_ms, (quiet.summary(), loaded.summary())
     ratio = max(loaded.eager_ms / quiet.eager_ms, loaded.compile_ms / quiet.compile_ms)
     assert ratio < 3, f"baselines timed beside a scan in another thread: {ratio:.1f}x slower ({loaded.summary()})"
+
+
+# ------------------------------------------------------------------ 6. a thread from OpenMP's old entry points
+# The import check allows every GOMP_* symbol. GOMP_parallel_start (libgomp's GOMP_1.0 ABI, exported by torch's libgomp
+# and the system's) starts a team and returns to its caller; without GOMP_parallel_end the workers run on after the
+# kernel returned: a thread of the kernel's own beside the harness's Python, the door that pthread_create/thrd_create/
+# std::thread are refused for (work overlapped with the harness's "load" and its Python between runs, unwatched
+# forever). Seen: built with no violation; loaded in a Python process, the worker's counter went 28271 -> 214865450 in the
+# 0.5 s after start_background() had returned.
+def test_redteam_openmp_parallel_start_is_refused():
+    b = env.build({"kernels/bg.cpp": (CASES / "background_thread.cpp").read_text()}, "cpu")
+    assert not b.ok and b.violations, "GOMP_parallel_start (a worker that outlives the call) built: " + b.log
