@@ -51,7 +51,9 @@ class Build:
 
 
 _TOOLCHAIN: dict = {}
-SCAN_VERSION = "14"  # part of every object's cache key: an object built under an older scan is never reused
+# Part of every object's and module's cache key: the text of the rules (scan.py, and this file's checks of the linked
+# module), so that a build judged under older rules is never reused, with no version number to remember to raise.
+SCAN_VERSION = hashlib.sha256(Path(scan.__file__).read_bytes() + Path(__file__).read_bytes()).hexdigest()[:16]
 
 
 def toolchain(backend: str) -> dict:

@@ -59,7 +59,8 @@ What the sandbox protects against (sandbox.py has the layers)
     processes' own entries), a /dev of its own with an allow-list of device nodes, no capabilities,
     no_new_privs, no network; a killed child takes all its descendants with it.
   - crashes, hangs, fork bombs, huge allocations, megabytes of output: a fresh process per verdict, wall
-    clock timeouts (each command of a loaded candidate its own, run_timeout: a hang frees the device in seconds),
+    clock timeouts (loading the candidate its own, load_timeout, and each command after it its own, run_timeout,
+    checked at every read of a reply, so a trickled reply is no way past it: a hang frees the device in seconds),
     cgroups or rlimits, truncated logs.
   - reaching harness state: each child is a fresh process, forked (where sandbox.py's fork server works, else
     exec'ed) from a trusted interpreter that this process exec'ed, that imported torch before any candidate existed
@@ -115,6 +116,11 @@ What it does NOT protect against (be honest; RL will look)
     the floor that lets rounding noise around zero pass lets zeros pass too.
   - disk: the bash tool writes its workspace on the host's disk (1 GiB per file, any number of files, for
     its time limit); a child's stdout and stderr go to files of up to 1 GiB each.
+  - the parent's clock runs in the trainer's interpreter: CPU-bound Python in another of its threads makes each
+    exchange of a timed run wait for the GIL (up to the 5 ms switch interval), and inflates what is timed meanwhile,
+    a baseline too, which is then cached. The policy's own input reaches the trainer's threads only through the scan
+    of model_new.py, which is linear and bounded by the file's 256 KiB (~2 s at worst; a quadratic scan gave a 25x
+    baseline). A timing process of its own would close this; not built.
   - load from outside the policy's processes (other users of the machine) while a baseline is timed: a
     uniformly loaded machine gives a slow baseline with a small spread, and it is cached.
   - a build sees the host's files read-only (the cache root hidden): `__has_include` tells it whether a file
@@ -152,6 +158,8 @@ from sandbox import (CACHE_DIR, SandboxResult, candidate_alive, file_lock, gpu_l
 
 
 MAX_SOURCES, MAX_SOURCE_BYTES = 256, 8 << 20  # what one candidate's kernel sources may add up to
+MODEL_NEW_BYTES = 256 << 10  # a ModelNew is a thin wrapper; its scan (linear, ~2 s at this size on a slow core) holds
+# the trainer's GIL, and with it every pipe clock of the trainer's other threads
 
 
 @dataclasses.dataclass
@@ -159,6 +167,7 @@ class Config:
     backend: str = "auto"  # auto | cuda | cpu
     timeout: float = 300.0  # wall clock for one candidate run (verify + profile)
     run_timeout: float = 30.0  # wall clock for one command of a loaded candidate (a run, a sample): a hang ends here
+    load_timeout: float = 60.0  # wall clock for the candidate to load (model_new.py, ModelNew(), its weights)
     compile_timeout: float = 600.0  # wall clock for one build (nvcc with torch headers is slow)
     atol: float = 1e-2
     rtol: float = 1e-2
@@ -471,8 +480,8 @@ def evaluate(workspace, backend: str = "auto", reference: str | None = None, cfg
     if (ws / "model_new.py").is_symlink() or (ws / "model.py").is_symlink():  # (its target would be read, and quoted)
         v.error = "model_new.py and model.py must be files in the workspace, not symbolic links"
         return done()
-    if (ws / "model_new.py").stat().st_size > 1 << 20:  # (read and parsed here, in the trainer: 1 GiB of it is an OOM)
-        v.error = "model_new.py is larger than 1 MiB"
+    if (ws / "model_new.py").stat().st_size > MODEL_NEW_BYTES:  # (read, parsed and scanned here, in the trainer's GIL)
+        v.error = f"model_new.py is larger than {MODEL_NEW_BYTES >> 10} KiB"
         return done()
     try:
         files, notes = collect(ws, backend)
@@ -483,10 +492,13 @@ def evaluate(workspace, backend: str = "auto", reference: str | None = None, cfg
     model_new = (ws / "model_new.py").read_text(errors="replace")
     try:
         ast.parse(model_new)
+        bad, v.hints = static_scan(files, model_new)
     except SyntaxError as e:
         v.error = f"model_new.py line {e.lineno}: SyntaxError: {e.msg}"
         return done()
-    bad, v.hints = static_scan(files, model_new)
+    except Exception as e:  # noqa: BLE001  (nested too deeply for the parser, ...): the policy's own -1, never a crash
+        v.error = f"model_new.py could not be checked: {type(e).__name__}: {str(e)[:200]}"  # (which the trainer would
+        return done()  # take for a harness failure and leave out of the batch: a way out of every -1)
     v.violations += bad
     lap("scan")
     if v.violations:
@@ -625,6 +637,7 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
 
 
 def _drive_candidate(v, cand, check_seeds, ref_checks, timed_seeds, ref_timed, cfg, backend, lap):
+    cand.cmd_timeout = cfg.load_timeout  # (a hang in ModelNew.__init__ would otherwise hold the device for `timeout`)
     obj, _ = cand.answer()  # "ready", or the error that stopped model_new.py from loading
     cand.cmd_timeout = cfg.run_timeout  # (loading may take long; each command after it may not)
     lap("candidate start")

@@ -67,15 +67,19 @@ def send(fd: int, obj, blobs=(), re: str | None = None):
             view = view[os.write(fd, view):]
 
 
-def _read_exact(fd: int, n: int, alive=None, into=bytearray):
+def _read_exact(fd: int, n: int, alive=None, into=bytearray, deadline: float | None = None):
     """n bytes into a new buffer: a bytearray, or with into=torch.uint8 a tensor that unpack() views as is (no
-    chunk list, no join, no zero-filling of GBs)."""
+    chunk list, no join, no zero-filling of GBs). EOFError once `deadline` (time.monotonic()) has passed, checked
+    before every read: a child that trickles a byte every 0.2 s is never quiet for long. alive() is asked only
+    while the pipe is quiet: a child that wrote its last reply and ended is still read."""
     buf = torch.empty(n, dtype=torch.uint8) if into is torch.uint8 else bytearray(n)
     view, got = memoryview(buf.numpy() if into is torch.uint8 else buf).cast("B"), 0
     while got < n:
+        if deadline is not None and time.monotonic() > deadline:
+            raise EOFError("the child is past its deadline")
         while alive is not None and not select.select([fd], [], [], 0.5)[0]:
-            if not alive():  # the child is gone, but something it left behind may still hold the pipe
-                raise EOFError("the child process ended")
+            if not alive() or (deadline is not None and time.monotonic() > deadline):
+                raise EOFError("the child process ended")  # (something it left behind may still hold the pipe)
         k = os.readv(fd, [view[got:got + (1 << 24)]])
         if not k:
             raise EOFError("the other side closed the pipe")
@@ -83,13 +87,14 @@ def _read_exact(fd: int, n: int, alive=None, into=bytearray):
     return buf
 
 
-def recv(fd: int, limit: int = 1 << 34, alive=None, expect: str | None = None):
-    """(obj, blobs) of the next message. expect: the nonce of the command this must answer (ValueError otherwise)."""
-    n = int.from_bytes(_read_exact(fd, 8, alive), "little")
+def recv(fd: int, limit: int = 1 << 34, alive=None, expect: str | None = None, deadline: float | None = None):
+    """(obj, blobs) of the next message. expect: the nonce of the command this must answer (ValueError otherwise);
+    deadline: see _read_exact."""
+    n = int.from_bytes(_read_exact(fd, 8, alive, deadline=deadline), "little")
     if not 0 < n < 1 << 20:
         raise ValueError(f"malformed message header ({n} bytes)")
     try:
-        head = json.loads(_read_exact(fd, n, alive))
+        head = json.loads(_read_exact(fd, n, alive, deadline=deadline))
     except RecursionError as e:
         raise ValueError("malformed message header (nested too deeply)") from e
     if expect is not None and (not isinstance(head, dict) or head.get("re") != expect):
@@ -98,7 +103,7 @@ def recv(fd: int, limit: int = 1 << 34, alive=None, expect: str | None = None):
     sizes = head.get("sizes", []) if isinstance(head, dict) else None
     if not isinstance(sizes, list) or not all(isinstance(s, int) and 0 <= s for s in sizes) or sum(sizes) > limit:
         raise ValueError("malformed message sizes")
-    return head.get("obj"), [_read_exact(fd, s, alive, into=torch.uint8) for s in sizes]
+    return head.get("obj"), [_read_exact(fd, s, alive, into=torch.uint8, deadline=deadline) for s in sizes]
 
 
 def seed_pad(key: str, nonce: str) -> int:
@@ -360,19 +365,17 @@ class Child:
         return self.answer(expect=nonce, what=obj.get("op"))
 
     def answer(self, expect: str | None = None, what: str | None = None):
-        alive = self.thread.is_alive
-        if self.cmd_timeout is not None:
-            deadline = time.monotonic() + self.cmd_timeout
-            alive = lambda: self.thread.is_alive() and time.monotonic() < deadline  # noqa: E731
+        deadline = None if self.cmd_timeout is None else time.monotonic() + self.cmd_timeout
         try:
-            obj, blobs = recv(self.rep_r, limit=self.reply_limit, alive=alive, expect=expect)
+            obj, blobs = recv(self.rep_r, limit=self.reply_limit, alive=self.thread.is_alive, expect=expect, deadline=deadline)
         except EOFError:
             if self.cmd_timeout is None or not self.thread.is_alive():
                 raise
             if self.pgid:  # still running past its deadline: stopped (the device is free again)
                 with contextlib.suppress(OSError):
                     os.killpg(self.pgid, signal.SIGKILL)
-            raise ChildTimeout(f"one `{what}` took longer than {self.cmd_timeout:g} s") from None
+            raise ChildTimeout(f"one `{what}` took longer than {self.cmd_timeout:g} s" if what else
+                               f"loading took longer than {self.cmd_timeout:g} s") from None
         if isinstance(obj, dict) and "error" in obj and isinstance(obj["error"], str) and len(obj) == 1:
             raise ChildError(obj["error"])
         return obj, blobs

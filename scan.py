@@ -45,6 +45,7 @@ from __future__ import annotations
 import ast
 import builtins
 import importlib
+import os
 import re
 import types
 
@@ -78,12 +79,45 @@ TYPING_ATTRS = {"Any", "List", "Tuple", "Dict", "Optional", "Union", "Sequence",
 # the builtin `exec` an "own definition" in every other. (`input` is a common argument name, and harmless.)
 UNBINDABLE = set(dir(builtins)) - ALLOWED_BUILTINS - {"input"}
 FRAME_ATTR_RE = re.compile(r"^(gi|cr|ag|f|tb|co)_")  # generator/frame/traceback/code internals: f_builtins, gi_frame
+# An attribute of a value (not of an imported module, whose chains are resolved at scan time) is one of: the file's
+# own (a method or attribute it defines), an ATen operator's name (it goes through the dispatcher, where the monitor
+# judges it at run time), a tensor's data attribute (shape, dtype: torch.Tensor's non-callable attributes), an
+# nn layer's constant or parameter (in_features, weight), or one of these methods, which compute nothing: metadata,
+# nn.Module's API, and Python containers' and strings' methods. Anything else (Tensor.map2_ runs a Python callable
+# per element in C++ that never enters the dispatcher: reward +1 with no kernel) is refused, whatever its name, and
+# the file's own names may not be a tensor's other methods (`self.map2_ = ...` would make `out.map2_` "its own").
+SAFE_METHODS = {
+    "data_ptr", "float", "half", "double", "bfloat16", "int", "long", "bool", "type", "nelement", "ndimension",
+    "is_floating_point", "is_complex", "dim_order", "parameters", "named_parameters", "buffers", "named_buffers",
+    "children", "named_children", "modules", "named_modules", "register_buffer", "register_parameter",
+    "register_module", "add_module", "state_dict", "load_state_dict", "eval", "train", "requires_grad_", "cpu",
+    "extra_repr", "append", "extend", "insert", "pop", "index", "count", "keys", "values", "items", "get", "update",
+    "setdefault", "copy", "format", "join", "startswith", "endswith", "lower", "upper", "strip", "replace",
+}
+LAYER_ATTRS = {"weight", "bias", "running_mean", "running_var", "num_batches_tracked", "in_proj_weight", "in_proj_bias",
+               "out_proj", "training"}
+
+
+def _value_attrs():
+    """(attributes any value may name, torch.Tensor's other public names), built once (torch imported by then)."""
+    import torch
+    import torch.nn as nn
+    tensor = {a for a in dir(torch.Tensor) if not a.startswith("_")}
+    data = {a for a in tensor if not callable(getattr(torch.Tensor, a, None))} - {"grad_fn"}
+    consts = {c for m in vars(nn).values() if isinstance(m, type) and issubclass(m, nn.Module)
+              for c in (getattr(m, "__constants__", None) or [])}
+    safe = data | consts | LAYER_ATTRS | SAFE_METHODS
+    return safe, {a for a in tensor - safe if not hasattr(torch.ops.aten, a)}
+
+
+_VALUE_ATTRS: list = []
 BANNED_METHODS = {"numpy", "tolist", "as_subclass", "untyped_storage", "storage", "set_", "register_forward_hook",
-                  "register_forward_pre_hook", "register_full_backward_hook", "apply_", "map_", "share_memory_"}
+                  "register_forward_pre_hook", "register_full_backward_hook", "apply_", "map_", "share_memory_", "backward"}
 
 
 def check_python(source: str) -> list[str]:
     """Violations of the model_new.py allow-list (an empty list: the file is allowed)."""
+    import torch  # (ATen's operator names; torch is imported wherever a scan runs)
     try:
         tree = ast.parse(source)
     except SyntaxError as e:
@@ -91,7 +125,8 @@ def check_python(source: str) -> list[str]:
     out = []
     bad = lambda node, why: out.append(f"model_new.py line {getattr(node, 'lineno', '?')}: {why}")
     defined = set(ALLOWED_BUILTINS)
-    for node in ast.walk(tree):  # every name the file binds (imports, classes, functions, arguments, targets)
+    nodes = list(ast.walk(tree))  # (walked once: the scan runs in the trainer's process, holding its GIL)
+    for node in nodes:  # every name the file binds (imports, classes, functions, arguments, targets)
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             defined.add(node.name)
         elif isinstance(node, ast.arg):
@@ -100,18 +135,52 @@ def check_python(source: str) -> list[str]:
             defined.add((node.asname or node.name).split(".")[0])
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             defined.add(node.id)
-    torch_names = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+    torch_names = {a.asname or a.name for n in nodes if isinstance(n, ast.Import) for a in n.names
                    if a.name == "torch"} | {"torch"}
     aliases = _module_aliases(tree, bad)  # name -> the object an import binds it to
-    for node in ast.walk(tree):
+    for node in nodes:
         bound = node.name if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else node.arg if isinstance(node, ast.arg) \
             else node.id if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)) else None
         if bound in UNBINDABLE:
             bad(node, f"the name {bound} is a builtin that model_new.py may not use; choose another name")
         elif bound in aliases:
             bad(node, f"the name {bound} is an imported module's; choose another name")
-    _check_module_attributes(tree, aliases, bad)
-    for node in ast.walk(tree):  # every class, nested ones too (a class in forward was not checked)
+    _check_module_attributes(nodes, aliases, bad)
+    if not _VALUE_ATTRS:
+        _VALUE_ATTRS.extend(_value_attrs())
+    safe, tensor_only = _VALUE_ATTRS
+    own = {n.name for n in nodes if isinstance(n, (ast.FunctionDef, ast.ClassDef))} | {
+        n.attr for n in nodes if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)}
+    for name in sorted(own & tensor_only):
+        bad(tree, f"the name {name} is a tensor method's; choose another name")
+    ext = {a.asname or a.name for n in nodes if isinstance(n, ast.Import) for a in n.names if a.name == "cuda_extension"}
+
+    memo = {}
+
+    def module_of(node):  # the module an expression names (cuda_extension, nn.init), or None: a value, a class
+        chain = []  # (iterative and memoised: a scan linear in the file, however deep its chains)
+        while isinstance(node, ast.Attribute) and id(node) not in memo:
+            chain.append(node)
+            node = node.value
+        if id(node) in memo:
+            obj = memo[id(node)]
+        elif isinstance(node, ast.Name):
+            obj = node.id if node.id in ext else aliases.get(node.id)
+        else:
+            obj = None
+        for n in reversed(chain):  # (an attribute of cuda_extension is a kernel's function, not a module)
+            obj = getattr(obj, n.attr, None) if isinstance(obj, types.ModuleType) else None
+            memo[id(n)] = obj
+        return obj if isinstance(obj, (types.ModuleType, str)) else None
+
+    aten = {}
+
+    def is_op(name):  # an ATen operator's name (memoised: a miss asks the dispatcher, ~30 us)
+        if name not in aten:
+            aten[name] = hasattr(torch.ops.aten, name)
+        return aten[name]
+
+    for node in nodes:  # every class, nested ones too (a class in forward was not checked)
         if isinstance(node, ast.ClassDef):
             bases = [ast.unparse(b) for b in node.bases]
             if node.keywords or node.decorator_list or not bases or any(b not in ("nn.Module", "torch.nn.Module") for b in bases):
@@ -131,7 +200,7 @@ def check_python(source: str) -> list[str]:
         elif not (isinstance(node, (ast.Assign, ast.AnnAssign)) or
                   (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))):
             bad(node, f"only imports, constants and classes may appear at the top level, not {type(node).__name__}")
-    for node in ast.walk(tree):
+    for node in nodes:
         if not isinstance(node, ALLOWED_NODES):
             bad(node, f"{type(node).__name__} is not allowed in model_new.py")
         elif isinstance(node, ast.FunctionDef) and node.decorator_list:
@@ -152,8 +221,14 @@ def check_python(source: str) -> list[str]:
             elif isinstance(node.value, ast.Name) and node.value.id in torch_names and node.attr not in TORCH_ATTRS:
                 bad(node, f"torch.{node.attr} is not allowed in model_new.py (allowed: allocation, dtypes, torch.nn); "
                           "write the computation as a kernel")
-            elif ast.unparse(node.value) in {f"{t}.cuda" for t in torch_names} and node.attr not in TORCH_CUDA_ATTRS:
+            elif (isinstance(node.value, ast.Attribute) and node.value.attr == "cuda" and isinstance(node.value.value, ast.Name)
+                  and node.value.value.id in torch_names and node.attr not in TORCH_CUDA_ATTRS):  # (no unparse per
+                # node: it made the scan quadratic in a chain's depth, minutes of the trainer's GIL for 1 MiB of chains)
                 bad(node, f"torch.cuda.{node.attr} is not allowed")
+            elif (isinstance(node.ctx, ast.Load) and node.attr not in own and node.attr not in safe
+                  and not is_op(node.attr) and module_of(node.value) is None):
+                bad(node, f".{node.attr} is not allowed: an attribute of a value must be the file's own, a PyTorch "
+                          "operator (judged when it runs), a tensor's data (shape, dtype...) or nn.Module API")
         elif isinstance(node, ast.Constant) and isinstance(node.value, bytes):
             bad(node, "bytes literals are not allowed")
     return list(dict.fromkeys(out))
@@ -201,12 +276,12 @@ def _module_aliases(tree, bad) -> dict:
     return {k: v for k, v in aliases.items() if isinstance(v, types.ModuleType)}
 
 
-def _check_module_attributes(tree, aliases: dict, bad):
+def _check_module_attributes(nodes: list, aliases: dict, bad):
     """Every attribute chain that starts at an imported module is looked up now: it may not step into another module
     (importlib, sys, the threads of nn.parallel), and a module may only be used to name its attributes (no
     `m = nn.functional`, through which an unchecked chain could continue)."""
-    parent = {c: n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
-    for node in ast.walk(tree):
+    parent = {c: n for n in nodes for c in ast.iter_child_nodes(n)}
+    for node in nodes:
         if not (isinstance(node, ast.Name) and node.id in aliases and isinstance(node.ctx, ast.Load)):
             continue
         obj, cur = aliases[node.id], node
@@ -390,7 +465,10 @@ def check_macro_order(path: str, text: str, is_user) -> list[str]:
 
 
 def header_allowed(path: str, roots: list[str]) -> bool:
-    if any(path.startswith(r.rstrip("/") + "/") for r in roots):
+    """Whether an included file (as the preprocessor's line markers name it) is a toolchain or standard header. The
+    path is judged as it resolves: `<root>/../../etc/passwd` starts with a root and is not under it."""
+    path = os.path.normpath(path)
+    if any(path.startswith(os.path.normpath(r) + "/") for r in roots):
         return True
     return path.startswith(SYSTEM_ROOTS) and any(path.endswith("/" + h) for h in STD_HEADERS)
 
@@ -490,7 +568,14 @@ C_IMPORTS_RE = re.compile(
     r"erfc?|[lt]gamma|lgamma_r|fabs|fmin|fmax|fdim|fma|floor|ceil|round|lround|llround|trunc|rint|lrint|llrint|"
     r"nearbyint|fmod|remainder|remquo|copysign|nan|frexp|ldexp|modf|scalbl?n|nextafter|nexttoward|sincos|isinf|isnan|"
     r"finite|signbit|fpclassify)[fl]?(_finite)?|"
-    r"GOMP_\w+|omp_\w+|"
+    # OpenMP, as `#pragma omp` compiles: a region that joins its team before it returns (GOMP_parallel*, not the
+    # GOMP_1.0 GOMP_parallel*_start, whose workers run on after the kernel returns: a thread of its own), and the
+    # work-sharing, synchronisation and task calls made inside one
+    r"GOMP_(parallel|parallel_loop_(nonmonotonic_|maybe_nonmonotonic_)?(static|dynamic|guided|runtime)|parallel_sections|"
+    r"parallel_reductions|loop(_ull)?(_doacross)?_\w+|sections2?_\w+|barrier(_cancel)?|critical(_name)?_(start|end)|"
+    r"atomic_(start|end)|single_(start|copy_start|copy_end)|ordered_(start|end|post|wait)|doacross(_ull)?_(post|wait)|"
+    r"task|taskloop(_ull)?|taskwait(_depend)?|taskyield|taskgroup_(start|end|reduction_register|reduction_unregister)|"
+    r"task_reduction_remap|workshare_task_reduction_unregister|cancel|cancellation_point|error|warning)|omp_\w+|"
     r"__cuda\w+|cuda\w+|cu[A-Z]\w+|cublas\w*|cublasLt\w*|cusparse\w*|cusolver\w*|cufft\w*|curand\w*|nvtx\w+|"
     + PYTHON_C_API + r")$")
 IMPORT_DOORS = BANNED_TOKENS | {

@@ -259,11 +259,12 @@ def test_attack_build_counts_as_a_candidate(monkeypatch):
 # ------------------------------------------------------------------ the trusted parent's memory
 def test_attack_huge_model_new_is_not_parsed(tmp_path):
     """The bash tool can leave a model_new.py of up to 1 GiB (its file size limit); the trainer read and parsed it
-    whole (an AST of a gigabyte of statements does not fit in memory). Sources are capped at 1 MiB; so is it."""
+    whole (an AST of a gigabyte of statements does not fit in memory). It is capped at 256 KiB (its scan holds the
+    trainer's GIL)."""
     ws = make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)"))
     (ws / "model_new.py").write_text(model_new("relu", "cuda_extension.relu_scale(x, self.scale)") + "y = 1\n" * 400_000)
     v = env.evaluate(ws, backend="cpu", stage="compile")
-    assert v.reward == -1 and "larger than 1 MiB" in (v.error or ""), v.summary()
+    assert v.reward == -1 and "larger than 256 KiB" in (v.error or ""), v.summary()
 
 
 # ------------------------------------------------------------------ 1. escape: what root may still write without capabilities

@@ -1,6 +1,6 @@
-"""Red-team findings against env.py on the CPU backend. Each test asserts that a cheat (or a fault) is handled; each
-FAILS on the code it was written against, and passes once the hole is closed. Workspaces are built the way
-tests/test_env.py builds them (make_ws, model_new), with tests/env_cases/ops.cpp as the (cached) kernel source."""
+"""Red-team cases against env.py on the CPU backend: a cheat or a fault per class, each of which must be rejected (or
+handled) for the reason its comment gives. Workspaces are built the way tests/test_env.py builds them (make_ws,
+model_new), with tests/env_cases/ops.cpp as the (cached) kernel source."""
 import time
 
 import pytest
@@ -11,9 +11,9 @@ from test_env import OPS, make_ws, model_new  # noqa: F401
 
 # ------------------------------------------------------------------ 1. Python computes where the monitor cannot see
 # Tensor.map2_(a, b, fn) calls a Python callable once per element, in C++ code that never enters the dispatcher: the
-# dispatch monitor records no operator. scan.BANNED_METHODS has apply_ and map_, not map2_. A ModelNew whose forward
-# computes relu(x * scale) element by element in a method of its own is correct, with no kernel doing any work:
-# reward +1 (seen: runtime 69 ms, "correct": true, no violation).
+# dispatch monitor records no operator. A ModelNew whose forward computes relu(x * scale) element by element in a
+# method of its own would be correct with no kernel doing any work (reward +1, runtime 69 ms). A method called on a
+# value must be the file's own, an ATen operator's name, or metadata/nn.Module API (scan.SAFE_METHODS).
 MAP2 = model_new("relu", "out",
                  init_extra="pass\n\n    def f(self, o, a, b):\n        return max(a * b, 0.0)").replace(
     "        return out", "        out = torch.empty_like(x)\n"
@@ -28,12 +28,10 @@ def test_redteam_python_fallback_through_map2_is_refused(tmp_path):
 
 
 # ------------------------------------------------------------------ 2. a hang while loading is under no command deadline
-# Child.cmd_timeout (Config.run_timeout) is set only once the candidate says "ready": model_new.py's import, ModelNew's
-# __init__ and load_state_dict run under the verdict's wall clock alone (Config.timeout, 300 s). One line of allowed
-# Python (`while True: pass` in __init__) keeps the candidate alive, and candidate_alive held, for 300 s: every new
-# task's baseline waits for it, and while that baseline holds the gate, every other verdict on the device waits too
-# (protocol.py's own reason for the per-command deadline). Seen: `--timeout 60` -> the verdict took 72 s, "ModelNew timed
-# out (the whole process group was killed)". (A fork-served candidate is ready in ~2 s here.)
+# One line of allowed Python (`while True: pass` in __init__) keeps the candidate alive, and candidate_alive held: every
+# new task's baseline waits for it, and while that baseline holds the gate, every other verdict on the device waits
+# too. Loading has a deadline of its own (Config.load_timeout), not only the verdict's wall clock (Config.timeout,
+# 300 s). (A fork-served candidate is ready in ~2 s here.)
 HANG_IN_INIT = model_new("relu", "cuda_extension.relu_scale(x, self.scale)", init_extra="while True:\n            pass")
 
 
@@ -46,12 +44,12 @@ def test_redteam_a_hang_while_loading_is_stopped_at_a_deadline(tmp_path):
 
 
 # ------------------------------------------------------------------ 3. a reply sent byte by byte is under no command deadline
-# protocol._read_exact asks alive() (which carries Child.cmd_timeout's deadline) only when select() has waited 0.5 s
-# with nothing to read. A child that writes one byte every 0.2 s (a header length of 1 MiB, then JSON blanks) is never
-# past its deadline: the parent reads on until the verdict's wall clock kills the child. The kernel reaches the reply
-# pipe through stdio (env.py's docstring: a FILE whose descriptor field it sets; here by its offset, no banned token),
-# and needs no nonce: it never completes a message. Seen with run_timeout=3, timeout=45: "ModelNew timed out (the whole
-# process group was killed)" after 45 s, in the first check run (in a timed run, the device's timing lock is held as long).
+# A child that writes one byte every 0.2 s (a header length of 1 MiB, then JSON blanks) is never quiet for 0.5 s: a
+# deadline checked only when the pipe is quiet is never reached, and the parent reads on until the verdict's wall
+# clock (in a timed run, holding the device's timing lock as long). protocol._read_exact asks alive(), which carries
+# the command's deadline, before every read. The kernel reaches the reply pipe through stdio (env.py's docstring: a
+# FILE whose descriptor field it sets; here by its offset, no banned token), and needs no nonce: it never completes a
+# message.
 CASES = env.Path(__file__).resolve().parent / "redteam_cases"
 
 
@@ -73,7 +71,7 @@ def test_redteam_recv_keeps_its_deadline_while_bytes_trickle():
     t0 = time.monotonic()
     try:
         with pytest.raises(EOFError):
-            protocol.recv(r, alive=lambda: time.monotonic() < deadline, expect="nonce")
+            protocol.recv(r, alive=lambda: True, expect="nonce", deadline=deadline)
     finally:
         stop.set()
         took = time.monotonic() - t0
@@ -93,12 +91,11 @@ def test_redteam_a_kernel_trickling_bytes_is_stopped_at_the_run_deadline(tmp_pat
 
 
 # ------------------------------------------------------------------ 4. a model_new.py that crashes the scan: the harness's -1
-# evaluate() catches SyntaxError around ast.parse, but a deep attribute chain (`X = nn.b.b.b...`, 5000 deep) raises
-# RecursionError in ast.parse itself, and a 1000-deep one passes ast.parse and raises RecursionError in
-# scan.check_python (ast.unparse). The exception leaves env.evaluate; agent.py's final scoring turns it into
-# "final evaluation failed: RecursionError: ...", which rollouts.harness_failed counts as the HARNESS's failure: the
-# episode is neither trained on nor counted in the reward. A policy that expects a -1 can append one line to
-# model_new.py and have its failure dropped from the batch instead of penalised (the CLI prints a traceback).
+# A deep attribute chain (`X = nn.b.b.b...`, 5000 deep) raises RecursionError in ast.parse itself, a 1000-deep one in
+# the scan. Were the exception to leave env.evaluate, agent.py's final scoring would turn it into "final evaluation
+# failed: RecursionError: ...", which rollouts.harness_failed counts as the HARNESS's failure: the episode neither
+# trained on nor counted in the reward. A policy that expects a -1 could append one line to model_new.py and have its
+# failure dropped from the batch instead of penalised. Any exception of the scan is the policy's own -1.
 @pytest.mark.parametrize("depth", [1000, 5000])
 def test_redteam_a_model_new_that_crashes_the_scan_is_the_policys_own_minus_one(tmp_path, depth):
     import rollouts
@@ -111,15 +108,12 @@ def test_redteam_a_model_new_that_crashes_the_scan_is_the_policys_own_minus_one(
 
 
 # ------------------------------------------------------------------ 5. the parent's scan holds the trainer's GIL for minutes
-# scan.check_python calls ast.unparse(node.value) for every Attribute node: quadratic in an attribute chain's depth.
-# A model_new.py of 1 MiB made of `Y = nn.b.b...b` lines (320 deep, below the recursion limit; no violation: a missing
-# attribute of a module resolves to nothing) takes 154 s of pure Python in the TRAINER's process (agent.py runs every
-# tool call and every final verdict in a thread pool), outside every lock: the build's and the candidate's holds come
-# later. Meanwhile every other thread's pipe clock waits for the GIL at each exchange. Seen: a new task's baselines
-# timed in another thread while such a scan ran: eager 0.68 -> 17.3 ms, compile 0.58 -> 11.3 ms, cached (spread 2.4 and
-# 14: measured again while noisy, but only up to 3 times, and the least noisy kept; a policy whose rollouts of one task
-# keep scanning through the first three verdicts leaves the inflated value for good), and that verdict's own candidate,
-# 2x slower than eager when quiet, got reward +3.
+# The scan of model_new.py runs in the TRAINER's process (agent.py runs every tool call and every final verdict in a
+# thread pool), outside every lock, and every other thread's pipe clock waits for the GIL at each exchange meanwhile.
+# A scan quadratic in an attribute chain's depth (an unparse per Attribute node) took 154 s for 1 MiB of
+# `Y = nn.b.b...b` lines, and a new task's baselines timed in another thread during it came out 25x slow (eager
+# 0.68 -> 17.3 ms), cached, so a kernel 2x slower than eager got reward +3. The scan is linear (one walk, no unparse
+# per node).
 SLOW_SCAN = model_new("relu", "cuda_extension.relu_scale(x, self.scale)") + ("Y = nn" + ".b" * 250 + "\n") * 80
 
 
@@ -154,21 +148,21 @@ def test_redteam_a_scan_in_another_thread_does_not_inflate_a_baseline(tmp_path):
 
 
 # ------------------------------------------------------------------ 6. a thread from OpenMP's old entry points
-# The import check allows every GOMP_* symbol. GOMP_parallel_start (libgomp's GOMP_1.0 ABI, exported by torch's libgomp
-# and the system's) starts a team and returns to its caller; without GOMP_parallel_end the workers run on after the
-# kernel returned: a thread of the kernel's own beside the harness's Python, the door that pthread_create/thrd_create/
-# std::thread are refused for (work overlapped with the harness's "load" and its Python between runs, unwatched
-# forever). Seen: built with no violation; loaded in a Python process, the worker's counter went 28271 -> 214865450 in the
-# 0.5 s after start_background() had returned.
+# GOMP_parallel_start (libgomp's GOMP_1.0 ABI, exported by torch's libgomp and the system's) starts a team and returns
+# to its caller; without GOMP_parallel_end the workers run on after the kernel returned: a thread of the kernel's own
+# beside the harness's Python, the door that pthread_create/thrd_create/std::thread are refused for (the worker's
+# counter went 28271 -> 214865450 in the 0.5 s after start_background() had returned). The import check allows
+# OpenMP's entry points only as `#pragma omp` emits them: regions that join their team before they return.
 def test_redteam_openmp_parallel_start_is_refused():
     b = env.build({"kernels/bg.cpp": (CASES / "background_thread.cpp").read_text()}, "cpu")
     assert not b.ok and b.violations, "GOMP_parallel_start (a worker that outlives the call) built: " + b.log
 
 
 # ------------------------------------------------------------------ 7. `..` in an include path under an allowed root
-# scan.header_allowed accepts any path that STARTS with a toolchain root (torch's include folder): the preprocessor
-# keeps `#include "<torch>/include/../../../../../../../../../etc/passwd"` as written in its line markers, so the
-# include check passes a host file, and the scan attributes its text to a "system header" whose tokens are not read.
+# The preprocessor keeps `#include "<torch>/include/../../../../../../../../../etc/passwd"` as written in its line
+# markers: a path that STARTS with a toolchain root (torch's include folder) but resolves outside it. Judged by its
+# prefix, it would pass a host file, and the scan would attribute its text to a "system header" whose tokens are not
+# read; scan.header_allowed judges a path where it resolves.
 # (a) The host's files, as the compiler's diagnostics quote them: the build runs as root here (no unprivileged uid),
 #     and its log goes back to the agent. Seen: "passwd:1:5: error: found ':' in nested-name-specifier /
 #     1 | root:x:0:0:root:/root:/bin/bash" (env.py documents only `__has_include`, a file's existence).
