@@ -206,3 +206,41 @@ def test_redteam_a_payload_through_an_allowed_root_is_scanned():
         assert v.reward == -1 and not v.correct, v.summary()
     finally:
         shutil.rmtree(ws, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ 8. Python computes on values a copying kernel hands it
+# The monitor refuses _local_scalar_dense (.item(), float(t)) because a value read into Python can be computed on there
+# and written back. A kernel that only copies does the same reading in bulk: `values` returns a tensor's elements as a
+# Python list (pybind11's std::vector<double> conversion), `from_values` writes a list back into a fresh tensor, and
+# relu(x * scale) is a list comprehension in forward. No arithmetic in any kernel, no operator for the monitor to see:
+# reward +1 (136 ms a run against eager's 2.3 ms), tried.
+PY_IO_CPP = """#include <torch/extension.h>
+#include <vector>
+
+std::vector<double> values(torch::Tensor t) {
+    const float* p = t.data_ptr<float>();
+    return std::vector<double>(p, p + t.numel());
+}
+torch::Tensor from_values(torch::Tensor like, std::vector<double> v) {
+    auto y = torch::empty_like(like);
+    float* p = y.data_ptr<float>();
+    for (size_t i = 0; i < v.size(); ++i) p[i] = static_cast<float>(v[i]);
+    return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("values", &values);
+    m.def("from_values", &from_values);
+}
+"""
+PY_COMPUTES = model_new("relu", "cuda_extension.from_values(x, [max(a * s[i % len(s)], 0.0) for i, a in enumerate(v)])",
+                        init_extra="pass").replace(
+    "        return cuda_extension.from_values",
+    "        s = cuda_extension.values(self.scale)\n        v = cuda_extension.values(x)\n"
+    "        return cuda_extension.from_values")
+
+
+def test_redteam_python_computing_on_values_a_kernel_copied_out_is_refused(tmp_path):
+    assert "cuda_extension.values(x)" in PY_COMPUTES, PY_COMPUTES
+    v = env.evaluate(make_ws(tmp_path, "relu", PY_COMPUTES, kernels={"io.cpp": PY_IO_CPP}), backend="cpu", stage="verify")
+    assert v.reward == -1 and not v.correct, v.summary()
