@@ -244,3 +244,19 @@ def test_redteam_python_computing_on_values_a_kernel_copied_out_is_refused(tmp_p
     assert "cuda_extension.values(x)" in PY_COMPUTES, PY_COMPUTES
     v = env.evaluate(make_ws(tmp_path, "relu", PY_COMPUTES, kernels={"io.cpp": PY_IO_CPP}), backend="cpu", stage="verify")
     assert v.reward == -1 and not v.correct, v.summary()
+
+
+# ------------------------------------------------------------------ 9. a value named like the extension skips the allow-list
+# An attribute of the extension's module is not checked (module_of: it is a kernel's function), and the extension's
+# name is recognised by its name alone: rebinding `cuda_extension` to a tensor in forward (unlike an imported module's
+# name, it may be bound) makes `cuda_extension.map2_` an "extension function", and case 1's cheat passes the scan
+# again: reward +1 with no kernel, tried (140 ms a run).
+MAP2_AS_EXTENSION = MAP2.replace("        out = torch.empty_like(x)\n        out.map2_(",
+                                 "        cuda_extension = torch.empty_like(x)\n        cuda_extension.map2_(").replace(
+    "        return out", "        return cuda_extension")
+
+
+def test_redteam_a_value_named_cuda_extension_is_checked_like_any_value(tmp_path):
+    assert "cuda_extension.map2_(x" in MAP2_AS_EXTENSION and "return cuda_extension\n" in MAP2_AS_EXTENSION, MAP2_AS_EXTENSION
+    v = env.evaluate(make_ws(tmp_path, "relu", MAP2_AS_EXTENSION), backend="cpu", stage="verify")
+    assert v.reward == -1 and not v.correct, v.summary()
