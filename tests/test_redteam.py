@@ -260,3 +260,27 @@ def test_redteam_a_value_named_cuda_extension_is_checked_like_any_value(tmp_path
     assert "cuda_extension.map2_(x" in MAP2_AS_EXTENSION and "return cuda_extension\n" in MAP2_AS_EXTENSION, MAP2_AS_EXTENSION
     v = env.evaluate(make_ws(tmp_path, "relu", MAP2_AS_EXTENSION), backend="cpu", stage="verify")
     assert v.reward == -1 and not v.correct, v.summary()
+
+
+# ------------------------------------------------------------------ 10. str.format walks the harness's frames
+# A format string's field names are attribute and index lookups that the scan never sees (a string constant): `format`
+# is in SAFE_METHODS, and a generator expression that formats itself reaches its frame, then f_back up the stack to
+# protocol._child_main's locals. Raised as the error, the verdict carried the child's secret key and the nonce of the
+# command being served, tried ("forward _call_impl _wrapped_call_impl watched _child_main key=142a... nonce=be3c...").
+# The nonce is what keeps a kernel from speaking the protocol (env.py: "takes reading the interpreter's memory"); here
+# Python reads it as text and can hand it to a kernel as a string argument. Any frame, module or global is readable.
+FRAME = "0[0].gi_frame" + ".f_back" * 5
+FORMAT_WALKS_FRAMES = model_new(
+    "relu", "cuda_extension.relu_scale(x, self.scale)", init_extra="pass").replace(
+    "        return cuda_extension",
+    "        box = []\n"
+    f"        g = ('key={{{FRAME}.f_locals[spec][key]}} nonce={{{FRAME}.f_locals[nonce]}}'.format(box) for i in range(1))\n"
+    "        box.append(g)\n"
+    "        raise ValueError(list(g)[0])\n"
+    "        return cuda_extension")
+
+
+def test_redteam_format_field_names_may_not_walk_the_interpreter():
+    import scan
+    assert ".f_locals[spec][key]" in FORMAT_WALKS_FRAMES, FORMAT_WALKS_FRAMES
+    assert scan.check_python(FORMAT_WALKS_FRAMES), "a format string reads the harness's frames (key, nonce) as text"
