@@ -12,7 +12,9 @@ What one verdict does, in order (build.py has step 3, protocol.py the children a
                is ignored.
   2. scan      model_new.py against an allow-list of Python (scan.py): allowed imports, nn.Module
                classes, plain statements; no underscore attributes, no getattr/eval/open, no torch.X
-               outside allocation, dtypes and torch.nn.
+               outside allocation, dtypes and torch.nn; an attribute of a value is the file's own, a
+               tensor method that is an ATen operator (the monitor judges it at run time), a tensor's
+               data or a layer's constant, or nn.Module/container API (no Tensor.map2_, no str.format).
   3. build     every workspace file's directives are checked as written (no #line or line markers: the scan
                trusts the preprocessed text's markers), every source is run through the compiler's own
                preprocessor (-dD: macro bodies stay where they were defined) and its tokens checked
@@ -28,7 +30,8 @@ What one verdict does, in order (build.py has step 3, protocol.py the children a
                (each drawn from a fresh secret seed) and sends them to this process over a pipe. The
                CANDIDATE child starts afterwards, knowing no seed: it loads ModelNew under a dispatch
                monitor (module import, __init__, load_state_dict: only allocation, random
-               initialisation and copies), then is told one input at a time. Its whole outputs on the
+               initialisation and copies), then is told one input at a time. The extension's functions
+               may return only tensors (or None): no values handed to Python to compute on. Its whole outputs on the
                check inputs are compared here, at atol = rtol = 1e-2 element by element AND by RMS error
                at the reference's own scale. While forward runs (every run, timed or not), any PyTorch
                operator that computes is a violation; inputs must not be mutated; outputs must be plain

@@ -166,6 +166,33 @@ def sample_of(out, offset: int):
     return out
 
 
+def _tensors_only(ext):
+    """The module model_new.py imports as cuda_extension: the extension's functions, each of which may return only
+    tensors (or None, or sequences of them). A kernel that hands values to Python as numbers or lists (a
+    std::vector<double> becomes a list) would let Python compute on them, out of the dispatch monitor's sight."""
+    import types
+
+    def wrap(name, f):
+        def call(*args, **kwargs):
+            out = f(*args, **kwargs)
+            if not _only_tensors(out):
+                raise TypeError(f"cuda_extension.{name} returned {type(out).__name__}: a kernel function returns tensors "
+                                "(or None); values handed to Python would be computed on outside the kernels")
+            return out
+        return call
+    shim = types.ModuleType("cuda_extension")
+    for name in dir(ext):
+        if not name.startswith("_") and callable(getattr(ext, name)):
+            setattr(shim, name, wrap(name, getattr(ext, name)))
+    return shim
+
+
+def _only_tensors(out, depth=0) -> bool:
+    if out is None or isinstance(out, torch.Tensor):
+        return True
+    return isinstance(out, (tuple, list)) and depth < 4 and all(_only_tensors(o, depth + 1) for o in out)
+
+
 def _child_main(spec_path: str):
     """A sandboxed child: mode "reference" (trusted task code; computes outputs and serves baseline runs) or
     "candidate" (loads ModelNew under the dispatch monitor and serves runs). Both obey the parent's commands."""
@@ -227,6 +254,7 @@ def _child_main(spec_path: str):
         sys.path[:0] = [spec["ext_dir"], spec["cand_dir"]]
         try:
             with torch.no_grad(), OpMonitor(INIT_OPS):  # the module's import, __init__ and set-up are watched too
+                sys.modules["cuda_extension"] = _tensors_only(importlib.import_module("cuda_extension"))
                 cand_mod = load(spec["model_new"], "model_new")
                 torch.manual_seed(spec["seed0"])
                 cand = cand_mod.ModelNew(*init)

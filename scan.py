@@ -92,14 +92,18 @@ SAFE_METHODS = {
     "children", "named_children", "modules", "named_modules", "register_buffer", "register_parameter",
     "register_module", "add_module", "state_dict", "load_state_dict", "eval", "train", "requires_grad_", "cpu",
     "extra_repr", "append", "extend", "insert", "pop", "index", "count", "keys", "values", "items", "get", "update",
-    "setdefault", "copy", "format", "join", "startswith", "endswith", "lower", "upper", "strip", "replace",
-}
+    "setdefault", "copy", "join", "startswith", "endswith", "lower", "upper", "strip", "replace", "byte", "short",
+    "char", "unique", "new_tensor", "is_shared", "const_data_ptr", "flatten_parameters", "cuda_stream",
+}  # (not str.format: its field names, '{0.gi_frame.f_back}', walk attributes no scan reads)
 LAYER_ATTRS = {"weight", "bias", "running_mean", "running_var", "num_batches_tracked", "in_proj_weight", "in_proj_bias",
-               "out_proj", "training"}
+               "out_proj", "training", "num_heads", "embed_dim", "head_dim", "kdim", "vdim", "bias_k", "bias_v",
+               "self_attn", "linear1", "linear2", "norm1", "norm2", "norm3", "dropout1", "dropout2", "dropout3",
+               "activation", "layers", "transposed"}
+RNN_PARAM_RE = re.compile(r"^(weight|bias)_(ih|hh|hr)_l\d+(_reverse)?$")  # nn.LSTM's weight_ih_l0, ...
 
 
 def _value_attrs():
-    """(attributes any value may name, torch.Tensor's other public names), built once (torch imported by then)."""
+    """(attributes any value may name, names the file may not take for its own), built once."""
     import torch
     import torch.nn as nn
     tensor = {a for a in dir(torch.Tensor) if not a.startswith("_")}
@@ -107,7 +111,16 @@ def _value_attrs():
     consts = {c for m in vars(nn).values() if isinstance(m, type) and issubclass(m, nn.Module)
               for c in (getattr(m, "__constants__", None) or [])}
     safe = data | consts | LAYER_ATTRS | SAFE_METHODS
-    return safe, {a for a in tensor - safe if not hasattr(torch.ops.aten, a)}
+    # names the file may not take for its own: another type's method that an own name would unlock on every value
+    # (`def format(self)` would make '{0.gi_frame}'.format(...) "its own")
+    kinds = (str, bytes, list, dict, tuple, set, frozenset, int, float, complex, object, type, types.FunctionType,
+             types.MethodType, types.GeneratorType, torch.Tensor, torch.device, torch.dtype, torch.Size)  # (not nn.Module:
+    # a ModelNew overrides its methods; they run Python of the file's own, which the monitor watches)
+    # a tensor's methods that are ATen operators (dispatched: the monitor judges them when they run). Not every ATen
+    # name: TorchScript's string and list builtins are ATen operators too (aten::format), and on a str they are Python's
+    ops = {a for a in tensor if hasattr(torch.ops.aten, a)}
+    shadow = {a for k in kinds for a in dir(k) if not a.startswith("_")} - safe - ops
+    return safe | ops, shadow
 
 
 _VALUE_ATTRS: list = []
@@ -117,7 +130,6 @@ BANNED_METHODS = {"numpy", "tolist", "as_subclass", "untyped_storage", "storage"
 
 def check_python(source: str) -> list[str]:
     """Violations of the model_new.py allow-list (an empty list: the file is allowed)."""
-    import torch  # (ATen's operator names; torch is imported wherever a scan runs)
     try:
         tree = ast.parse(source)
     except SyntaxError as e:
@@ -138,22 +150,34 @@ def check_python(source: str) -> list[str]:
     torch_names = {a.asname or a.name for n in nodes if isinstance(n, ast.Import) for a in n.names
                    if a.name == "torch"} | {"torch"}
     aliases = _module_aliases(tree, bad)  # name -> the object an import binds it to
+    ext_imports = {a.asname or a.name for n in nodes if isinstance(n, ast.Import) for a in n.names if a.name == "cuda_extension"}
+    ext = set(ext_imports)
+    # `X = cuda_extension` at the top level (evaluate.py's conversion of `X = load_inline(...)`) names it too, where X is
+    # bound nowhere else (a local X = out would otherwise make out's attributes "the extension's")
+    binds = {}
+    for n in nodes:
+        b = n.name if isinstance(n, (ast.FunctionDef, ast.ClassDef)) else n.arg if isinstance(n, ast.arg) else \
+            n.id if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)) else \
+            (n.asname or n.name).split(".")[0] if isinstance(n, ast.alias) else None
+        binds[b] = binds.get(b, 0) + 1
+    ext |= {n.targets[0].id for n in tree.body if isinstance(n, ast.Assign) and len(n.targets) == 1
+            and isinstance(n.targets[0], ast.Name) and isinstance(n.value, ast.Name) and n.value.id in ext
+            and binds[n.targets[0].id] == 1}
     for node in nodes:
         bound = node.name if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else node.arg if isinstance(node, ast.arg) \
             else node.id if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)) else None
         if bound in UNBINDABLE:
             bad(node, f"the name {bound} is a builtin that model_new.py may not use; choose another name")
-        elif bound in aliases:
+        elif bound in aliases or bound in ext_imports:
             bad(node, f"the name {bound} is an imported module's; choose another name")
     _check_module_attributes(nodes, aliases, bad)
     if not _VALUE_ATTRS:
         _VALUE_ATTRS.extend(_value_attrs())
-    safe, tensor_only = _VALUE_ATTRS
+    safe, shadow = _VALUE_ATTRS
     own = {n.name for n in nodes if isinstance(n, (ast.FunctionDef, ast.ClassDef))} | {
         n.attr for n in nodes if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)}
-    for name in sorted(own & tensor_only):
-        bad(tree, f"the name {name} is a tensor method's; choose another name")
-    ext = {a.asname or a.name for n in nodes if isinstance(n, ast.Import) for a in n.names if a.name == "cuda_extension"}
+    for name in sorted(own & shadow):
+        bad(tree, f"the name {name} is a method of a tensor, module or builtin type; choose another name")
 
     memo = {}
 
@@ -172,13 +196,6 @@ def check_python(source: str) -> list[str]:
             obj = getattr(obj, n.attr, None) if isinstance(obj, types.ModuleType) else None
             memo[id(n)] = obj
         return obj if isinstance(obj, (types.ModuleType, str)) else None
-
-    aten = {}
-
-    def is_op(name):  # an ATen operator's name (memoised: a miss asks the dispatcher, ~30 us)
-        if name not in aten:
-            aten[name] = hasattr(torch.ops.aten, name)
-        return aten[name]
 
     for node in nodes:  # every class, nested ones too (a class in forward was not checked)
         if isinstance(node, ast.ClassDef):
@@ -226,7 +243,8 @@ def check_python(source: str) -> list[str]:
                 # node: it made the scan quadratic in a chain's depth, minutes of the trainer's GIL for 1 MiB of chains)
                 bad(node, f"torch.cuda.{node.attr} is not allowed")
             elif (isinstance(node.ctx, ast.Load) and node.attr not in own and node.attr not in safe
-                  and not is_op(node.attr) and module_of(node.value) is None):
+                  and not RNN_PARAM_RE.match(node.attr)
+                  and module_of(node.value) is None):
                 bad(node, f".{node.attr} is not allowed: an attribute of a value must be the file's own, a PyTorch "
                           "operator (judged when it runs), a tensor's data (shape, dtype...) or nn.Module API")
         elif isinstance(node, ast.Constant) and isinstance(node.value, bytes):

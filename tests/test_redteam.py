@@ -284,3 +284,46 @@ def test_redteam_format_field_names_may_not_walk_the_interpreter():
     import scan
     assert ".f_locals[spec][key]" in FORMAT_WALKS_FRAMES, FORMAT_WALKS_FRAMES
     assert scan.check_python(FORMAT_WALKS_FRAMES), "a format string reads the harness's frames (key, nonce) as text"
+
+
+# ------------------------------------------------------------------ a trainer killed mid-verdict leaves no candidate
+# A forked candidate's parent is a process the fork server forked; were it not to die with the server, a trainer
+# killed with -9 during a verdict would leave that candidate running (one spun for 18 minutes), on the GPU too.
+def test_a_killed_trainer_leaves_no_candidate_running(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    ws = make_ws(tmp_path, "relu", HANG_IN_INIT)
+    code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import env; "
+            "env.evaluate(sys.argv[3], backend='cpu', stage='verify', load_timeout=600, timeout=600)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.Popen([sys.executable, "-c", code, root, os.path.join(root, "tests"), str(ws)])
+    try:
+        time.sleep(25)  # (the build is cached by the other tests' workspaces: the candidate is spinning by then)
+        before = _spinning()
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        time.sleep(3)
+        after = _spinning()
+    finally:
+        p.kill()
+    assert before, "the candidate never started (nothing to test)"
+    assert not (after & before), f"candidate processes outlived their trainer: {sorted(after & before)}"
+
+
+def _spinning() -> set:
+    """Pids of processes that run a sandboxed child and are busy on a CPU (state R)."""
+    import os
+    out = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if (b"_forkserver" in cmd or b"_child" in cmd) and state == "R":
+            out.add(int(pid))
+    return out
