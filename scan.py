@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import functools
 import importlib
 import os
 import re
@@ -80,12 +81,13 @@ TYPING_ATTRS = {"Any", "List", "Tuple", "Dict", "Optional", "Union", "Sequence",
 UNBINDABLE = set(dir(builtins)) - ALLOWED_BUILTINS - {"input"}
 FRAME_ATTR_RE = re.compile(r"^(gi|cr|ag|f|tb|co)_")  # generator/frame/traceback/code internals: f_builtins, gi_frame
 # An attribute of a value (not of an imported module, whose chains are resolved at scan time) is one of: the file's
-# own (a method or attribute it defines), an ATen operator's name (it goes through the dispatcher, where the monitor
-# judges it at run time), a tensor's data attribute (shape, dtype: torch.Tensor's non-callable attributes), an
-# nn layer's constant or parameter (in_features, weight), or one of these methods, which compute nothing: metadata,
-# nn.Module's API, and Python containers' and strings' methods. Anything else (Tensor.map2_ runs a Python callable
-# per element in C++ that never enters the dispatcher: reward +1 with no kernel) is refused, whatever its name, and
-# the file's own names may not be a tensor's other methods (`self.map2_ = ...` would make `out.map2_` "its own").
+# own (a method or attribute it defines), a tensor method that is an ATen operator (it goes through the dispatcher,
+# where the monitor judges it at run time), a tensor's data attribute (shape, dtype: torch.Tensor's non-callable
+# attributes), an nn layer's constant or parameter (in_features, weight), or one of these methods, which compute
+# nothing: metadata, nn.Module's API, and Python containers' and strings' methods. Anything else (Tensor.map2_ runs a
+# Python callable per element in C++ that never enters the dispatcher: reward +1 with no kernel) is refused, whatever
+# its name, and the file's own names may not be another method of a tensor or a builtin type (`self.map2_ = ...`
+# would make `out.map2_` "its own").
 SAFE_METHODS = {
     "data_ptr", "float", "half", "double", "bfloat16", "int", "long", "bool", "type", "nelement", "ndimension",
     "is_floating_point", "is_complex", "dim_order", "parameters", "named_parameters", "buffers", "named_buffers",
@@ -102,6 +104,7 @@ LAYER_ATTRS = {"weight", "bias", "running_mean", "running_var", "num_batches_tra
 RNN_PARAM_RE = re.compile(r"^(weight|bias)_(ih|hh|hr)_l\d+(_reverse)?$")  # nn.LSTM's weight_ih_l0, ...
 
 
+@functools.lru_cache(maxsize=1)
 def _value_attrs():
     """(attributes any value may name, names the file may not take for its own), built once."""
     import torch
@@ -123,7 +126,6 @@ def _value_attrs():
     return safe | ops, shadow
 
 
-_VALUE_ATTRS: list = []
 BANNED_METHODS = {"numpy", "tolist", "as_subclass", "untyped_storage", "storage", "set_", "register_forward_hook",
                   "register_forward_pre_hook", "register_full_backward_hook", "apply_", "map_", "share_memory_", "backward"}
 
@@ -154,26 +156,23 @@ def check_python(source: str) -> list[str]:
     ext = set(ext_imports)
     # `X = cuda_extension` at the top level (evaluate.py's conversion of `X = load_inline(...)`) names it too, where X is
     # bound nowhere else (a local X = out would otherwise make out's attributes "the extension's")
+    bound_by = lambda n: n.name if isinstance(n, (ast.FunctionDef, ast.ClassDef)) else n.arg if isinstance(n, ast.arg) \
+        else n.id if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)) else None  # noqa: E731
     binds = {}
     for n in nodes:
-        b = n.name if isinstance(n, (ast.FunctionDef, ast.ClassDef)) else n.arg if isinstance(n, ast.arg) else \
-            n.id if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)) else \
-            (n.asname or n.name).split(".")[0] if isinstance(n, ast.alias) else None
+        b = (n.asname or n.name).split(".")[0] if isinstance(n, ast.alias) else bound_by(n)
         binds[b] = binds.get(b, 0) + 1
     ext |= {n.targets[0].id for n in tree.body if isinstance(n, ast.Assign) and len(n.targets) == 1
             and isinstance(n.targets[0], ast.Name) and isinstance(n.value, ast.Name) and n.value.id in ext
             and binds[n.targets[0].id] == 1}
     for node in nodes:
-        bound = node.name if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else node.arg if isinstance(node, ast.arg) \
-            else node.id if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)) else None
+        bound = bound_by(node)
         if bound in UNBINDABLE:
             bad(node, f"the name {bound} is a builtin that model_new.py may not use; choose another name")
         elif bound in aliases or bound in ext_imports:
             bad(node, f"the name {bound} is an imported module's; choose another name")
     _check_module_attributes(nodes, aliases, bad)
-    if not _VALUE_ATTRS:
-        _VALUE_ATTRS.extend(_value_attrs())
-    safe, shadow = _VALUE_ATTRS
+    safe, shadow = _value_attrs()
     own = {n.name for n in nodes if isinstance(n, (ast.FunctionDef, ast.ClassDef))} | {
         n.attr for n in nodes if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)}
     for name in sorted(own & shadow):
