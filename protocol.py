@@ -25,6 +25,7 @@ import signal
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -170,7 +171,6 @@ def _tensors_only(ext):
     """The module model_new.py imports as cuda_extension: the extension's functions, each of which may return only
     tensors (or None, or sequences of them). A kernel that hands values to Python as numbers or lists (a
     std::vector<double> becomes a list) would let Python compute on them, out of the dispatch monitor's sight."""
-    import types
 
     def wrap(name, f):
         def call(*args, **kwargs):
