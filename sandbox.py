@@ -49,6 +49,7 @@ from pathlib import Path
 
 SANDBOX_PY = Path(__file__).resolve()
 CACHE_DIR = Path(os.environ.get("CUDA_AGENT_CACHE", Path.home() / ".cache" / "cuda-agent-mini"))
+CACHE_DIR.mkdir(parents=True, exist_ok=True)  # (every run folder, build and lock is made inside it, on a fresh machine too)
 NOBODY = 65534
 
 _PASS_ENV = ("PATH", "LD_LIBRARY_PATH", "CUDA_HOME", "CUDA_PATH", "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES",

@@ -1087,3 +1087,15 @@ def test_red_team_workspace_key_reads_no_link(tmp_path):
     key = agent.workspace_key(ws)
     host.write_text("two")
     assert agent.workspace_key(ws) == key
+
+
+def test_a_fresh_machine_has_no_cache_folder_yet(tmp_path):
+    """The cache root is made when the harness is imported: on a fresh machine `python train.py --stage all` begins
+    with synthesis, whose first mkdtemp(dir=CACHE_DIR) needs the folder to exist."""
+    import subprocess
+    import sys
+    cache = tmp_path / "home" / ".cache" / "cuda-agent-mini"
+    code = "import tempfile, checker, env; print(tempfile.mkdtemp(prefix='synth-', dir=env.CACHE_DIR))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
+                       env=dict(os.environ, CUDA_AGENT_CACHE=str(cache)), timeout=120)
+    assert r.returncode == 0 and cache.is_dir(), r.stderr[-2000:]
