@@ -1,0 +1,77 @@
+"""Verdicts of the curriculum's large tasks: where the time of one verdict goes when every output is large.
+
+    python bench/big_verdict.py --backend cuda                 # on the H200: tasks sized for the 1-100 ms window
+    python bench/big_verdict.py --backend cpu --window 5 50    # anywhere (the CPU window is scaled down)
+
+On CUDA an elementwise chain has to move 0.5-2 GB per tensor to last a millisecond, so a verdict (5 checks, 2
+audits, the last run read in full, every reference output) moves gigabytes between the children and this process.
+For each of --tasks elementwise tasks (synth.py's family, sized for --window), the teacher's first kernel variant
+is scored --repeats times with env.evaluate (the first verdict times the baselines, the rest are cached), and one
+table row per verdict gives the tensor size, the seconds, and env.Verdict.phases.
+"""
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+p = argparse.ArgumentParser()
+p.add_argument("--backend", default="auto")
+p.add_argument("--tasks", type=int, default=2, help="elementwise tasks to score")
+p.add_argument("--repeats", type=int, default=3, help="verdicts per task (the first times the baselines)")
+p.add_argument("--window", type=float, nargs=2, default=None, metavar=("LO", "HI"),
+               help="eager-time window in ms the tasks are sized for (default synth.py's: 1 100 CUDA, 0.1 10 CPU)")
+args = p.parse_args()
+if args.tasks < 1 or args.repeats < 1:
+    p.error("--tasks and --repeats must be >= 1")
+os.environ.setdefault("CUDA_AGENT_CACHE", tempfile.mkdtemp(prefix="big-verdict-cache-"))
+import elementwise as E  # noqa: E402
+import env  # noqa: E402
+
+backend = env.resolve_backend(args.backend)
+window = tuple(args.window) if args.window else ((1.0, 100.0) if backend == "cuda" else (0.1, 10.0))
+ext = "cu" if backend == "cuda" else "cpp"
+work = Path(tempfile.mkdtemp(prefix="big-verdict-"))
+print(f"big_verdict | backend {backend} | window {window[0]:g}-{window[1]:g} ms | {args.tasks} tasks x {args.repeats} verdicts",
+      flush=True)
+rows, i = [], 0
+for t in range(args.tasks):
+    while "drop" in (c := E.compose_one(i, 0, backend, window)):
+        i += 1
+    i += 1
+    steps = E.parse(c["code"])
+    reducing = any(st["op"] in E.REDUCTIONS for st in steps)
+    variant = E.VARIANTS_FOR[(backend, reducing)][0]
+    ws = work / f"task{t}"
+    (ws / "kernels").mkdir(parents=True)
+    (ws / "model.py").write_text(c["code"])
+    (ws / "model_new.py").write_text(E.model_new(c["code"], steps, backend))
+    (ws / "kernels" / "binding.cpp").write_text(E.binding(backend))
+    (ws / "kernels" / f"op.{ext}").write_text(E.kernel_source(steps, backend, variant))
+    if reducing:
+        (ws / "kernels" / "reduce.cuh").write_text(E.REDUCE_HEADER)
+    n = 1
+    for d in c["shape"]:
+        n *= d
+    for r in range(args.repeats):
+        t0 = time.perf_counter()
+        v = env.evaluate(ws, backend=backend)
+        wall = time.perf_counter() - t0
+        name = f"{' -> '.join(c['ops'])} {variant}"
+        print(f"  {name} | {n / 1e6:.1f}M elements | verdict {r + 1} | {wall:.1f} s | reward {v.reward:+d} | "
+              f"runtime {v.runtime_ms} ms | eager {v.eager_ms} ms" + (f" | error {v.error}" if v.error else ""), flush=True)
+        rows.append((name, n, r + 1, wall, v))
+
+phases = list(dict.fromkeys(k for *_, v in rows for k in v.phases))
+print("\n| task | elements | verdict | seconds | reward | runtime ms | " + " | ".join(phases) + " |")
+print("|---|---|---|---|---|---|" + "---|" * len(phases))
+for name, n, r, wall, v in rows:
+    ph = " | ".join(f"{v.phases.get(k, 0):.2f}" for k in phases)
+    rt = "-" if v.runtime_ms is None else f"{v.runtime_ms:.3f}"
+    print(f"| {name} | {n / 1e6:.1f}M | {r} | {wall:.1f} | {v.reward:+d} | {rt} | {ph} |")
+bad = [v for *_, v in rows if not v.correct]
+if bad:
+    sys.exit(f"{len(bad)} of {len(rows)} verdicts were not correct: {bad[0].error or bad[0].violations}")
