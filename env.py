@@ -382,19 +382,31 @@ def time_callable(fn, input_sets, *, n_timed=20, min_s=0.25, warmup=3, lock_fd=N
 RMS_FLOOR = 0.1  # x the output dtype's epsilon: an RMS error this small is rounding noise of values below 1
 
 
-def _close_and_rms(o, r, atol, rtol, chunk=1 << 15, count=True):
+GPU_COMPARE = 1 << 24  # elements from which this process compares on its own GPU, where it has one, in chunks of 4M
+
+
+def _compare_on() -> torch.device | None:
+    """The GPU this process compares large outputs on (None: the CPU). On an H200 host one 537M-element comparison
+    takes ~20 s in 32K-element chunks on one core; on the GPU it takes as long as copying the chunks there. Only
+    outputs of at least GPU_COMPARE elements go there, so small verdicts (and processes that fork, like synth.py's
+    workers) never start CUDA for it."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+
+def _close_and_rms(o, r, atol, rtol, chunk=1 << 15, count=True, device=None):
     """One pass over two flat tensors, in float64 (complex128) chunks that stay in cache, so that comparing GB-sized
     outputs costs a fraction of a second, not seconds and a float64 copy of both. A chunk is one ATen grain (32,768
     elements), so every op runs on this thread: on a loaded machine, ops split over the intra-op pool wait for a
     preempted worker at each of thousands of barriers (64M elements: 0.6 s in 32K chunks, 6-9 s in 64K chunks,
-    2 cores under load). Returns (values not close as
+    2 cores under load). With `device` (a GPU), each chunk is copied there first: the same decisions, the same
+    figures up to the order of the float64 sums. Returns (values not close as
     torch.isclose(equal_nan=True) decides, the largest |o - r| among those (NaN counts as inf), RMS of o - r and RMS
     of r over the elements finite in both (None when there is none)). count=False: stops at the first chunk with a
     value that is not close (the count and the figures then cover the chunks read so far)."""
     wide = torch.complex128 if r.is_complex() else torch.float64
     bad, diff, se, sr, nf = 0, 0.0, 0.0, 0.0, 0
     for i in range(0, r.numel(), chunk):
-        a, b = o[i:i + chunk].to(wide), r[i:i + chunk].to(wide)
+        a, b = o[i:i + chunk].to(device or "cpu").to(wide), r[i:i + chunk].to(device or "cpu").to(wide)
         d = a - b
         # (an infinite d, as from inf against -inf, would pass |d| <= inf: non-finite values take the exact test below)
         ok = (d.abs() <= b.abs() * rtol + atol) & d.isfinite()
@@ -437,7 +449,9 @@ def compare(out, ref, atol, rtol, what: str, count: bool = True) -> str | None:
         if ref.dtype == torch.bool or not (ref.is_floating_point() or ref.is_complex()):
             ok = torch.equal(out, ref)
             return None if ok else f"{what}: integer/bool output differs"
-        bad, diff, err, scale = _close_and_rms(out.reshape(-1), ref.reshape(-1), atol, rtol, count=count)
+        gpu = _compare_on() if ref.numel() >= GPU_COMPARE else None
+        bad, diff, err, scale = _close_and_rms(out.reshape(-1), ref.reshape(-1), atol, rtol, count=count,
+                                               **(dict(chunk=1 << 22, device=gpu) if gpu else {}))
         if bad:
             return f"{what}: {bad}/{ref.numel()} values differ (max abs diff among them {diff:.3g}, atol={atol}, rtol={rtol})"
         if scale is not None and err > rtol * scale + RMS_FLOOR * torch.finfo(ref.dtype).eps:

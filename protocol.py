@@ -193,6 +193,24 @@ def _only_tensors(out, depth=0) -> bool:
     return isinstance(out, (tuple, list)) and depth < 4 and all(_only_tensors(o, depth + 1) for o in out)
 
 
+def draw_inputs(ref, seed: int, device: torch.device) -> list:
+    """The task's get_inputs() for `seed`, on `device`: drawn there (torch's factory functions default to it), as
+    torch.randn of 537M floats takes seconds on one CPU core and a millisecond on an H200, and a verdict of a large
+    task draws a dozen sets in each child. The same seed gives the same values in every child on the device. A
+    get_inputs that cannot run that way (a CPU generator of its own, say) is drawn on the CPU and copied."""
+    for where in dict.fromkeys([device, torch.device("cpu")]):
+        torch.manual_seed(seed)
+        random.seed(seed)
+        try:
+            with where:
+                xs = ref.get_inputs()
+        except Exception:  # noqa: BLE001 - the CPU, below, says what is wrong with get_inputs()
+            if where.type == "cpu":
+                raise
+            continue
+        return [x.to(device) if isinstance(x, torch.Tensor) else x for x in xs]
+
+
 def _child_main(spec_path: str):
     """A sandboxed child: mode "reference" (trusted task code; computes outputs and serves baseline runs) or
     "candidate" (loads ModelNew under the dispatch monitor and serves runs). Both obey the parent's commands."""
@@ -214,9 +232,7 @@ def _child_main(spec_path: str):
 
     def inputs_for(seed):
         if seed not in sets:
-            torch.manual_seed(seed)
-            random.seed(seed)
-            sets[seed] = [x.to(device) if isinstance(x, torch.Tensor) else x for x in ref.get_inputs()]
+            sets[seed] = draw_inputs(ref, seed, device)
         return sets[seed]
 
     ref = load(spec["reference"], "reference_model")

@@ -10,6 +10,7 @@ is scored --repeats times with env.evaluate (the first verdict times the baselin
 table row per verdict gives the tensor size, the seconds, and env.Verdict.phases.
 """
 import argparse
+import faulthandler
 import os
 import sys
 import tempfile
@@ -31,6 +32,7 @@ os.environ.setdefault("CUDA_AGENT_CACHE", tempfile.mkdtemp(prefix="big-verdict-c
 import elementwise as E  # noqa: E402
 import env  # noqa: E402
 
+faulthandler.dump_traceback_later(90, repeat=True)  # where this process is, every 90 s (a slow verdict says why)
 backend = env.resolve_backend(args.backend)
 window = tuple(args.window) if args.window else ((1.0, 100.0) if backend == "cuda" else (0.1, 10.0))
 ext = "cu" if backend == "cuda" else "cpp"
@@ -56,13 +58,15 @@ for t in range(args.tasks):
     n = 1
     for d in c["shape"]:
         n *= d
+    print(f"  task {t}: {' -> '.join(c['ops'])}, shape {tuple(c['shape'])}, estimated eager {c['est_ms']:.2f} ms", flush=True)
     for r in range(args.repeats):
         t0 = time.perf_counter()
         v = env.evaluate(ws, backend=backend)
         wall = time.perf_counter() - t0
         name = f"{' -> '.join(c['ops'])} {variant}"
         print(f"  {name} | {n / 1e6:.1f}M elements | verdict {r + 1} | {wall:.1f} s | reward {v.reward:+d} | "
-              f"runtime {v.runtime_ms} ms | eager {v.eager_ms} ms" + (f" | error {v.error}" if v.error else ""), flush=True)
+              f"runtime {v.runtime_ms} ms | eager {v.eager_ms} ms | " + ", ".join(f"{k} {x:.1f}" for k, x in v.phases.items())
+              + (f" | error {v.error}" if v.error else ""), flush=True)
         rows.append((name, n, r + 1, wall, v))
 
 phases = list(dict.fromkeys(k for *_, v in rows for k in v.phases))

@@ -863,9 +863,8 @@ def _compare_whole(out, ref, atol, rtol):
     return bad, rms(o - r), rms(r)
 
 
-def test_chunked_compare_decides_as_the_whole_tensor_definition():
-    """compare() goes over outputs in cache-sized chunks (a GB-sized output in a fraction of a second); its counts and
-    RMS figures are those of the whole-tensor definition, across chunk boundaries, with NaN, inf and complex values."""
+def compare_cases():
+    """(name, output, reference, close?) over chunk boundaries, with NaN, inf and complex values (here and on the GPU)."""
     import torch
     g = torch.Generator().manual_seed(0)
     n = 3 * (1 << 16) + 123  # three chunks and a partial one
@@ -881,16 +880,23 @@ def test_chunked_compare_decides_as_the_whole_tensor_definition():
     other[70001] = float("-inf")  # opposite infinities differ
     other[2] = float("nan")  # NaN against a number differs
     cases["nan_inf_other"] = other
-    for name, out in cases.items():
-        r = ref_special if name.startswith("nan_inf") else ref
+    c = torch.randn(n, dtype=torch.complex64, generator=g)
+    return [(name, out, ref_special if name.startswith("nan_inf") else ref, name in ("close", "nan_inf_same"))
+            for name, out in cases.items()] + [("complex_close", c * 1.001, c, True), ("complex_far", c + 1, c, False)]
+
+
+def test_chunked_compare_decides_as_the_whole_tensor_definition():
+    """compare() goes over outputs in cache-sized chunks (a GB-sized output in a fraction of a second); its counts and
+    RMS figures are those of the whole-tensor definition, across chunk boundaries, with NaN, inf and complex values."""
+    import torch
+    for name, out, r, close in compare_cases():
         bad, diff, err, scale = env._close_and_rms(out, r, 1e-2, 1e-2)
         w_bad, w_err, w_scale = _compare_whole(out, r, 1e-2, 1e-2)
         assert bad == w_bad, (name, bad, w_bad)
         assert err == pytest.approx(w_err, rel=1e-9) and scale == pytest.approx(w_scale, rel=1e-9), name
-        assert (env.compare(out, r, 1e-2, 1e-2, "x") is None) == (name in ("close", "nan_inf_same")), name
-    c = torch.randn(n, dtype=torch.complex64, generator=g)
-    assert env._close_and_rms(c * 1.001, c, 1e-2, 1e-2)[0] == _compare_whole(c * 1.001, c, 1e-2, 1e-2)[0] == 0
-    assert env._close_and_rms(c + 1, c, 1e-2, 1e-2)[0] == _compare_whole(c + 1, c, 1e-2, 1e-2)[0] == n
+        assert (env.compare(out, r, 1e-2, 1e-2, "x") is None) == close, name
+    ref = compare_cases()[0][2]
+    cases = {name: out for name, out, _, _ in compare_cases()}
     assert env._close_and_rms(torch.zeros(0), torch.zeros(0), 1e-2, 1e-2) == (0, 0.0, None, None)
     assert env._close_and_rms(ref + 0.5, ref, 1e-2, 1e-2, chunk=1000, count=False)[0] == 1000  # (stops after one chunk)
     assert env.compare(cases["few_far"], ref, 1e-2, 1e-2, "x", count=False) is not None

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 import env
-from test_env import CASES, PROBLEMS, PY_ATTACKS, assert_nothing_escaped, escape_probe, make_ws, model_new
+from test_env import CASES, PROBLEMS, PY_ATTACKS, assert_nothing_escaped, compare_cases, escape_probe, make_ws, model_new
 
 pytestmark = pytest.mark.gpu
 CUDA = {p.name: p.read_text() for p in (CASES / "cuda").glob("ops*")}
@@ -107,3 +107,20 @@ def test_line_marker_in_a_cu_file_is_refused():
     b = env.build({"kernels/a.cu": cu, "kernels/b.cpp": "#include <torch/extension.h>\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}\n"},
                   "cuda")
     assert not b.ok and "#line" in b.log, b.log
+
+
+def test_large_outputs_are_compared_on_the_gpu_as_on_the_cpu():
+    """From env.GPU_COMPARE elements on, the parent compares on its GPU: the same counts and RMS figures as the CPU's
+    chunks (NaN, inf, complex, chunk boundaries), and a single wrong value at the end of a large output is found."""
+    import torch
+    for name, out, r, close in compare_cases():
+        cpu = env._close_and_rms(out, r, 1e-2, 1e-2)
+        gpu = env._close_and_rms(out, r, 1e-2, 1e-2, chunk=1 << 16, device=torch.device("cuda"))
+        assert cpu[0] == gpu[0] and cpu[1] == pytest.approx(gpu[1]), name
+        assert cpu[2] == pytest.approx(gpu[2], rel=1e-9) and cpu[3] == pytest.approx(gpu[3], rel=1e-9), name
+    ref = torch.randn(env.GPU_COMPARE + 5)
+    out = ref.clone()
+    assert env.compare(out, ref, 1e-2, 1e-2, "x") is None and torch.cuda.is_initialized()
+    out[-1] += 1
+    assert "1/" in env.compare(out, ref, 1e-2, 1e-2, "x")
+    assert "RMS error" in env.compare(ref * 1.2, ref, 1.0, 0.2 - 1e-3, "x")
