@@ -47,6 +47,18 @@ def test_verdict_split_compares_exec_and_fork():
     assert "| verdict |" in out.split("cached verdict phases")[1], out
 
 
+def test_big_verdict_prints_a_row_of_phases_per_verdict():
+    """bench/big_verdict.py (run_h200.sh big-verdict): an elementwise task scored twice, one table row per verdict
+    with the phases of env.Verdict; small here (--window), on the test session's build cache."""
+    out = bench("big_verdict.py", "--backend", "cpu", "--window", "0.05", "0.5", "--tasks", "1", "--repeats", "2")
+    head = next(line for line in out.splitlines() if line.startswith("| task |"))
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "M | " in line]
+    assert [r[2] for r in rows] == ["1", "2"] and all(r[4] in ("+1", "+2", "+3") for r in rows), out
+    assert "| reference outputs |" in head and "| checks |" in head and "| timed runs |" in head, out
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "big_verdict.py"), "--tasks", "0"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--tasks and --repeats must be >= 1" in r.stderr.strip().splitlines()[-1]
+
+
 def test_env_bench_verdicts_in_flight(tmp_path):
     """--workers 2: the cached task's verdicts 1 and 2 at a time, and the first verdicts of new tasks, alone and 2
     together; the test session's build cache (--cache), so no cold build and no naive one."""
