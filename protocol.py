@@ -58,14 +58,46 @@ _clock = time.perf_counter  # the parent's clock; no candidate code ever runs in
 SAMPLE = 65536  # elements per output compared after a timed run (every element of smaller outputs)
 
 
+STAGE_BYTES = 64 << 20  # a GPU output goes to the pipe in pieces of this size, through one pinned buffer per child
+_stage = []  # that buffer, made at the child's first GPU reply
+
+
+def _staging() -> torch.Tensor:
+    """Copies from the GPU into pinned memory run at ~50 GB/s on an H200 host, into pageable memory at ~2 GB/s (a
+    2 GiB output: 0.04 s against 1.0 s). Pageable where pinning is refused."""
+    if not _stage:
+        try:
+            _stage.append(torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True))
+        except RuntimeError:
+            _stage.append(torch.empty(STAGE_BYTES, dtype=torch.uint8))
+    return _stage[0]
+
+
+def _write_all(fd: int, view: memoryview):
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def send(fd: int, obj, blobs=(), re: str | None = None):
     """One message: 8 bytes of header length, the JSON header, the raw blobs. `re`: the nonce of the command it answers.
-    Blobs (bytes or arrays) are written from their own memory: a GB-sized output is never copied to be sent."""
-    views = [memoryview(b).cast("B") for b in blobs]
-    head = json.dumps({"obj": obj, "sizes": [v.nbytes for v in views], "re": re}).encode()
-    for view in [memoryview(len(head).to_bytes(8, "little") + head), *views]:
-        while view:
-            view = view[os.write(fd, view):]
+    Blobs (bytes, arrays, or uint8 tensors on a GPU, as pack makes them) are written from their own memory: a GB-sized
+    output is never copied whole to be sent; one on a GPU is copied out piece by piece through the staging buffer."""
+    views = [b if isinstance(b, torch.Tensor) else memoryview(b).cast("B") for b in blobs]
+    head = json.dumps({"obj": obj, "sizes": [v.numel() if isinstance(v, torch.Tensor) else v.nbytes for v in views],
+                       "re": re}).encode()
+    _write_all(fd, memoryview(len(head).to_bytes(8, "little") + head))
+    for v in views:
+        if not isinstance(v, torch.Tensor):
+            _write_all(fd, v)
+            continue
+        try:
+            stage = _staging()
+            for i in range(0, v.numel(), STAGE_BYTES):
+                part = v[i:i + STAGE_BYTES]
+                stage[:part.numel()].copy_(part)  # (synchronous: the copy waits for the work that made the output)
+                _write_all(fd, memoryview(stage[:part.numel()].numpy()))
+        except BaseException:  # noqa: BLE001 - a device error half-way through a message: its framing is lost
+            os._exit(3)
 
 
 def _read_exact(fd: int, n: int, alive=None, into=bytearray, deadline: float | None = None):
@@ -117,8 +149,10 @@ def seed_pad(key: str, nonce: str) -> int:
 def pack(out, blobs: list):
     """A nested output as JSON-able structure + raw tensor bytes (no pickle crosses the boundary)."""
     if isinstance(out, torch.Tensor):
-        t = out.detach().contiguous().cpu()
-        blobs.append(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b"")  # (its own memory, sent as is)
+        t = out.detach().contiguous()
+        flat = t.reshape(-1).view(torch.uint8)
+        # its own memory, sent as is (a GPU tensor is copied out by send, in pieces)
+        blobs.append(b"" if not t.numel() else flat if t.device.type == "cuda" else flat.cpu().numpy())
         return {"t": len(blobs) - 1, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
     if isinstance(out, (tuple, list)):
         return {"seq": [pack(o, blobs) for o in out], "tuple": isinstance(out, tuple)}

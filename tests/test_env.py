@@ -902,6 +902,29 @@ def test_chunked_compare_decides_as_the_whole_tensor_definition():
     assert env.compare(cases["few_far"], ref, 1e-2, 1e-2, "x", count=False) is not None
 
 
+def test_tensor_blobs_are_sent_in_pieces_through_the_staging_buffer(monkeypatch):
+    """A child sends a GPU output piece by piece through one staging buffer (protocol.send; the GPU tests send real
+    ones): the bytes arrive whole and in order across piece boundaries, beside ordinary blobs in one message."""
+    import threading
+    import torch
+    import protocol
+    monkeypatch.setattr(protocol, "STAGE_BYTES", 1000)
+    monkeypatch.setattr(protocol, "_stage", [])
+    big = torch.randint(0, 256, (3 * 1000 + 7,), dtype=torch.uint8)
+    r, w = os.pipe()
+    try:
+        t = threading.Thread(target=protocol.send, args=(w, {"x": 1}, [b"head", big, big[:10]]))
+        t.start()
+        obj, blobs = protocol.recv(r)
+        t.join()
+    finally:
+        os.close(r)
+        os.close(w)
+    assert obj == {"x": 1} and bytes(blobs[0].numpy()) == b"head"
+    assert torch.equal(blobs[1], big) and torch.equal(blobs[2], big[:10])
+    assert protocol._stage[0].numel() == 1000  # one buffer, made once
+
+
 def test_replies_cannot_exhaust_the_parent():
     """A reply that declares more bytes than the parent expects, or nests without end, is malformed (no read, no crash)."""
     for blob_case in (True, False):
