@@ -17,6 +17,7 @@ import hashlib
 import importlib.util
 import json
 import math
+import mmap
 import os
 import random
 import secrets
@@ -53,6 +54,8 @@ FORK_PRELOAD = ["torch", "torch._dynamo", "protocol"]
 # The sampled elements are chosen after the run and copied inside [t0, t1], so work that is deferred past
 # `run` (lazy pages, late kernels) is timed, and a candidate cannot know which elements it must get right.
 # Check runs ask "full" instead of "sample": every element, plus the input-mutation and type checks.
+# Replies: a header down the pipe; blobs of AREA_MIN bytes or more (whole outputs, never a timed run's sample)
+# through the child's reply area, a sealed memory file only that child and the parent hold (make_area).
 # ----------------------------------------------------------------------------------------------
 _clock = time.perf_counter  # the parent's clock; no candidate code ever runs in the parent
 SAMPLE = 65536  # elements per output compared after a timed run (every element of smaller outputs)
@@ -60,7 +63,8 @@ SAMPLE = 65536  # elements per output compared after a timed run (every element 
 
 STAGE_BYTES = 64 << 20  # a GPU output goes to the pipe in pieces of this size, through one pinned buffer per child
 AREA_BYTES = 1 << 33  # a child's shared reply area: 8 GiB of address in a memory file (memory only where written)
-AREA_MIN = 1 << 20  # blobs from this size on go through the area; samples (timed) and small outputs through the pipe
+AREA_MIN = 4 << 20  # blobs from this size on go through the area; smaller ones, and every timed run's sample (under
+# 2 x SAMPLE elements of at most 16 bytes), down the pipe: the timed exchange is the same whatever the output's size
 _stage = []  # that buffer, made at the child's first GPU reply
 
 
@@ -93,25 +97,37 @@ def _pieces(v):
         yield memoryview(stage[:part.numel()].numpy())
 
 
-def send(fd: int, obj, blobs=(), re: str | None = None, area: int | None = None):
+def send(fd: int, obj, blobs=(), re: str | None = None, area: int | None = None, limit: int | None = None):
     """One message: 8 bytes of header length, the JSON header, the raw blobs. `re`: the nonce of the command it answers.
     Blobs (bytes, arrays, or uint8 tensors on a GPU, as pack makes them) are written from their own memory: a GB-sized
     output is never copied whole to be sent; one on a GPU is copied out piece by piece through the staging buffer.
     With `area` (a child's shared reply area, make_area), blobs of AREA_MIN bytes or more that fit are written there,
-    one after another from its start, before the header goes down the pipe: a pipe moves ~1 GB/s, the area several."""
+    one after another from its start, before the header goes down the pipe: a pipe moves ~1 GB/s, the area several.
+    The area is written through a mapping, not write(2): a child's file-size limit (RLIMIT_FSIZE, 1 GiB) stops
+    writes, not stores. `limit`: the bytes the parent accepts in this reply (it says so in each command); a larger
+    reply is an error before anything is written, so the area never holds more than the parent would read."""
     views = [b if isinstance(b, torch.Tensor) else memoryview(b).cast("B") for b in blobs]
     sizes = [v.numel() if isinstance(v, torch.Tensor) else v.nbytes for v in views]
+    if limit is not None and sum(sizes) > limit:
+        raise ValueError(f"a reply of {sum(sizes)} bytes, more than the parent accepts ({limit})")
     room = os.fstat(area).st_size if area is not None else 0
     in_area = []
     for n in sizes:
         in_area.append(AREA_MIN <= n <= room)
         room -= n if in_area[-1] else 0
-    at = 0
-    for v, there in zip(views, in_area):  # (an error here leaves the pipe as it was: the child reports it)
-        for piece in _pieces(v) if there else ():
-            while piece:
-                k = os.pwrite(area, piece, at)
-                piece, at = piece[k:], at + k
+    total = sum(n for n, there in zip(sizes, in_area) if there)
+    if total:  # (an error here leaves the pipe as it was: the child reports it)
+        try:
+            mm = mmap.mmap(area, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError:  # (no address space left under the child's RLIMIT_AS: everything down the pipe)
+            mm, in_area = None, [False] * len(sizes)
+        if mm is not None:
+            with mm:
+                at = 0
+                for v, there in zip(views, in_area):
+                    for piece in _pieces(v) if there else ():
+                        mm[at:at + piece.nbytes] = piece
+                        at += piece.nbytes
     head = json.dumps({"obj": obj, "sizes": sizes, "area": in_area, "re": re}).encode()
     _write_all(fd, memoryview(len(head).to_bytes(8, "little") + head))
     try:
@@ -148,7 +164,9 @@ def make_area() -> int | None:
     """A child's reply area: a memory file the parent makes and hands to one child, its size sealed (the child can
     neither shrink it under the parent's reads nor grow it), close-on-exec here (no other child inherits it). It holds
     only what that child sends (the parent never writes to it), so a candidate that writes to it at any time changes
-    nothing but its own reply. None where memory files are not available (the pipe carries everything)."""
+    nothing but its own reply. Only replies to commands use it, and the parent reads each reply whole before it
+    sends the next command: a reply never overwrites one that is still unread. None where memory files are not
+    available (the pipe carries everything)."""
     try:
         fd = os.memfd_create("cuda-agent-reply", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except (AttributeError, OSError):
@@ -337,15 +355,15 @@ def _child_main(spec_path: str):
     model = ref.Model(*init).to(device).eval()
 
     bad = []  # aten ops outside the allow-list seen by the candidate's monitor
+    outputs = []  # the reference's: the seed of each output the parent asks for
     if spec["mode"] == "reference":
         seeds, n_checks = spec["seeds"], spec["n_checks"]
         per_set = sum(x.numel() * x.element_size() for x in inputs_for(seeds[0]) if isinstance(x, torch.Tensor)) + 1
         n_sets = int(max(2, min(len(seeds) - n_checks, spec["budget_mb"] * 2**20 // per_set))) if len(seeds) > n_checks else 0
         send(rep_fd, {"timed_sets": n_sets})  # distinct fresh input sets for timing, within the memory budget
-        with torch.no_grad():  # every output the parent will compare against, before any candidate run
-            for seed in seeds[:n_checks + n_sets]:
-                blobs = []
-                send(rep_fd, pack(model(*inputs_for(seed)), blobs), blobs, area=area)
+        # then "output" k, for k < n_checks + n_sets: every output the parent will compare against, each asked for
+        # (the next one is written to the reply area only after the parent has read the last), before any candidate run
+        outputs = seeds[:n_checks + n_sets]
         fns = {"eager": model}
     else:
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -419,6 +437,9 @@ def _child_main(spec_path: str):
                 with torch.no_grad():
                     out = fn(*buffers)
                 sync()
+            elif op == "output":  # (the reference only: a candidate knows no seed)
+                with torch.no_grad():
+                    reply = pack(model(*inputs_for(outputs[cmd["k"]])), blobs)
             elif op == "sample":
                 reply = pack(sample_of(out, cmd["offset"]), blobs)
                 sync()
@@ -428,7 +449,7 @@ def _child_main(spec_path: str):
                          "mutated": any(isinstance(b, torch.Tensor) and not torch.equal(b, x) for b, x in zip(buffers, loaded)),
                          "types": [type(o).__name__ for o in outs if isinstance(o, torch.Tensor) and type(o) is not torch.Tensor],
                          "devices": sorted({o.device.type for o in outs if isinstance(o, torch.Tensor)} - {device.type})}
-            send(rep_fd, reply, blobs, re=nonce, area=area)
+            send(rep_fd, reply, blobs, re=nonce, area=area, limit=cmd.get("limit"))
         except BaseException as e:  # noqa: BLE001
             send(rep_fd, {"error": f"{type(e).__name__}: {str(e)[:800]}"}, re=nonce)
 
@@ -501,7 +522,7 @@ class Child:
         if "seed" in obj:
             obj = dict(obj, seed=obj["seed"] ^ seed_pad(self.key, nonce))
         try:
-            send(self.cmd_w, dict(obj, nonce=nonce))
+            send(self.cmd_w, dict(obj, nonce=nonce, limit=self.reply_limit))
         except OSError as e:  # (BrokenPipeError: the child died after its last reply)
             raise EOFError("the child process ended") from e
         return self.answer(expect=nonce, what=obj.get("op"))
