@@ -27,14 +27,12 @@ What one verdict does, in order (build.py has step 3, protocol.py the children a
                instruction) are checked. Editing one kernel rebuilds only that object. A build counts as a
                candidate on its device (step 5).
   4. verify    a trusted REFERENCE child computes the outputs of 5 check inputs and of the timing inputs
-               (each drawn from a fresh secret seed, on the task's device) and sends them to this process (the
-               header down a pipe, whole outputs through a sealed memory file of that child's own). The
+               (each drawn from a fresh secret seed) and sends them to this process over a pipe. The
                CANDIDATE child starts afterwards, knowing no seed: it loads ModelNew under a dispatch
                monitor (module import, __init__, load_state_dict: only allocation, random
                initialisation and copies), then is told one input at a time. The extension's functions
                may return only tensors (or None): no values handed to Python to compute on. Its whole outputs on the
-               check inputs are compared here (on this process's GPU, where it has one, from
-               GPU_COMPARE elements on), at atol = rtol = 1e-2 element by element AND by RMS error
+               check inputs are compared here, at atol = rtol = 1e-2 element by element AND by RMS error
                at the reference's own scale. While forward runs (every run, timed or not), any PyTorch
                operator that computes is a violation; inputs must not be mutated; outputs must be plain
                tensors on the right device.
@@ -71,8 +69,7 @@ What the sandbox protects against (sandbox.py has the layers)
     exec'ed) from a trusted interpreter that this process exec'ed, that imported torch before any candidate existed
     and never holds a secret (a child reads its key from its own spec file); it never initialises CUDA, so every
     child creates its own context. A forked child goes through the same layers as an exec'ed one, and keeps no
-    descriptor but its stdio, its two pipes and its reply area (a sealed memory file that holds only what that
-    child sends: the parent never writes to it).
+    descriptor but its stdio and its two pipes.
   - slowing the baselines: they are never timed while a candidate is alive on that device, and every process
     the policy controls counts as one: the candidate child, a build, the agent's bash tool; so does another
     verdict's reference child until its outputs are in (the policy decides when verdicts start).
@@ -602,7 +599,7 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
         try:
             n_sets = ref.answer()[0]["timed_sets"]
             timed_seeds = timed_seeds[:n_sets]
-            ref_outs = [unpack(*ref.ask({"op": "output", "k": k})) for k in range(len(check_seeds + timed_seeds))]
+            ref_outs = [unpack(*ref.answer()) for _ in check_seeds + timed_seeds]
             if need_baselines:  # torch.compile compiles at its first run (seconds of CPU work): here, while the device
                 ref.ask({"op": "use", "fn": "compile"})  # is not held for timing, and no other verdict waits on us
                 ref.ask({"op": "load", "seed": timed_seeds[0]})

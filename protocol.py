@@ -17,7 +17,6 @@ import hashlib
 import importlib.util
 import json
 import math
-import mmap
 import os
 import random
 import secrets
@@ -54,17 +53,12 @@ FORK_PRELOAD = ["torch", "torch._dynamo", "protocol"]
 # The sampled elements are chosen after the run and copied inside [t0, t1], so work that is deferred past
 # `run` (lazy pages, late kernels) is timed, and a candidate cannot know which elements it must get right.
 # Check runs ask "full" instead of "sample": every element, plus the input-mutation and type checks.
-# Replies: a header down the pipe; blobs of AREA_MIN bytes or more (whole outputs, never a timed run's sample)
-# through the child's reply area, a sealed memory file only that child and the parent hold (make_area).
 # ----------------------------------------------------------------------------------------------
 _clock = time.perf_counter  # the parent's clock; no candidate code ever runs in the parent
 SAMPLE = 65536  # elements per output compared after a timed run (every element of smaller outputs)
 
 
 STAGE_BYTES = 64 << 20  # a GPU output goes to the pipe in pieces of this size, through one pinned buffer per child
-AREA_BYTES = 1 << 33  # a child's shared reply area: 8 GiB of address in a memory file (memory only where written)
-AREA_MIN = 4 << 20  # blobs from this size on go through the area; smaller ones, and every timed run's sample (under
-# 2 x SAMPLE elements of at most 16 bytes), down the pipe: the timed exchange is the same whatever the output's size
 _stage = []  # that buffer, made at the child's first GPU reply
 
 
@@ -84,60 +78,26 @@ def _write_all(fd: int, view: memoryview):
         view = view[os.write(fd, view):]
 
 
-def _pieces(v):
-    """The bytes of a blob as memoryviews of at most STAGE_BYTES: a GPU tensor's copied into the staging buffer."""
-    if not isinstance(v, torch.Tensor):
-        for i in range(0, v.nbytes, STAGE_BYTES):
-            yield v[i:i + STAGE_BYTES]
-        return
-    stage = _staging()
-    for i in range(0, v.numel(), STAGE_BYTES):
-        part = v[i:i + STAGE_BYTES]
-        stage[:part.numel()].copy_(part)  # (synchronous: the copy waits for the work that made the output)
-        yield memoryview(stage[:part.numel()].numpy())
-
-
-def send(fd: int, obj, blobs=(), re: str | None = None, area: int | None = None, limit: int | None = None):
+def send(fd: int, obj, blobs=(), re: str | None = None):
     """One message: 8 bytes of header length, the JSON header, the raw blobs. `re`: the nonce of the command it answers.
     Blobs (bytes, arrays, or uint8 tensors on a GPU, as pack makes them) are written from their own memory: a GB-sized
-    output is never copied whole to be sent; one on a GPU is copied out piece by piece through the staging buffer.
-    With `area` (a child's shared reply area, make_area), blobs of AREA_MIN bytes or more that fit are written there,
-    one after another from its start, before the header goes down the pipe: a pipe moves ~1 GB/s, the area several.
-    The area is written through a mapping, not write(2): a child's file-size limit (RLIMIT_FSIZE, 1 GiB) stops
-    writes, not stores. `limit`: the bytes the parent accepts in this reply (it says so in each command); a larger
-    reply is an error before anything is written, so the area never holds more than the parent would read."""
+    output is never copied whole to be sent; one on a GPU is copied out piece by piece through the staging buffer."""
     views = [b if isinstance(b, torch.Tensor) else memoryview(b).cast("B") for b in blobs]
-    sizes = [v.numel() if isinstance(v, torch.Tensor) else v.nbytes for v in views]
-    if limit is not None and sum(sizes) > limit:
-        raise ValueError(f"a reply of {sum(sizes)} bytes, more than the parent accepts ({limit})")
-    room = os.fstat(area).st_size if area is not None else 0
-    in_area = []
-    for n in sizes:
-        in_area.append(AREA_MIN <= n <= room)
-        room -= n if in_area[-1] else 0
-    total = sum(n for n, there in zip(sizes, in_area) if there)
-    if total:  # (an error here leaves the pipe as it was: the child reports it)
-        try:
-            mm = mmap.mmap(area, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError:  # (no address space left under the child's RLIMIT_AS: everything down the pipe)
-            mm, in_area = None, [False] * len(sizes)
-        if mm is not None:
-            with mm:
-                at = 0
-                for v, there in zip(views, in_area):
-                    for piece in _pieces(v) if there else ():
-                        mm[at:at + piece.nbytes] = piece
-                        at += piece.nbytes
-    head = json.dumps({"obj": obj, "sizes": sizes, "area": in_area, "re": re}).encode()
+    head = json.dumps({"obj": obj, "sizes": [v.numel() if isinstance(v, torch.Tensor) else v.nbytes for v in views],
+                       "re": re}).encode()
     _write_all(fd, memoryview(len(head).to_bytes(8, "little") + head))
-    try:
-        for v, there in zip(views, in_area):
-            for piece in () if there else _pieces(v):
-                _write_all(fd, piece)
-    except OSError:
-        raise
-    except BaseException:  # noqa: BLE001 - a device error half-way through a message: its framing is lost
-        os._exit(3)
+    for v in views:
+        if not isinstance(v, torch.Tensor):
+            _write_all(fd, v)
+            continue
+        try:
+            stage = _staging()
+            for i in range(0, v.numel(), STAGE_BYTES):
+                part = v[i:i + STAGE_BYTES]
+                stage[:part.numel()].copy_(part)  # (synchronous: the copy waits for the work that made the output)
+                _write_all(fd, memoryview(stage[:part.numel()].numpy()))
+        except BaseException:  # noqa: BLE001 - a device error half-way through a message: its framing is lost
+            os._exit(3)
 
 
 def _read_exact(fd: int, n: int, alive=None, into=bytearray, deadline: float | None = None):
@@ -160,41 +120,9 @@ def _read_exact(fd: int, n: int, alive=None, into=bytearray, deadline: float | N
     return buf
 
 
-def make_area() -> int | None:
-    """A child's reply area: a memory file the parent makes and hands to one child, its size sealed (the child can
-    neither shrink it under the parent's reads nor grow it), close-on-exec here (no other child inherits it). It holds
-    only what that child sends (the parent never writes to it), so a candidate that writes to it at any time changes
-    nothing but its own reply. Only replies to commands use it, and the parent reads each reply whole before it
-    sends the next command: a reply never overwrites one that is still unread. None where memory files are not
-    available (the pipe carries everything)."""
-    try:
-        fd = os.memfd_create("cuda-agent-reply", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    except (AttributeError, OSError):
-        return None
-    try:
-        os.ftruncate(fd, AREA_BYTES)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-    except (AttributeError, OSError):
-        os.close(fd)
-        return None
-    return fd
-
-
-def _read_area(area: int, at: int, n: int) -> torch.Tensor:
-    buf = torch.empty(n, dtype=torch.uint8)
-    view, got = memoryview(buf.numpy()).cast("B"), 0
-    while got < n:
-        k = os.preadv(area, [view[got:got + (1 << 30)]], at + got)
-        if not k:
-            raise ValueError("malformed message: its area holds fewer bytes than it declares")
-        got += k
-    return buf
-
-
-def recv(fd: int, limit: int = 1 << 34, alive=None, expect: str | None = None, deadline: float | None = None,
-         area: int | None = None):
+def recv(fd: int, limit: int = 1 << 34, alive=None, expect: str | None = None, deadline: float | None = None):
     """(obj, blobs) of the next message. expect: the nonce of the command this must answer (ValueError otherwise);
-    deadline: see _read_exact; area: the sender's reply area (make_area), where it may have put its larger blobs."""
+    deadline: see _read_exact."""
     n = int.from_bytes(_read_exact(fd, 8, alive, deadline=deadline), "little")
     if not 0 < n < 1 << 20:
         raise ValueError(f"malformed message header ({n} bytes)")
@@ -206,17 +134,9 @@ def recv(fd: int, limit: int = 1 << 34, alive=None, expect: str | None = None, d
         raise ValueError("a reply that answers no command of the parent's (written by something other than the "
                          "harness, or out of step)")
     sizes = head.get("sizes", []) if isinstance(head, dict) else None
-    if not isinstance(sizes, list) or not all(type(s) is int and 0 <= s for s in sizes) or sum(sizes) > limit:
+    if not isinstance(sizes, list) or not all(isinstance(s, int) and 0 <= s for s in sizes) or sum(sizes) > limit:
         raise ValueError("malformed message sizes")
-    in_area = head.get("area") or [False] * len(sizes)
-    if (not isinstance(in_area, list) or len(in_area) != len(sizes) or not all(type(b) is bool for b in in_area)
-            or (any(in_area) and (area is None or sum(n for n, b in zip(sizes, in_area) if b) > AREA_BYTES))):
-        raise ValueError("malformed message area")
-    blobs, at = [], 0
-    for n, there in zip(sizes, in_area):
-        blobs.append(_read_area(area, at, n) if there else _read_exact(fd, n, alive, into=torch.uint8, deadline=deadline))
-        at += n if there else 0
-    return head.get("obj"), blobs
+    return head.get("obj"), [_read_exact(fd, s, alive, into=torch.uint8, deadline=deadline) for s in sizes]
 
 
 def seed_pad(key: str, nonce: str) -> int:
@@ -329,7 +249,7 @@ def _child_main(spec_path: str):
     """A sandboxed child: mode "reference" (trusted task code; computes outputs and serves baseline runs) or
     "candidate" (loads ModelNew under the dispatch monitor and serves runs). Both obey the parent's commands."""
     spec = json.loads(Path(spec_path).read_text())
-    cmd_fd, rep_fd, area = spec["cmd_fd"], spec["rep_fd"], spec.get("area_fd")
+    cmd_fd, rep_fd = spec["cmd_fd"], spec["rep_fd"]
     device = torch.device("cuda" if spec["backend"] == "cuda" else "cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))  # CHILD_ENV, from the parent
@@ -355,15 +275,15 @@ def _child_main(spec_path: str):
     model = ref.Model(*init).to(device).eval()
 
     bad = []  # aten ops outside the allow-list seen by the candidate's monitor
-    outputs = []  # the reference's: the seed of each output the parent asks for
     if spec["mode"] == "reference":
         seeds, n_checks = spec["seeds"], spec["n_checks"]
         per_set = sum(x.numel() * x.element_size() for x in inputs_for(seeds[0]) if isinstance(x, torch.Tensor)) + 1
         n_sets = int(max(2, min(len(seeds) - n_checks, spec["budget_mb"] * 2**20 // per_set))) if len(seeds) > n_checks else 0
         send(rep_fd, {"timed_sets": n_sets})  # distinct fresh input sets for timing, within the memory budget
-        # then "output" k, for k < n_checks + n_sets: every output the parent will compare against, each asked for
-        # (the next one is written to the reply area only after the parent has read the last), before any candidate run
-        outputs = seeds[:n_checks + n_sets]
+        with torch.no_grad():  # every output the parent will compare against, before any candidate run
+            for seed in seeds[:n_checks + n_sets]:
+                blobs = []
+                send(rep_fd, pack(model(*inputs_for(seed)), blobs), blobs)
         fns = {"eager": model}
     else:
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -437,9 +357,6 @@ def _child_main(spec_path: str):
                 with torch.no_grad():
                     out = fn(*buffers)
                 sync()
-            elif op == "output":  # (the reference only: a candidate knows no seed)
-                with torch.no_grad():
-                    reply = pack(model(*inputs_for(outputs[cmd["k"]])), blobs)
             elif op == "sample":
                 reply = pack(sample_of(out, cmd["offset"]), blobs)
                 sync()
@@ -449,7 +366,7 @@ def _child_main(spec_path: str):
                          "mutated": any(isinstance(b, torch.Tensor) and not torch.equal(b, x) for b, x in zip(buffers, loaded)),
                          "types": [type(o).__name__ for o in outs if isinstance(o, torch.Tensor) and type(o) is not torch.Tensor],
                          "devices": sorted({o.device.type for o in outs if isinstance(o, torch.Tensor)} - {device.type})}
-            send(rep_fd, reply, blobs, re=nonce, area=area, limit=cmd.get("limit"))
+            send(rep_fd, reply, blobs, re=nonce)
         except BaseException as e:  # noqa: BLE001
             send(rep_fd, {"error": f"{type(e).__name__}: {str(e)[:800]}"}, re=nonce)
 
@@ -476,9 +393,8 @@ class Child:
         self.rep_r, self.rep_w = os.pipe()
         with contextlib.suppress(OSError, AttributeError):  # Linux; elsewhere the default size (more round trips)
             fcntl.fcntl(self.rep_w, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
-        self.area = make_area()  # large replies (whole outputs) go there, not down the pipe
         self.key = secrets.token_hex(16)  # the seed pad's (seed_pad); the child reads it from its spec file
-        spec = dict(spec, cmd_fd=self.cmd_r, rep_fd=self.rep_w, area_fd=self.area, key=self.key)
+        spec = dict(spec, cmd_fd=self.cmd_r, rep_fd=self.rep_w, key=self.key)
         (run_dir / "spec.json").write_text(json.dumps(spec))
         argv = [sys.executable, "-E", "-B", str(ENV_PY), "_child", str(run_dir / "spec.json")]
         extra = dict(env or {}, **CHILD_ENV)
@@ -489,8 +405,7 @@ class Child:
         def go():
             try:
                 self.result = run_sandboxed(argv, run_dir, cfg.timeout, writable=writable, mem_gb=cfg.mem_gb, env=extra,
-                                            pass_fds=[self.cmd_r, self.rep_w] + ([self.area] if self.area is not None else []),
-                                            kind=backend, started=self._started,
+                                            pass_fds=[self.cmd_r, self.rep_w], kind=backend, started=self._started,
                                             fork={"preload": FORK_PRELOAD, "call": ["protocol", "_child_main", [argv[-1]]]}
                                             if FORK_PRELOAD else None)
             except BaseException as e:  # noqa: BLE001  - a child that never ran is a child that ended, with its reason
@@ -522,7 +437,7 @@ class Child:
         if "seed" in obj:
             obj = dict(obj, seed=obj["seed"] ^ seed_pad(self.key, nonce))
         try:
-            send(self.cmd_w, dict(obj, nonce=nonce, limit=self.reply_limit))
+            send(self.cmd_w, dict(obj, nonce=nonce))
         except OSError as e:  # (BrokenPipeError: the child died after its last reply)
             raise EOFError("the child process ended") from e
         return self.answer(expect=nonce, what=obj.get("op"))
@@ -530,8 +445,7 @@ class Child:
     def answer(self, expect: str | None = None, what: str | None = None):
         deadline = None if self.cmd_timeout is None else time.monotonic() + self.cmd_timeout
         try:
-            obj, blobs = recv(self.rep_r, limit=self.reply_limit, alive=self.thread.is_alive, expect=expect, deadline=deadline,
-                              area=self.area)
+            obj, blobs = recv(self.rep_r, limit=self.reply_limit, alive=self.thread.is_alive, expect=expect, deadline=deadline)
         except EOFError:
             if self.cmd_timeout is None or not self.thread.is_alive():
                 raise
@@ -557,8 +471,6 @@ class Child:
                 os.killpg(self.pgid, signal.SIGKILL)
             self.thread.join()
         os.close(self.rep_r)
-        if self.area is not None:
-            os.close(self.area)
         return self.result
 
     def why_dead(self) -> str:

@@ -925,52 +925,6 @@ def test_tensor_blobs_are_sent_in_pieces_through_the_staging_buffer(monkeypatch)
     assert protocol._stage[0].numel() == 1000  # one buffer, made once
 
 
-def test_large_replies_go_through_a_sealed_area_of_their_own():
-    """Blobs of protocol.AREA_MIN bytes or more go through the child's reply area (a memory file: a pipe moves ~1 GB/s),
-    smaller ones (the timed runs' samples) down the pipe; the bytes arrive as sent. The child can neither shrink the
-    area under the parent's reads nor grow it, and a reply that names an area the parent did not give, or more bytes
-    than it holds, is malformed."""
-    import threading
-    import numpy as np
-    import torch
-    import protocol
-    area = protocol.make_area()
-    if area is None:
-        pytest.skip("no memory files here: everything goes down the pipe")
-    big = torch.randint(0, 256, (protocol.AREA_MIN + 7,), dtype=torch.uint8)
-    blobs = [b"small", big, np.arange(protocol.AREA_MIN // 8, dtype=np.float64), b""]
-    r, w = os.pipe()
-    try:
-        t = threading.Thread(target=protocol.send, args=(w, {"x": 2}, blobs), kwargs={"area": area})
-        t.start()
-        obj, got = protocol.recv(r, area=area)
-        t.join()
-        assert obj == {"x": 2} and bytes(got[0].numpy()) == b"small" and torch.equal(got[1], big)
-        assert os.pread(area, 64, 0) == bytes(big[:64].numpy())  # (it went through the area, from its start)
-        assert torch.equal(got[2].view(torch.float64), torch.arange(protocol.AREA_MIN // 8, dtype=torch.float64))
-        assert got[3].numel() == 0
-        with pytest.raises(PermissionError):
-            os.ftruncate(area, 16)  # sealed: a child cannot cut the area short under the parent's read
-        with pytest.raises(PermissionError):
-            os.pwrite(area, b"x", protocol.AREA_BYTES)  # nor make it hold more
-        t = threading.Thread(target=protocol.send, args=(w, {"x": 3}, blobs), kwargs={"area": area})
-        t.start()
-        with pytest.raises(ValueError, match="area"):
-            protocol.recv(r)  # (the parent gave this sender no area)
-        t.join()
-        for bad in ([True], [1], "yes"):
-            os.close(r)
-            os.close(w)
-            r, w = os.pipe()  # (a refused message is never read to its end: a fresh pipe for each)
-            head = json.dumps({"obj": 1, "sizes": [protocol.AREA_BYTES + 1] if bad == [True] else [4], "area": bad}).encode()
-            os.write(w, len(head).to_bytes(8, "little") + head)
-            with pytest.raises(ValueError, match="area"):
-                protocol.recv(r, area=area)
-    finally:
-        for fd in (r, w, area):
-            os.close(fd)
-
-
 def test_replies_cannot_exhaust_the_parent():
     """A reply that declares more bytes than the parent expects, or nests without end, is malformed (no read, no crash)."""
     for blob_case in (True, False):
