@@ -27,12 +27,13 @@ What one verdict does, in order (build.py has step 3, protocol.py the children a
                instruction) are checked. Editing one kernel rebuilds only that object. A build counts as a
                candidate on its device (step 5).
   4. verify    a trusted REFERENCE child computes the outputs of 5 check inputs and of the timing inputs
-               (each drawn from a fresh secret seed) and sends them to this process over a pipe. The
+               (each drawn from a fresh secret seed, on the task's device) and sends them to this process over a pipe. The
                CANDIDATE child starts afterwards, knowing no seed: it loads ModelNew under a dispatch
                monitor (module import, __init__, load_state_dict: only allocation, random
                initialisation and copies), then is told one input at a time. The extension's functions
                may return only tensors (or None): no values handed to Python to compute on. Its whole outputs on the
-               check inputs are compared here, at atol = rtol = 1e-2 element by element AND by RMS error
+               check inputs are compared here (on this process's GPU, where it has one, from
+               GPU_COMPARE elements on), at atol = rtol = 1e-2 element by element AND by RMS error
                at the reference's own scale. While forward runs (every run, timed or not), any PyTorch
                operator that computes is a violation; inputs must not be mutated; outputs must be plain
                tensors on the right device.

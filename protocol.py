@@ -181,7 +181,10 @@ def unpack(obj, blobs: list, depth: int = 0, used: set | None = None):
         n = math.prod(shape)
         if raw is None or raw.numel() != n * torch.empty((), dtype=dtype).element_size():
             raise ValueError("tensor bytes do not match the declared shape")
-        return raw.view(dtype).reshape(shape) if n else torch.empty(shape, dtype=dtype)
+        try:  # (a zero-size shape whose strides overflow, say (0, 2**62, 4), exists in a child, not here)
+            return raw.view(dtype).reshape(shape) if n else torch.empty(shape, dtype=dtype)
+        except (RuntimeError, OverflowError) as e:
+            raise ValueError(f"malformed tensor in output ({e})") from None
     if "seq" in obj and isinstance(obj["seq"], list):
         seq = [unpack(o, blobs, depth + 1, used) for o in obj["seq"]]
         return tuple(seq) if obj.get("tuple") else seq

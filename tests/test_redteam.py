@@ -327,3 +327,19 @@ def _spinning() -> set:
         if (b"_forkserver" in cmd or b"_child" in cmd) and state == "R":
             out.add(int(pid))
     return out
+
+
+# ------------------------------------------------------------------ 11. an output the parent cannot rebuild raised out of evaluate
+# A pure-Python forward (scan-clean: torch.empty_strided is allocation, 2**62 a constant) returns a tensor with no
+# elements whose contiguous strides overflow int64: torch.empty_strided((0, 2**62, 4), (1, 1, 1)) exists in the child
+# (its strides are given) and packs as no bytes with shape [0, 2**62, 4]; the parent's unpack() rebuilt it with
+# torch.empty(shape): RuntimeError "Stride calculation overflowed", which nothing caught, so env.evaluate raised
+# instead of returning a verdict. agent.py turns that into "final evaluation failed", which rollouts.harness_failed
+# counts as the HARNESS's failure: the episode left out of training, a way out of any -1 for one line of Python.
+def test_redteam_an_output_the_parent_cannot_rebuild_is_a_verdict(tmp_path):
+    ws = make_ws(tmp_path, "relu", model_new("relu", "torch.empty_strided((0, 2**62, 4), (1, 1, 1))"))
+    try:
+        v = env.evaluate(ws, backend="cpu", stage="verify")
+    except Exception as e:  # noqa: BLE001
+        pytest.fail(f"env.evaluate raised {type(e).__name__}: {e}")
+    assert v.reward == -1 and "malformed" in (v.error or ""), v.summary()
