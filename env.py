@@ -647,6 +647,9 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
             dead = cand.why_dead() if not cand.thread.is_alive() or isinstance(e, EOFError) else None
             v.error = f"ModelNew {dead}" if dead else f"the candidate process sent a malformed reply ({type(e).__name__}: {e})"
             v.log = ""
+        except Exception as e:  # noqa: BLE001 - whatever else a reply provokes while judged is the candidate's -1:
+            # an exception out of evaluate() counts as the harness's failure, and its episode is left out of training
+            v.error, v.log = f"the candidate's reply could not be judged ({type(e).__name__}: {str(e)[:300]})", ""
         if v.error or v.violations or not timed:
             return
         v.eager_ms, v.compile_ms = cached["eager_ms"], cached["compile_ms"]

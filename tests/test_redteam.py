@@ -343,3 +343,15 @@ def test_redteam_an_output_the_parent_cannot_rebuild_is_a_verdict(tmp_path):
     except Exception as e:  # noqa: BLE001
         pytest.fail(f"env.evaluate raised {type(e).__name__}: {e}")
     assert v.reward == -1 and "malformed" in (v.error or ""), v.summary()
+
+
+def test_redteam_any_error_judging_a_reply_is_the_candidates_minus_one(tmp_path, monkeypatch):
+    """The class, not the instance: whatever a candidate's reply provokes in the parent while it is judged (here a
+    RuntimeError from the comparison, standing for the next unpack/compare corner) is its reward -1 with the reason."""
+    ws = make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)"))
+
+    def boom(*a, **k):
+        raise RuntimeError("a corner of the comparison")
+    monkeypatch.setattr(env, "compare", boom)
+    v = env.evaluate(ws, backend="cpu", stage="verify")
+    assert v.reward == -1 and "could not be judged (RuntimeError: a corner" in (v.error or ""), v.summary()
