@@ -27,8 +27,8 @@ What one verdict does, in order (build.py has step 3, protocol.py the children a
                instruction) are checked. Editing one kernel rebuilds only that object. A build counts as a
                candidate on its device (step 5).
   4. verify    a trusted REFERENCE child computes the outputs of 5 check inputs and of the timing inputs
-               (each drawn from a fresh secret seed, on the task's device) and sends them to this process over a pipe. The
-               CANDIDATE child starts afterwards, knowing no seed: it loads ModelNew under a dispatch
+               (each drawn from a fresh secret seed, on the task's device) and sends them to this process
+               over a pipe. The CANDIDATE child starts afterwards, knowing no seed: it loads ModelNew under a dispatch
                monitor (module import, __init__, load_state_dict: only allocation, random
                initialisation and copies), then is told one input at a time. The extension's functions
                may return only tensors (or None): no values handed to Python to compute on. Its whole outputs on the
@@ -387,10 +387,10 @@ GPU_COMPARE = 1 << 24  # elements from which this process compares on its own GP
 
 
 def _compare_on() -> torch.device | None:
-    """The GPU this process compares large outputs on (None: the CPU). On an H200 host one 537M-element comparison
-    takes ~20 s in 32K-element chunks on one core; on the GPU it takes as long as copying the chunks there. Only
-    outputs of at least GPU_COMPARE elements go there, so small verdicts (and processes that fork, like synth.py's
-    workers) never start CUDA for it."""
+    """The GPU this process compares large outputs on (None: the CPU). On an H200 host the CPU's 32K-element chunks
+    of a 537M-element output run on one core (a verdict of such a task had not finished its checks after 270 s);
+    on the GPU a comparison takes about as long as copying the chunks there. Only outputs of at least GPU_COMPARE
+    elements go there, so small verdicts (and processes that fork, like synth.py's workers) never start CUDA for it."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 

@@ -234,13 +234,16 @@ def draw_inputs(ref, seed: int, device: torch.device) -> list:
     """The task's get_inputs() for `seed`, on `device`: drawn there (torch's factory functions default to it), as
     torch.randn of 537M floats takes seconds on one CPU core and a millisecond on an H200, and a verdict of a large
     task draws a dozen sets in each child. The same seed gives the same values in every child on the device. A
-    get_inputs that cannot run that way (a CPU generator of its own, say) is drawn on the CPU and copied."""
+    get_inputs that cannot run that way (a CPU generator of its own, say) is drawn on the CPU and copied. Running out
+    of device memory is an error, not a reason to draw on the CPU: another child would draw other values."""
     for where in dict.fromkeys([device, torch.device("cpu")]):
         torch.manual_seed(seed)
         random.seed(seed)
         try:
             with where:
                 xs = ref.get_inputs()
+        except torch.OutOfMemoryError:
+            raise
         except Exception:  # noqa: BLE001 - the CPU, below, says what is wrong with get_inputs()
             if where.type == "cpu":
                 raise

@@ -1128,3 +1128,32 @@ def test_a_fresh_machine_has_no_cache_folder_yet(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
                        env=dict(os.environ, CUDA_AGENT_CACHE=str(cache)), timeout=120)
     assert r.returncode == 0 and cache.is_dir(), r.stderr[-2000:]
+
+
+def test_inputs_are_drawn_on_the_tasks_device_and_the_same_in_every_child():
+    """protocol.draw_inputs: get_inputs() runs with torch's factory functions defaulting to the task's device (a GB of
+    torch.randn in a millisecond on a GPU; "meta" stands in for it here); the same seed gives the same values; a
+    get_inputs that cannot run there (a CPU generator of its own) is drawn on the CPU and copied; running out of
+    device memory is raised, never a quiet redraw on the CPU (another child would have other values)."""
+    import types
+    import torch
+    import protocol
+    task = types.SimpleNamespace(get_inputs=lambda: [torch.randn(4, 8), 3])
+    x = protocol.draw_inputs(task, 5, torch.device("meta"))
+    assert x[0].device.type == "meta" and x[1] == 3
+    a, b = (protocol.draw_inputs(task, 5, torch.device("cpu"))[0] for _ in range(2))
+    assert torch.equal(a, b) and not torch.equal(a, protocol.draw_inputs(task, 6, torch.device("cpu"))[0])
+
+    def own_generator():
+        if torch.empty(0).device.type != "cpu":
+            raise RuntimeError("Expected a 'cpu' device type for generator")
+        return [torch.randn(4, generator=torch.Generator().manual_seed(1))]
+    y = protocol.draw_inputs(types.SimpleNamespace(get_inputs=own_generator), 5, torch.device("meta"))
+    assert y[0].device.type == "meta"
+
+    def oom():
+        if torch.empty(0).device.type != "cpu":
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return [torch.randn(4)]
+    with pytest.raises(torch.OutOfMemoryError):
+        protocol.draw_inputs(types.SimpleNamespace(get_inputs=oom), 5, torch.device("meta"))
