@@ -45,7 +45,8 @@ def stage_note(run_dir: Path, stage: str) -> str:
     if stage == "sft":
         losses = [r["loss"] for r in steps if r.get("loss") is not None]
         return (f"demonstrations {end.get('demos', 0)} of {end.get('episodes', 0)} teacher episodes ({end.get('tasks', 0)} tasks)"
-                + (f"; loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else ""))
+                + (f"; loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} epochs" if len(losses) > 1 else
+                   f"; loss {losses[0]:.3f} (1 epoch)" if losses else ""))
     if stage == "rft":
         return f"kept {end.get('kept')} of {end.get('episodes')} own episodes"
     if stage == "critic":

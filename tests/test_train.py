@@ -363,6 +363,18 @@ def test_stage_table_and_chart(tmp_path, monkeypatch):
     assert stages.stage_chart(rows, tmp_path / "none.png") is False and not (tmp_path / "none.png").exists()
 
 
+def test_sft_note_says_how_many_epochs_its_loss_covers(tmp_path):
+    """The sft row's note: first and last epoch's loss, or one loss when there was one epoch (not "1.792 -> 1.792")."""
+    def note(losses):
+        recs = [{"stage": "sft", "step": i, "loss": x} for i, x in enumerate(losses)]
+        recs.append({"event": "stage_end", "stage": "sft", "demos": 2, "episodes": 2, "tasks": 2})
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        return stages.stage_note(tmp_path, "sft")
+    assert note([1.792]).endswith("; loss 1.792 (1 epoch)")
+    assert note([1.5, 0.9, 0.4]).endswith("; loss 1.500 -> 0.400 over 3 epochs")
+    assert note([]) == "demonstrations 2 of 2 teacher episodes (2 tasks)"
+
+
 def test_sft_trains_only_on_model_tokens():
     """The update of the sft stage (rl.sft_epoch on demonstration episodes) learns from the teacher's tokens
     (loss_mask 1) only: its loss is the mean NLL of exactly those tokens; an episode that differs only in tool
