@@ -11,6 +11,7 @@ table row per verdict gives the tensor size, the seconds, and env.Verdict.phases
 """
 import argparse
 import faulthandler
+import math
 import os
 import sys
 import tempfile
@@ -55,9 +56,7 @@ for t in range(args.tasks):
     (ws / "kernels" / f"op.{ext}").write_text(E.kernel_source(steps, backend, variant))
     if reducing:
         (ws / "kernels" / "reduce.cuh").write_text(E.REDUCE_HEADER)
-    n = 1
-    for d in c["shape"]:
-        n *= d
+    n = math.prod(c["shape"])
     print(f"  task {t}: {' -> '.join(c['ops'])}, shape {tuple(c['shape'])}, estimated eager {c['est_ms']:.2f} ms", flush=True)
     for r in range(args.repeats):
         t0 = time.perf_counter()
