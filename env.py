@@ -672,7 +672,7 @@ def _drive_candidate(v, cand, check_seeds, ref_checks, timed_seeds, ref_timed, c
     for i, seed in enumerate(check_seeds):
         cand.ask({"op": "load", "seed": seed})
         cand.ask({"op": "run"})
-        bad, v.error = _judge_full(cand, ref_checks[i], cfg, backend, f"check {i + 1}/{cfg.n_checks}")
+        bad, v.error = _judge_full(cand, ref_checks[i], cfg, backend, f"check {i + 1}/{cfg.n_checks}", lap, "checks")
         v.violations += bad
         if v.violations or v.error:
             return
@@ -692,7 +692,7 @@ def _drive_candidate(v, cand, check_seeds, ref_checks, timed_seeds, ref_timed, c
             raise Rejected(f"{err}: {why}")
 
     def audit(k):  # a timed run read in full, with every check of the check runs
-        bad, err = _judge_full(cand, ref_timed[k], cfg, backend, "a timed run (read in full)")
+        bad, err = _judge_full(cand, ref_timed[k], cfg, backend, "a timed run (read in full)", lap, "timed runs")
         if bad or err:
             v.violations += bad
             raise Rejected(f"{err}: {why}" if err else "")
@@ -706,7 +706,7 @@ def _drive_candidate(v, cand, check_seeds, ref_checks, timed_seeds, ref_timed, c
         return
     # the monitor's record of every timed run (and the last run's whole output, inputs and types)
     last = (cfg.n_timed + cfg.n_audits - 1) % len(timed_seeds)
-    bad, v.error = _judge_full(cand, ref_timed[last], cfg, backend, "the timed runs")
+    bad, v.error = _judge_full(cand, ref_timed[last], cfg, backend, "the timed runs", lap, "timed runs")
     v.violations += bad
     if v.violations or v.error:
         return
@@ -714,8 +714,10 @@ def _drive_candidate(v, cand, check_seeds, ref_checks, timed_seeds, ref_timed, c
     lap("timed runs")
 
 
-def _judge_full(cand: Child, ref, cfg: Config, backend: str, what: str) -> tuple[list, str | None]:
-    """Asks for the last run's whole output and its monitor record; returns (violations, error)."""
+def _judge_full(cand: Child, ref, cfg: Config, backend: str, what: str, lap, phase: str) -> tuple[list, str | None]:
+    """Asks for the last run's whole output and its monitor record; returns (violations, error). The comparison's
+    seconds go to the phase "compare", the rest since the last lap to `phase` (a verdict of GB-sized outputs is
+    mostly these two: moving the outputs and comparing them)."""
     obj, blobs = cand.ask({"op": "full"})
     if not isinstance(obj, dict) or not isinstance(obj.get("ops"), list):
         raise ValueError("bad full reply")
@@ -731,7 +733,11 @@ def _judge_full(cand: Child, ref, cfg: Config, backend: str, what: str) -> tuple
         return bad, None
     if obj.get("devices"):
         return [], f"output is on {obj['devices'][0]}, expected {backend}"
-    return [], compare(unpack(obj.get("out"), blobs), ref, cfg.atol, cfg.rtol, what)
+    out = unpack(obj.get("out"), blobs)
+    lap(phase)
+    err = compare(out, ref, cfg.atol, cfg.rtol, what)
+    lap("compare")
+    return [], err
 
 
 def _tensors(out):

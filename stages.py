@@ -1,6 +1,7 @@
-"""stages.py: the result of a train.py run: after every stage one row of held-out evaluation (pass rate, faster
-than eager, faster than torch.compile, mean reward, mean turns, a note on what the stage did) in RUN/stages.jsonl,
-printed as one table at the end and drawn in RUN/stages.png (docs/curriculum.md says how to read it).
+"""stages.py: the result of a train.py run: after every stage one row of held-out evaluation (well-formed tool
+calls, built kernels, pass rate, faster than eager, faster than torch.compile, mean reward, mean turns, a note on
+what the stage did) in RUN/stages.jsonl, printed as one table at the end and drawn in RUN/stages.png
+(docs/curriculum.md says how to read it).
 train.py runs the greedy episodes; this module turns them into rows and reads the rows back.
 """
 from __future__ import annotations
@@ -16,10 +17,17 @@ STAGES = ("sft", "warmup", "rft", "critic", "ppo")  # train.py's stages, in run 
 
 def eval_row(stage: str, eps: list, note: str) -> dict:
     """A stage's row from its held-out episodes, with metrics from reward.summarize (evaluate.py's definitions).
-    A harness failure counts as a failure, as in evaluate.py; the note says how many there were."""
+    A harness failure counts as a failure, as in evaluate.py; the note says how many there were.
+    Two rates come before `pass`, because a small model learns them first: `calls`, the share of all turns that
+    were a well-formed tool call (the rest are text the loop could not parse), and `built`, the share of tasks
+    whose final workspace compiled (with an allowed extension)."""
     res = summarize([{"verdict": e.get("verdict") or {}, "n_turns": e.get("n_turns"), "n_tokens": len(e["tokens"])}
                      for e in eps])
-    row = {"stage": stage, "n": res["n"], "pass": res["pass_rate"], "faster_eager": res["faster_eager_rate"],
+    turns = sum(e.get("n_turns") or 0 for e in eps)
+    row = {"stage": stage, "n": res["n"],
+           "calls": (turns - sum(e.get("malformed_calls") or 0 for e in eps)) / turns if turns else None,
+           "built": sum(bool((e.get("verdict") or {}).get("compiled")) for e in eps) / max(len(eps), 1),
+           "pass": res["pass_rate"], "faster_eager": res["faster_eager_rate"],
            "faster_compile": res["faster_compile_rate"], "reward": sum(e["reward"] for e in eps) / max(len(eps), 1),
            "turns": res["mean_turns"], "geomean_compile": res["geomean_speedup_compile"],
            "harness_fail": sum(harness_failed(e) for e in eps),  # counted as failures, as in evaluate.py
@@ -55,19 +63,22 @@ def stage_note(run_dir: Path, stage: str) -> str:
 
 
 def stage_table(rows: list) -> str:
-    """The run's result: one row per stage (held-out pass rate, faster than eager / torch.compile, mean reward,
-    mean turns)."""
+    """The run's result: one row per stage (held-out well-formed calls, built, pass rate, faster than eager /
+    torch.compile, mean reward, mean turns)."""
     num = lambda x, spec, w: f"{'-':>{w}}" if x is None else f"{x:{spec}}"
-    lines = [f"{'stage':<8} {'tasks':>5} {'pass':>6} {'>eager':>7} {'>compile':>8} {'reward':>7} {'turns':>6}  note", "-" * 96]
+    lines = [f"{'stage':<8} {'tasks':>5} {'calls':>6} {'built':>6} {'pass':>6} {'>eager':>7} {'>compile':>8} {'reward':>7} "
+             f"{'turns':>6}  note", "-" * 110]
     for r in rows:
-        lines.append(f"{r['stage']:<8} {r['n']:>5} {num(r['pass'], '6.2f', 6)} {num(r['faster_eager'], '7.2f', 7)} "
+        lines.append(f"{r['stage']:<8} {r['n']:>5} {num(r.get('calls'), '6.2f', 6)} {num(r.get('built'), '6.2f', 6)} "
+                     f"{num(r['pass'], '6.2f', 6)} {num(r['faster_eager'], '7.2f', 7)} "
                      f"{num(r['faster_compile'], '8.2f', 8)} {num(r['reward'], '+7.3f', 7)} {num(r['turns'], '6.1f', 6)}  "
                      f"{r.get('note', '')}")
     return "\n".join(["held-out evaluation (greedy, agent mode, scored by env.py), after each stage:"] + lines)
 
 
 def stage_chart(rows: list, path: Path) -> bool:
-    """RUN/stages.png: the rates per stage as bars, the mean reward as a line. False without matplotlib."""
+    """RUN/stages.png: the rates per stage as bars (well-formed calls, built, pass, faster than eager / compile), the
+    mean reward as a line. False without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -76,19 +87,20 @@ def stage_chart(rows: list, path: Path) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(8, 4))
     x = range(len(rows))
-    for i, (k, label) in enumerate((("pass", "pass"), ("faster_eager", "faster than eager"),
-                                    ("faster_compile", "faster than torch.compile"))):
-        ax.bar([j + (i - 1) * 0.27 for j in x], [r[k] or 0 for r in rows], 0.27, label=label)
+    bars = (("calls", "well-formed calls"), ("built", "built"), ("pass", "pass"), ("faster_eager", "faster than eager"),
+            ("faster_compile", "faster than torch.compile"))
+    for i, (k, label) in enumerate(bars):
+        ax.bar([j + (i - 2) * 0.17 for j in x], [r.get(k) or 0 for r in rows], 0.17, label=label)
     ax.set_xticks(list(x), [r["stage"] for r in rows])
     ax.set_ylim(0, 1)
-    ax.set_ylabel(f"share of {rows[0]['n'] if rows else 0} held-out tasks")
+    ax.set_ylabel(f"share of {rows[0]['n'] if rows else 0} held-out tasks (calls: of turns)")
     ax2 = ax.twinx()
     ax2.plot(list(x), [r["reward"] for r in rows], "k.-", label="mean reward")
     ax2.set_ylim(-1.1, 3.1)
     ax2.set_ylabel("mean reward (-1 .. 3)")
     ax.set_title("held-out evaluation after each stage")
-    fig.legend(loc="lower center", ncol=4, fontsize=8)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.legend(loc="lower center", ncol=3, fontsize=8)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True

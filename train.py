@@ -59,9 +59,9 @@ The algorithm, as differences from named baselines
   global token counts and LoRA gradients summed over ranks (rl.py), so N ranks compute the 1-process gradient.
 
 The held-out evaluation: the test split of the dataset (tasks the teacher never sees), greedy agent episodes
-scored by env.py, for the base model and after every stage; the run ends with one table (stage x pass rate,
-faster than eager, faster than torch.compile, mean reward, mean turns; docs/curriculum.md says how to read it),
-also in RUN/stages.jsonl and RUN/stages.png.
+scored by env.py, for the base model and after every stage; the run ends with one table (stage x well-formed
+calls, built, pass rate, faster than eager, faster than torch.compile, mean reward, mean turns; docs/curriculum.md
+says how to read it), also in RUN/stages.jsonl and RUN/stages.png.
 
 Run folder (--run-dir): config.json, metrics.jsonl (one JSON line per step), stages.jsonl (the table), tb/
 (TensorBoard, if installed), data/ (the synthesised dataset when no --dataset), demos.jsonl (the teacher's
@@ -572,7 +572,8 @@ def heldout_eval(ctx: Ctx, label: str):
             fh.write(json.dumps(row) + "\n")
     log_event(ctx, {"event": "eval", **row})
     f = lambda k: "-" if row.get(k) is None else f"{row[k]:.2f}"
-    ctx.say(f"eval | after {label} | {row['n']} held-out tasks | pass {f('pass')} | faster than eager {f('faster_eager')} | "
+    ctx.say(f"eval | after {label} | {row['n']} held-out tasks | calls {f('calls')} | built {f('built')} | pass {f('pass')} | "
+            f"faster than eager {f('faster_eager')} | "
             f"faster than compile {f('faster_compile')} | reward {row['reward']:+.3f} | turns {f('turns')} | "
             f"{fmt_time(row['eval_s'])}")
     ctx.pm.set_adapter("actor")

@@ -9,6 +9,7 @@
 #   bash bench/run_h200.sh gpu-tests-all OUT  # every GPU test (two groups side by side, then the curriculum's)
 #   bash bench/run_h200.sh verdict   OUT   # verdict time split (exec'ed vs forked children) and the env bench
 #   bash bench/run_h200.sh big-verdict OUT # verdicts of the curriculum's large tasks (GB-sized outputs), phase by phase
+#   bash bench/run_h200.sh transfer OUT    # one 2 GiB output moved child -> parent: the pipe vs a mapped memory file
 #   bash bench/run_h200.sh cuda-agent OUT  # CUDA Agent's compile.sh / verification / profiling beside env.py
 #   bash bench/run_h200.sh model OUT       # the embedded model from two carried parts (.gm1, then .gm2: two calls)
 #   bash bench/run_h200.sh learning OUT    # the staged run in small (sft ... ppo, held-out rows); twice to finish
@@ -27,7 +28,7 @@
 #   .kb/KernelBench/level{1,2,3}/   KernelBench problem files (the data part samples 10 per level)
 #   .cuda_agent/agent_workdir/      CUDA Agent's workspace and scripts (a clone of BytedTsinghua-SIA/CUDA-Agent)
 set -u
-PARTS=${1:?usage: run_h200.sh "data|reference|train|default-random|gpu-tests|gpu-tests-all|verdict|big-verdict|cuda-agent|model|learning|rollout|update|big-1.5b|big-7b|big-rollout ..." OUT}
+PARTS=${1:?usage: run_h200.sh "data|reference|train|default-random|gpu-tests|gpu-tests-all|verdict|big-verdict|transfer|cuda-agent|model|learning|rollout|update|big-1.5b|big-7b|big-rollout ..." OUT}
 OUT=${2:-${OUT:-/tmp/h200}}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUDA_AGENT_CACHE=${CUDA_AGENT_CACHE:-/tmp/cam-cache} TOKENIZERS_PARALLELISM=false
@@ -175,6 +176,10 @@ big-verdict)
   # issue 17 / 16: 2 elementwise tasks sized for the 1-100 ms window (0.5-2 GB tensors), 3 verdicts each
   step ${BIG_VERDICT_LIMIT:-280} big_verdict python3 bench/big_verdict.py --backend cuda --tasks 2 --repeats 3
   ;;
+transfer)
+  # issues 17 / 16: what one large output costs to move and compare (a verdict of a 537M-element task moves 15)
+  step 240 transfer_bench python3 bench/transfer_bench.py --backend cuda --gib 2 --repeats 3
+  ;;
 cuda-agent)
   # issue 17: CUDA Agent's own scripts (their agent_workdir, carried as .cuda_agent/agent_workdir) beside env.py
   step 560 cuda_agent python3 bench/cuda_agent_bench.py --agent-workdir .cuda_agent/agent_workdir --repeats 3 --workers 12
@@ -184,5 +189,5 @@ verdict)
   step 200 verdict_split python3 bench/verdict_split.py --backend cuda --repeats 8
   step 340 env_bench python3 bench/env_bench.py --backend cuda --no-naive --repeats 6
   ;;
-*) echo "unknown part $PART (data|reference|train|default-random|gpu-tests|gpu-tests-all|verdict|big-verdict|cuda-agent|model|learning|rollout|update|big-1.5b|big-7b|big-rollout)"; exit 2 ;;
+*) echo "unknown part $PART (data|reference|train|default-random|gpu-tests|gpu-tests-all|verdict|big-verdict|transfer|cuda-agent|model|learning|rollout|update|big-1.5b|big-7b|big-rollout)"; exit 2 ;;
 esac; done

@@ -55,8 +55,22 @@ def test_big_verdict_prints_a_row_of_phases_per_verdict():
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "M | " in line]
     assert [r[2] for r in rows] == ["1", "2"] and all(r[4] in ("+1", "+2", "+3") for r in rows), out
     assert "| reference outputs |" in head and "| checks |" in head and "| timed runs |" in head, out
+    cols = [c.strip() for c in head.strip("|").split("|")]
+    compare = [float(r[cols.index("compare")].strip(" |")) for r in rows]  # its 8 comparisons of whole outputs
+    assert all(0 <= x < float(r[3]) for x, r in zip(compare, rows)), out  # (a few ms here: it may print 0.00)
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "big_verdict.py"), "--tasks", "0"], capture_output=True, text=True)
     assert r.returncode == 2 and "--tasks and --repeats must be >= 1" in r.stderr.strip().splitlines()[-1]
+
+
+def test_transfer_bench_moves_one_output_both_ways():
+    """bench/transfer_bench.py (run_h200.sh transfer): one output moved from a child through the pipe and through a
+    mapped memory file, each compared with the values the child drew (a wrong byte would end it with an error)."""
+    out = bench("transfer_bench.py", "--backend", "cpu", "--gib", "0.01", "--repeats", "2")
+    assert [line.split(" | ")[0] for line in out.splitlines() if line.startswith("| ") and " | " in line][1:] == [
+        "| pipe", "| mapped area"], out
+    assert out.count("repeat 2 | move") == 2, out
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "transfer_bench.py"), "--gib", "0"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--gib must be > 0" in r.stderr.strip().splitlines()[-1]
 
 
 def test_env_bench_verdicts_in_flight(tmp_path):

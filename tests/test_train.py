@@ -352,15 +352,27 @@ def test_workers_follow_the_cores():
 
 
 def test_stage_table_and_chart(tmp_path, monkeypatch):
-    row = lambda stage, p, r: {"stage": stage, "n": 32, "pass": p, "faster_eager": p / 2, "faster_compile": None,
-                               "reward": r, "turns": 7.5, "note": f"after {stage}"}
-    rows = [row("base", 0.0, -1.0), row("sft", 0.5, 0.25)]
+    row = lambda stage, p, r: {"stage": stage, "n": 32, "calls": 0.9, "built": 0.75, "pass": p, "faster_eager": p / 2,
+                               "faster_compile": None, "reward": r, "turns": 7.5, "note": f"after {stage}"}
+    old = {k: v for k, v in row("base", 0.0, -1.0).items() if k not in ("calls", "built")}  # a row of an older run
+    rows = [old, row("sft", 0.5, 0.25)]
     lines = stages.stage_table(rows).splitlines()
-    assert lines[3].split() == ["base", "32", "0.00", "0.00", "-", "-1.000", "7.5", "after", "base"], lines
-    assert lines[4].split()[:7] == ["sft", "32", "0.50", "0.25", "-", "+0.250", "7.5"], lines
+    assert lines[1].split()[:9] == ["stage", "tasks", "calls", "built", "pass", ">eager", ">compile", "reward", "turns"]
+    assert lines[3].split() == ["base", "32", "-", "-", "0.00", "0.00", "-", "-1.000", "7.5", "after", "base"], lines
+    assert lines[4].split()[:9] == ["sft", "32", "0.90", "0.75", "0.50", "0.25", "-", "+0.250", "7.5"], lines
     assert stages.stage_chart(rows, tmp_path / "stages.png") and (tmp_path / "stages.png").stat().st_size > 1000
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed: no chart, no error
     assert stages.stage_chart(rows, tmp_path / "none.png") is False and not (tmp_path / "none.png").exists()
+
+
+def test_eval_row_counts_well_formed_calls_and_built_kernels():
+    """The two rates a small model moves first: well-formed calls (of all turns) and built workspaces (of all tasks)."""
+    ep = lambda turns, bad, verdict: {"n_turns": turns, "malformed_calls": bad, "verdict": verdict, "reward": -1,
+                                      "tokens": [0] * 10}
+    eps = [ep(4, 4, None), ep(3, 1, {"compiled": True, "correct": False}), ep(1, 0, {"compiled": False})]
+    row = stages.eval_row("sft", eps, "note")
+    assert row["calls"] == (0 + 2 + 1) / 8 and row["built"] == 1 / 3 and row["pass"] == 0.0, row
+    assert stages.eval_row("base", [ep(0, 0, None)], "")["calls"] is None  # no turn at all: no rate
 
 
 def test_sft_note_says_how_many_epochs_its_loss_covers(tmp_path):
