@@ -8,7 +8,8 @@ scratch each time, as KernelBench does), side by side in one run. Prints a table
 Measures: cold compile of a small kernel (CUDA-Agent layout: pure kernel + torch binding), rebuild after
 editing one kernel, full verdict time with the build cached (first with baselines to time, then steady
 state), the spread (max/min) of runtime_ms over 5 repeated verdicts of the same >= 0.5 ms kernel, the timing floor
-(a 1-element task's candidate and eager runtime by the verdict's protocol, and eager in-process), and where a
+(a 1-element task's candidate and eager runtime by the verdict's protocol, and eager in-process; on a GPU also
+eager by CUDA events, KernelBench's timer, for that task and the >= 0.5 ms one), and where a
 verdict's time goes (env.Verdict.phases: scan, build, reference outputs, baselines, candidate start, checks,
 timed runs, compare (the comparisons of whole outputs), waits for the device's locks).
 
@@ -45,6 +46,8 @@ if args.workers < 0 or args.verdicts < 0:
 work = Path(tempfile.mkdtemp(prefix="env-bench-"))
 os.environ["CUDA_AGENT_CACHE"] = args.cache or str(work / "cache")  # by default a cold cache: nothing built before
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # the in-process timer, threaded as env.CHILD_ENV threads children
+import torch  # noqa: E402
+
 import env  # noqa: E402
 from workspaces import matmul_ws  # noqa: E402  (bench/)
 
@@ -129,7 +132,7 @@ for i in range(args.repeats + 1):
     t0 = time.monotonic()
     v = env.evaluate(ws, backend=backend)
     assert v.correct, v.summary()
-    verdicts.append((time.monotonic() - t0, v.runtime_ms, v.phases))
+    verdicts.append((time.monotonic() - t0, v.runtime_ms, v.phases, v.eager_ms))
     print(f"  verdict {i}: {verdicts[-1][0]:.2f} s, runtime {v.runtime_ms:.4f} ms (eager {v.eager_ms:.4f}, compile {v.compile_ms:.4f})", flush=True)
 # 6. the timing floor: a 1-element task (relu of one float) through the same protocol, candidate and eager alike.
 # Every verdict pays it (two pipe round trips, the sample copy, the candidate's dispatch monitor); the trusted
@@ -147,11 +150,41 @@ for i in range(3):
     assert v.correct, v.summary()
     floors.append((v.runtime_ms, v.eager_ms))
     print(f"  floor verdict {i}: runtime {v.runtime_ms:.4f} ms (eager {v.eager_ms:.4f})", flush=True)
-ns = {}
-exec(compile(relu_1, "relu_1", "exec"), ns)
 dev = "cuda" if cuda else "cpu"
-eager_1 = ns["Model"](*ns["get_init_inputs"]()).to(dev).eval()
+
+
+def task_model(code):
+    """The task's eager Model and one input set, in this process."""
+    ns = {}
+    exec(compile(code, "task", "exec"), ns)
+    return ns["Model"](*ns["get_init_inputs"]()).to(dev).eval(), [x.to(dev) for x in ns["get_inputs"]()], ns
+
+
+def event_ms(model, inputs, runs=100):
+    """KernelBench's timer: CUDA events recorded on the stream around each run, median ms. The device's time for the
+    kernels of one run, without launching them from the host or learning that they ended; not what the reward uses
+    (README, "What a runtime is")."""
+    with torch.no_grad():
+        for _ in range(5):
+            model(*inputs)
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(runs):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            model(*inputs)
+            b.record()
+            torch.cuda.synchronize()
+            ts.append(a.elapsed_time(b))
+    return sorted(ts)[len(ts) // 2]
+
+
+eager_1, x_1, ns = task_model(relu_1)
 inproc, _ = env.time_callable(eager_1, [[x.to(dev) for x in ns["get_inputs"]()] for _ in range(4)])
+events = {}
+if cuda:
+    events["floor"] = event_ms(eager_1, x_1)
+    events["task"] = event_ms(*task_model((ws / "model.py").read_text())[:2])
 
 
 # 7. verdicts in flight (--workers N), as train.py's rollouts run them: threads, each verdict on its own copy of the
@@ -202,27 +235,31 @@ if args.workers:
     flight.append(in_flight("first verdicts of new tasks", n, [work / f"new-{k}" for k in range(1, n + 1)]))
 
 row("full verdict, build cached, baselines timed (first)", verdicts[0][0], "s")
-steady = sorted(t for t, _, _ in verdicts[1:])
+steady = sorted(t for t, *_ in verdicts[1:])
 row("full verdict, build + baselines cached (median)", steady[len(steady) // 2], "s", "<= 10 s")
-rt = [r for _, r, _ in verdicts]
+rt = [r for _, r, *_ in verdicts]
 row(f"kernel runtime_ms (median of {len(rt)} verdicts)", sorted(rt)[len(rt) // 2], "ms", ">= 0.5 ms")
 row(f"spread max/min of runtime_ms over {len(rt)} verdicts", max(rt) / min(rt), "x", "<= 1.03")
 row("timing floor: 1-element relu, candidate (pipe clock, median of 3 verdicts)", sorted(f[0] for f in floors)[1], "ms")
 row("timing floor: 1-element relu, eager (pipe clock, same protocol)", floors[0][1], "ms")
 row("timing floor: 1-element relu, eager in-process (env.time_callable, no pipes)", inproc, "ms")
+if events:  # the same two eager models by KernelBench's timer: what the pipe clock adds to each
+    row("timing floor: 1-element relu, eager by CUDA events (KernelBench's timer)", events["floor"], "ms")
+    row("the >= 0.5 ms kernel's task: eager by the pipe clock (verdict)", verdicts[0][3], "ms")
+    row("the >= 0.5 ms kernel's task: eager by CUDA events (KernelBench's timer)", events["task"], "ms")
 
 print(f"\n## env.py benchmark ({backend}, {env.toolchain_id_light(backend)})\n")
 print("| measure | value | target |\n|---|---|---|")
 for name, value, unit, target in rows:
     print(f"| {name.strip()} | {value:.3g} {unit} | {target} |")
 # where a verdict's time goes (env.Verdict.phases), the first verdict and the median of the steady ones
-for t, _, ph in verdicts:
+for t, _, ph, _ in verdicts:
     ph["rest (child exits, cleanup)"] = t - sum(ph.values())
-names = list(dict.fromkeys(k for _, _, ph in verdicts for k in ph))
+names = list(dict.fromkeys(k for _, _, ph, _ in verdicts for k in ph))
 print("\n| verdict phase | first (s) | steady median (s) |\n|---|---|---|")
 for n in names:
     first = verdicts[0][2].get(n, 0.0)
-    later = sorted(ph.get(n, 0.0) for _, _, ph in verdicts[1:])
+    later = sorted(ph.get(n, 0.0) for _, _, ph, _ in verdicts[1:])
     print(f"| {n} | {first:.3f} | {later[len(later) // 2]:.3f} |")
 if flight:
     print("\n| verdicts | in flight | verdicts | wall (s) | verdicts/hour | median (s) | p90 (s) | waited for the device, "
