@@ -7,14 +7,20 @@ A verdict of a 537M-element task moves 15 outputs of 2 GiB (7 reference outputs,
 child to the parent and compares 8 of them (bench/big_verdict.py: ~3.3 s per output on the H200). This bench
 takes one float32 output of --gib GiB on the child's device and times, --repeats times each:
 
-  pipe         protocol.send in a child (a GPU output through the pinned staging buffer), protocol.recv here into
-               a fresh buffer, as a verdict moves every output;
-  mapped area  the child stores the output into a memory file this process made (the same staging pieces), this
-               process views it in place (no copy, no fresh buffer): a candidate design, not what env.py does;
-  compare      env.compare of the received output against a copy of it held here (on this process's GPU where
-               it has one, from env.GPU_COMPARE elements on, as in a verdict), after each way of moving it.
+  pipe                 protocol.send in a child (a GPU output through the pinned staging buffer), protocol.recv
+                       here into a fresh buffer, as a verdict moves every output;
+  pipe, reused buffer  the same, read into one buffer that stays (what the fresh memory costs);
+  pipe, pinned buffer  (CUDA) the same, into pinned memory from torch's host cache (reused once freed; the
+                       comparison's copies to the GPU run from pinned memory);
+  mapped area          the child stores the output into a memory file this process made (the same staging pieces),
+                       this process views it in place (no copy, no fresh buffer): a design env.py does not use;
+  fresh host memory    no transfer: allocating and touching that many bytes here (on a machine whose memory grows
+                       as it is used, as the H200's does, the first touch of new memory is slow);
+  compare              env.compare of the received output against a copy of it held here (on this process's GPU
+                       where it has one, from env.GPU_COMPARE elements on, as in a verdict).
 
-One table row per way: seconds to move (child's copy out + transfer + our read), seconds to compare, GB/s.
+One table row per way: seconds to move (child's copy out + transfer + our read; the first repeat and the median),
+seconds to compare, GB/s.
 Nothing here is timed by a test; the numbers are for reading (docs/results.md).
 """
 import argparse
@@ -91,16 +97,38 @@ def main():
     os.close(cmd_r)
     os.close(rep_w)
     view = mmap.mmap(area, n * 4, mmap.MAP_SHARED, mmap.PROT_READ)
-    rows = {"pipe": [], "mapped area": []}
+    keep = torch.empty(n * 4, dtype=torch.uint8)  # the reused buffer, touched once here
+    keep.numpy().fill(0)
+    ways = (("pipe", b"p"), ("pipe, reused buffer", b"p")) + ((("pipe, pinned buffer", b"p"),) if backend == "cuda" else ()) \
+        + (("mapped area", b"a"), ("fresh host memory", None))
+    rows = {way: [] for way, _ in ways}
     try:
         for r in range(a.repeats):
-            for way, req in (("pipe", b"p"), ("mapped area", b"a")):
+            for way, req in ways:
                 t0 = time.perf_counter()
+                if req is None:  # no transfer: what allocating and touching the bytes costs on this machine
+                    fresh = torch.empty(n * 4, dtype=torch.uint8)
+                    fresh.numpy().fill(1)
+                    rows[way].append((time.perf_counter() - t0, None))
+                    print(f"  {way:<19} | repeat {r + 1} | allocate and touch {rows[way][-1][0]:.3f} s", flush=True)
+                    del fresh
+                    continue
                 os.write(cmd_w, req)
-                obj, blobs = protocol.recv(rep_r)
-                if way == "pipe":
+                if way == "pipe":  # as a verdict receives every output: a fresh buffer per reply
+                    obj, blobs = protocol.recv(rep_r)
                     out = blobs[0].view(torch.float32)
+                elif way.startswith("pipe, "):  # the same bytes into memory that is already there
+                    if way == "pipe, pinned buffer":  # (torch's host cache: freed pinned blocks are reused)
+                        into = torch.empty(n * 4, dtype=torch.uint8, pin_memory=True)
+                    else:
+                        into = keep
+                    head = json.loads(protocol._read_exact(rep_r, int.from_bytes(protocol._read_exact(rep_r, 8), "little")))
+                    mv, got = memoryview(into.numpy()), 0
+                    while got < head["sizes"][0]:
+                        got += os.readv(rep_r, [mv[got:got + (1 << 24)]])
+                    out = into.view(torch.float32)
                 else:  # (read only: torch warns that it cannot mark the tensor so; nothing here writes to it)
+                    protocol.recv(rep_r)
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore", UserWarning)
                         out = torch.frombuffer(memoryview(view), dtype=torch.float32, count=n)
@@ -110,17 +138,17 @@ def main():
                 if err:
                     raise SystemExit(f"transfer_bench: the {way} output differs: {err}")
                 rows[way].append((t1 - t0, t2 - t1))
-                print(f"  {way:<11} | repeat {r + 1} | move {t1 - t0:.3f} s | compare {t2 - t1:.3f} s", flush=True)
-                del out, blobs
+                print(f"  {way:<19} | repeat {r + 1} | move {t1 - t0:.3f} s | compare {t2 - t1:.3f} s", flush=True)
+                out = into = blobs = None  # (a pinned block goes back to torch's host cache for the next repeat)
     finally:
         os.close(cmd_w)
         proc.wait()
     med = lambda xs: sorted(xs)[len(xs) // 2]
-    print(f"\n| way ({backend}, {n * 4 / 2**30:.2f} GiB) | move s (median) | compare s (median) | move GB/s |")
-    print("|---|---|---|---|")
+    print(f"\n| way ({backend}, {n * 4 / 2**30:.2f} GiB) | move s, first | move s (median) | compare s (median) | move GB/s |")
+    print("|---|---|---|---|---|")
     for way, xs in rows.items():
-        mv, cp = med([x[0] for x in xs]), med([x[1] for x in xs])
-        print(f"| {way} | {mv:.3f} | {cp:.3f} | {n * 4 / mv / 1e9:.2f} |")
+        mv, cp = med([x[0] for x in xs]), None if xs[0][1] is None else med([x[1] for x in xs])
+        print(f"| {way} | {xs[0][0]:.3f} | {mv:.3f} | {'-' if cp is None else f'{cp:.3f}'} | {n * 4 / mv / 1e9:.2f} |")
     out = os.environ.get("OUT")
     if out:
         Path(out, f"transfer_bench_{backend}.json").write_text(json.dumps({"n": n, "rows": rows}))

@@ -63,12 +63,13 @@ def test_big_verdict_prints_a_row_of_phases_per_verdict():
 
 
 def test_transfer_bench_moves_one_output_both_ways():
-    """bench/transfer_bench.py (run_h200.sh transfer): one output moved from a child through the pipe and through a
-    mapped memory file, each compared with the values the child drew (a wrong byte would end it with an error)."""
+    """bench/transfer_bench.py (run_h200.sh transfer): one output moved from a child through the pipe (into fresh and
+    into reused memory) and through a mapped memory file, each compared with the values the child drew (a wrong
+    byte ends the bench with an error)."""
     out = bench("transfer_bench.py", "--backend", "cpu", "--gib", "0.01", "--repeats", "2")
     assert [line.split(" | ")[0] for line in out.splitlines() if line.startswith("| ") and " | " in line][1:] == [
-        "| pipe", "| mapped area"], out
-    assert out.count("repeat 2 | move") == 2, out
+        "| pipe", "| pipe, reused buffer", "| mapped area", "| fresh host memory"], out
+    assert out.count("repeat 2 | move") == 3 and out.count("repeat 2 | allocate and touch") == 1, out
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "transfer_bench.py"), "--gib", "0"], capture_output=True, text=True)
     assert r.returncode == 2 and "--gib must be > 0" in r.stderr.strip().splitlines()[-1]
 
