@@ -718,7 +718,7 @@ def _judge_full(cand: Child, ref, cfg: Config, backend: str, what: str, lap, pha
     """Asks for the last run's whole output and its monitor record; returns (violations, error). The comparison's
     seconds go to the phase "compare", the rest since the last lap to `phase` (a verdict of GB-sized outputs is
     mostly these two: moving the outputs and comparing them)."""
-    obj, blobs = cand.ask({"op": "full"})
+    obj, blobs = cand.ask({"op": "full"}, reuse=True)  # (judged here and dropped before its next full reply)
     if not isinstance(obj, dict) or not isinstance(obj.get("ops"), list):
         raise ValueError("bad full reply")
     bad = []

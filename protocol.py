@@ -102,11 +102,15 @@ def send(fd: int, obj, blobs=(), re: str | None = None):
 
 def _read_exact(fd: int, n: int, alive=None, into=bytearray, deadline: float | None = None):
     """n bytes into a new buffer: a bytearray, or with into=torch.uint8 a tensor that unpack() views as is (no
-    chunk list, no join, no zero-filling of GBs). EOFError once `deadline` (time.monotonic()) has passed, checked
-    before every read: a child that trickles a byte every 0.2 s is never quiet for long. alive() is asked only
-    while the pipe is quiet: a child that wrote its last reply and ended is still read."""
-    buf = torch.empty(n, dtype=torch.uint8) if into is torch.uint8 else bytearray(n)
-    view, got = memoryview(buf.numpy() if into is torch.uint8 else buf).cast("B"), 0
+    chunk list, no join, no zero-filling of GBs), or into a given uint8 tensor of n elements. EOFError once
+    `deadline` (time.monotonic()) has passed, checked before every read: a child that trickles a byte every 0.2 s is
+    never quiet for long. alive() is asked only while the pipe is quiet: a child that wrote its last reply and ended
+    is still read."""
+    if isinstance(into, torch.Tensor):
+        buf = into
+    else:
+        buf = torch.empty(n, dtype=torch.uint8) if into is torch.uint8 else bytearray(n)
+    view, got = memoryview(buf.numpy() if isinstance(buf, torch.Tensor) else buf).cast("B"), 0
     while got < n:
         if deadline is not None and time.monotonic() > deadline:
             raise EOFError("the child is past its deadline")
@@ -120,9 +124,15 @@ def _read_exact(fd: int, n: int, alive=None, into=bytearray, deadline: float | N
     return buf
 
 
-def recv(fd: int, limit: int = 1 << 34, alive=None, expect: str | None = None, deadline: float | None = None):
+BLOB_ALIGN = 64  # where each blob starts in a reused buffer: a multiple of every dtype's size, as a fresh one is
+
+
+def recv(fd: int, limit: int = 1 << 34, alive=None, expect: str | None = None, deadline: float | None = None,
+         into=None):
     """(obj, blobs) of the next message. expect: the nonce of the command this must answer (ValueError otherwise);
-    deadline: see _read_exact."""
+    deadline: see _read_exact. into(nbytes) -> a uint8 tensor of at least nbytes, or None: the blobs are read into
+    that memory (each at a multiple of BLOB_ALIGN) instead of fresh buffers, and are views of it, holding exactly
+    the bytes this message brought."""
     n = int.from_bytes(_read_exact(fd, 8, alive, deadline=deadline), "little")
     if not 0 < n < 1 << 20:
         raise ValueError(f"malformed message header ({n} bytes)")
@@ -136,7 +146,17 @@ def recv(fd: int, limit: int = 1 << 34, alive=None, expect: str | None = None, d
     sizes = head.get("sizes", []) if isinstance(head, dict) else None
     if not isinstance(sizes, list) or not all(isinstance(s, int) and 0 <= s for s in sizes) or sum(sizes) > limit:
         raise ValueError("malformed message sizes")
-    return head.get("obj"), [_read_exact(fd, s, alive, into=torch.uint8, deadline=deadline) for s in sizes]
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + -(-n // BLOB_ALIGN) * BLOB_ALIGN)
+    buf = into(starts[-1]) if into is not None and starts[-1] else None
+    if buf is None:
+        return head.get("obj"), [_read_exact(fd, s, alive, into=torch.uint8, deadline=deadline) for s in sizes]
+    blobs = []
+    for at, n in zip(starts, sizes):
+        _read_exact(fd, n, alive, into=buf[at:at + n], deadline=deadline)
+        blobs.append(buf[at:at + n])
+    return head.get("obj"), blobs
 
 
 def seed_pad(key: str, nonce: str) -> int:
@@ -434,11 +454,21 @@ class Child:
     # device, or keeps a candidate alive that every new task's baselines wait for, until the child is stopped: the
     # parent stops it after one slow command, not at the verdict's limit (minutes).
     cmd_timeout: float | None = None
+    _kept = None  # the memory that replies asked for with reuse=True are read into (grown to the largest)
 
-    def ask(self, obj):
+    def _reuse(self, nbytes: int) -> torch.Tensor:
+        if self._kept is None or self._kept.numel() < nbytes:
+            self._kept = None  # (the old one is freed before the larger one is made)
+            self._kept = torch.empty(nbytes, dtype=torch.uint8)
+        return self._kept
+
+    def ask(self, obj, reuse: bool = False):
         """Sends a command with a fresh nonce and returns the reply that echoes it. Only the harness, which read the
         command, knows the nonce: native code in the child can write to the reply pipe (nothing in-process stops a
-        write to a descriptor), but a message it adds puts every later reply out of step, and is refused."""
+        write to a descriptor), but a message it adds puts every later reply out of step, and is refused.
+        reuse=True: the reply's tensors are read into memory this child keeps for such replies, and are valid only
+        until its next reply with reuse=True. For whole outputs that are judged and dropped (a 2 GiB output read
+        into fresh memory costs about twice as much as into memory that is already there: bench/transfer_bench.py)."""
         nonce = secrets.token_hex(8)
         if "seed" in obj:
             obj = dict(obj, seed=obj["seed"] ^ seed_pad(self.key, nonce))
@@ -446,12 +476,13 @@ class Child:
             send(self.cmd_w, dict(obj, nonce=nonce))
         except OSError as e:  # (BrokenPipeError: the child died after its last reply)
             raise EOFError("the child process ended") from e
-        return self.answer(expect=nonce, what=obj.get("op"))
+        return self.answer(expect=nonce, what=obj.get("op"), reuse=reuse)
 
-    def answer(self, expect: str | None = None, what: str | None = None):
+    def answer(self, expect: str | None = None, what: str | None = None, reuse: bool = False):
         deadline = None if self.cmd_timeout is None else time.monotonic() + self.cmd_timeout
         try:
-            obj, blobs = recv(self.rep_r, limit=self.reply_limit, alive=self.thread.is_alive, expect=expect, deadline=deadline)
+            obj, blobs = recv(self.rep_r, limit=self.reply_limit, alive=self.thread.is_alive, expect=expect, deadline=deadline,
+                              into=self._reuse if reuse else None)
         except EOFError:
             if self.cmd_timeout is None or not self.thread.is_alive():
                 raise
@@ -477,6 +508,7 @@ class Child:
                 os.killpg(self.pgid, signal.SIGKILL)
             self.thread.join()
         os.close(self.rep_r)
+        self._kept = None
         return self.result
 
     def why_dead(self) -> str:

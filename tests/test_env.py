@@ -458,8 +458,8 @@ def test_torch_compile_compiles_before_the_device_is_held(tmp_path, monkeypatch)
             held[0] = False
     monkeypatch.setattr(env, "no_candidates", gate)
     ask = protocol.Child.ask
-    monkeypatch.setattr(protocol.Child, "ask", lambda self, cmd: (log.append((held[0], cmd.get("op"), cmd.get("fn"))),
-                                                                  ask(self, cmd))[1])
+    monkeypatch.setattr(protocol.Child, "ask", lambda self, cmd, **kw: (log.append((held[0], cmd.get("op"), cmd.get("fn"))),
+                                                                        ask(self, cmd, **kw))[1])
     fresh = RELU + f"\n# a task never timed before: {os.urandom(8).hex()}\n"
     ws = make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)"))
     (ws / "model.py").write_text(fresh)
@@ -610,7 +610,7 @@ class FakeChild:
             raise r
         return r
 
-    def ask(self, obj):
+    def ask(self, obj, reuse=False):
         return self.answer()
 
     def why_dead(self):
@@ -923,6 +923,45 @@ def test_tensor_blobs_are_sent_in_pieces_through_the_staging_buffer(monkeypatch)
     assert obj == {"x": 1} and bytes(blobs[0].numpy()) == b"head"
     assert torch.equal(blobs[1], big) and torch.equal(blobs[2], big[:10])
     assert protocol._stage[0].numel() == 1000  # one buffer, made once
+
+
+def test_replies_read_into_kept_memory_hold_only_their_own_bytes():
+    """recv(into=...) (a candidate's whole outputs, Child.ask(reuse=True)): the blobs of a reply are views of the kept
+    memory, each starting where any dtype may (a 3-byte bool output before a float32 one), holding exactly what this
+    reply sent: a later, smaller reply in the same memory shows none of the earlier one's bytes."""
+    import threading
+    import torch
+    import protocol
+    kept = torch.empty(0, dtype=torch.uint8)
+
+    def into(n):
+        nonlocal kept
+        kept = kept if kept.numel() >= n else torch.empty(n, dtype=torch.uint8)
+        return kept
+
+    def exchange(out):
+        blobs = []
+        head = protocol.pack(out, blobs)
+        r, w = os.pipe()
+        try:
+            t = threading.Thread(target=protocol.send, args=(w, head, blobs))
+            t.start()
+            obj, got = protocol.recv(r, into=into)
+            t.join()
+        finally:
+            os.close(r)
+            os.close(w)
+        return protocol.unpack(obj, got), got
+
+    first = (torch.tensor([True, False, True]), torch.arange(1000, dtype=torch.float32), torch.arange(5, dtype=torch.int64))
+    back, got = exchange(first)
+    assert all(torch.equal(a, b) for a, b in zip(back, first))
+    assert all(g.data_ptr() - kept.data_ptr() == at for g, at in zip(got, (0, 64, 4096)))  # each at a multiple of 64
+    ptr = kept.data_ptr()
+    second = torch.full((2,), 7.0)
+    back, got = exchange(second)
+    assert kept.data_ptr() == ptr and got[0].data_ptr() == ptr  # the same memory, read again
+    assert torch.equal(back, second) and got[0].numel() == 8  # its 8 bytes, nothing of the 4,043 left behind
 
 
 def test_replies_cannot_exhaust_the_parent():
