@@ -467,8 +467,9 @@ class Child:
         command, knows the nonce: native code in the child can write to the reply pipe (nothing in-process stops a
         write to a descriptor), but a message it adds puts every later reply out of step, and is refused.
         reuse=True: the reply's tensors are read into memory this child keeps for such replies, and are valid only
-        until its next reply with reuse=True. For whole outputs that are judged and dropped (a 2 GiB output read
-        into fresh memory costs about twice as much as into memory that is already there: bench/transfer_bench.py)."""
+        until its next reply with reuse=True, and count against reply_limit for its other replies. For whole outputs
+        that are judged and dropped (on 2 cores a 1 GiB output read into fresh memory costs about twice as much as
+        into memory that is already there: bench/transfer_bench.py)."""
         nonce = secrets.token_hex(8)
         if "seed" in obj:
             obj = dict(obj, seed=obj["seed"] ^ seed_pad(self.key, nonce))
@@ -481,8 +482,11 @@ class Child:
     def answer(self, expect: str | None = None, what: str | None = None, reuse: bool = False):
         deadline = None if self.cmd_timeout is None else time.monotonic() + self.cmd_timeout
         try:
-            obj, blobs = recv(self.rep_r, limit=self.reply_limit, alive=self.thread.is_alive, expect=expect, deadline=deadline,
-                              into=self._reuse if reuse else None)
+            # reply_limit bounds what the child's replies make us hold at once: the kept memory counts against
+            # any other reply (a timed run's sample is read while a judged whole output is kept)
+            kept = 0 if reuse or self._kept is None else self._kept.numel()
+            obj, blobs = recv(self.rep_r, limit=max(0, self.reply_limit - kept), alive=self.thread.is_alive, expect=expect,
+                              deadline=deadline, into=self._reuse if reuse else None)
         except EOFError:
             if self.cmd_timeout is None or not self.thread.is_alive():
                 raise

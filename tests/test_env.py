@@ -1196,3 +1196,71 @@ def test_inputs_are_drawn_on_the_tasks_device_and_the_same_in_every_child():
         return [torch.randn(4)]
     with pytest.raises(torch.OutOfMemoryError):
         protocol.draw_inputs(types.SimpleNamespace(get_inputs=oom), 5, torch.device("meta"))
+
+
+def test_kept_memory_counts_against_the_reply_limit(monkeypatch):
+    """reply_limit bounds what a candidate's replies make the parent hold at once ("a candidate cannot exhaust our
+    memory"). A judged whole output stays in the Child's kept memory through the timed runs (Child.ask(reuse=True)),
+    so a "sample" reply (a tuple of many small outputs, each sampled whole, packed by the real harness with the right
+    nonce) may bring only what the limit leaves beside it: more is a malformed reply, refused before it is read (red
+    team: it held reply_limit + one whole output). An honest sample still passes."""
+    import threading
+    import torch
+
+    ref = torch.randn(16384)  # the reference output: 64 KiB
+    cmd_r, cmd_w = os.pipe()
+    rep_r, rep_w = os.pipe()
+
+    def candidate():  # the child's harness, faithfully: every reply echoes its command's nonce
+        while True:
+            try:
+                cmd, _ = protocol.recv(cmd_r)
+            except (EOFError, ValueError):
+                return
+            if cmd["op"] == "full":
+                blobs = []
+                reply = {"out": protocol.pack(ref.clone(), blobs), "ops": [], "mutated": False, "types": [], "devices": []}
+            elif cmd["op"] == "sample" and cmd["offset"] == 1:  # an honest sample
+                blobs = []
+                reply = protocol.pack(protocol.sample_of(ref, 1), blobs)
+            else:  # a timed run whose output is 18 tensors of 16384 floats: each sampled whole
+                blobs = []
+                reply = protocol.pack(tuple(torch.zeros(16384) for _ in range(18)), blobs)
+            try:
+                protocol.send(rep_w, reply, blobs, re=cmd["nonce"])
+            except OSError:  # (the parent refused the reply and closed its end)
+                return
+
+    serving = threading.Thread(target=candidate, daemon=True)
+    serving.start()
+    c = object.__new__(protocol.Child)
+    c.cmd_w, c.rep_r, c.key, c.thread, c.cmd_timeout = cmd_w, rep_r, "00" * 16, serving, None
+    c.reply_limit = 2 * ref.numel() * ref.element_size() + (1 << 20)  # as evaluate() sets it
+
+    held, peak = [0], [0]
+    real_read = protocol._read_exact
+
+    def counting_read(fd, n, alive=None, into=bytearray, deadline=None):  # the candidate's bytes this process holds
+        if into is torch.uint8:
+            held[0] += n
+        kept = getattr(c, "_kept", None)
+        kept = kept.numel() if kept is not None else 0
+        peak[0] = max(peak[0], held[0] + kept)
+        return real_read(fd, n, alive, into, deadline)
+
+    monkeypatch.setattr(protocol, "_read_exact", counting_read)
+    try:
+        bad, err = env._judge_full(c, ref, env.Config(), "cpu", "check 1/1", lambda name: None, "checks")
+        assert not bad and err is None  # an honest-looking check passes
+        held[0] = 0
+        obj, blobs = c.ask({"op": "sample", "offset": 1})
+        assert torch.equal(protocol.unpack(obj, blobs), protocol.sample_of(ref, 1))
+        with pytest.raises(ValueError, match="sizes"):  # 18 x 64 KiB: within reply_limit alone, not beside the kept 64 KiB
+            c.ask({"op": "sample", "offset": 0})
+    finally:
+        os.close(cmd_w)
+        os.close(rep_r)
+        serving.join(5)
+        os.close(rep_w)
+        os.close(cmd_r)
+    assert peak[0] <= c.reply_limit, f"the candidate's replies held {peak[0]} bytes at once, reply_limit is {c.reply_limit}"
