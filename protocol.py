@@ -147,15 +147,14 @@ def recv(fd: int, limit: int = 1 << 34, alive=None, expect: str | None = None, d
     if not isinstance(sizes, list) or not all(isinstance(s, int) and 0 <= s for s in sizes) or sum(sizes) > limit:
         raise ValueError("malformed message sizes")
     starts = [0]
-    for n in sizes:
-        starts.append(starts[-1] + -(-n // BLOB_ALIGN) * BLOB_ALIGN)
+    for size in sizes:
+        starts.append(starts[-1] + -(-size // BLOB_ALIGN) * BLOB_ALIGN)
     buf = into(starts[-1]) if into is not None and starts[-1] else None
     if buf is None:
-        return head.get("obj"), [_read_exact(fd, s, alive, into=torch.uint8, deadline=deadline) for s in sizes]
-    blobs = []
-    for at, n in zip(starts, sizes):
-        _read_exact(fd, n, alive, into=buf[at:at + n], deadline=deadline)
-        blobs.append(buf[at:at + n])
+        return head.get("obj"), [_read_exact(fd, size, alive, into=torch.uint8, deadline=deadline) for size in sizes]
+    blobs = [buf[at:at + size] for at, size in zip(starts, sizes)]
+    for blob in blobs:
+        _read_exact(fd, blob.numel(), alive, into=blob, deadline=deadline)
     return head.get("obj"), blobs
 
 

@@ -476,14 +476,14 @@ def test_stage_all_tiny_with_kill_and_resume(tmp_path, elem_dataset):
     assert "note: every reward in this run was -1" in out  # a tiny random model writes no working kernel
     # the table: a base row and one row per stage, the same rows in stages.jsonl (the first two as written before the kill)
     table = out[out.index("held-out evaluation (greedy"):].splitlines()
-    assert table[1].split() == ["stage", "tasks", "pass", ">eager", ">compile", "reward", "turns", "note"], table
+    assert table[1].split() == ["stage", "tasks", "calls", "built", "pass", ">eager", ">compile", "reward", "turns", "note"], table
     assert [x.split()[0] for x in table[3:9]] == ["base", "sft", "warmup", "rft", "critic", "ppo"], table
-    assert all(x.split()[1:7] == ["1", "0.00", "0.00", "0.00", "-1.000", "2.0"] for x in table[3:9]), table
+    assert all(x.split()[1:9] == ["1", "0.00", "0.00", "0.00", "0.00", "0.00", "-1.000", "2.0"] for x in table[3:9]), table
     assert "demonstrations 1 of 1 teacher episodes" in table[4], table
     rows = [json.loads(x) for x in (rd / "stages.jsonl").read_text().splitlines()]
     assert [x["stage"] for x in rows] == ["base", "sft", "warmup", "rft", "critic", "ppo"]
     assert (rd / "stages.jsonl").read_text().startswith(rows1)
-    assert all(set(x) >= {"n", "pass", "faster_eager", "faster_compile", "reward", "turns", "note"} for x in rows), rows
+    assert all(set(x) >= {"n", "calls", "built", "pass", "faster_eager", "faster_compile", "reward", "turns", "note"} for x in rows), rows
     assert (rd / "stages.png").stat().st_size > 1000 and "chart: " in out
     # the checkpoint is a standard PEFT adapter on the saved base model
     from peft import PeftModel
