@@ -78,6 +78,16 @@ def _write_all(fd: int, view: memoryview):
         view = view[os.write(fd, view):]
 
 
+def staged_pieces(v: torch.Tensor):
+    """A GPU tensor's bytes as memoryviews of at most STAGE_BYTES, each copied out through the staging buffer (valid
+    until the next piece is asked for)."""
+    stage = _staging()
+    for i in range(0, v.numel(), STAGE_BYTES):
+        part = v[i:i + STAGE_BYTES]
+        stage[:part.numel()].copy_(part)  # (synchronous: the copy waits for the work that made the output)
+        yield memoryview(stage[:part.numel()].numpy())
+
+
 def send(fd: int, obj, blobs=(), re: str | None = None):
     """One message: 8 bytes of header length, the JSON header, the raw blobs. `re`: the nonce of the command it answers.
     Blobs (bytes, arrays, or uint8 tensors on a GPU, as pack makes them) are written from their own memory: a GB-sized
@@ -91,11 +101,8 @@ def send(fd: int, obj, blobs=(), re: str | None = None):
             _write_all(fd, v)
             continue
         try:
-            stage = _staging()
-            for i in range(0, v.numel(), STAGE_BYTES):
-                part = v[i:i + STAGE_BYTES]
-                stage[:part.numel()].copy_(part)  # (synchronous: the copy waits for the work that made the output)
-                _write_all(fd, memoryview(stage[:part.numel()].numpy()))
+            for piece in staged_pieces(v):
+                _write_all(fd, piece)
         except BaseException:  # noqa: BLE001 - a device error half-way through a message: its framing is lost
             os._exit(3)
 

@@ -20,8 +20,8 @@ def main(spec_path):
     _send, _recv, n = protocol.send, protocol.recv, [0, 0]
     busy, idle, last = {}, {}, {"op": None, "recv": 0.0, "sent": None}  # per op: ms handling it, ms waiting after it
 
-    def send(fd, obj, blobs=(), re=None, **kw):
-        _send(fd, obj, blobs, re, **kw)
+    def send(fd, obj, blobs=(), re=None):
+        _send(fd, obj, blobs, re)
         if last["op"]:
             busy[last["op"]] = busy.get(last["op"], 0.0) + (time.monotonic() - last["recv"]) * 1e3
         last["sent"] = time.monotonic()

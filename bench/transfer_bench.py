@@ -53,16 +53,10 @@ def child(backend: str, n: int, cmd_fd: int, rep_fd: int, area_fd: int):
             protocol.send(rep_fd, {"shape": [n]}, [blob])
             continue
         with mmap.mmap(area_fd, flat.numel(), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
-            if device.type == "cuda":
-                at = 0
-                stage = protocol._staging()
-                for i in range(0, flat.numel(), protocol.STAGE_BYTES):
-                    part = flat[i:i + protocol.STAGE_BYTES]
-                    stage[:part.numel()].copy_(part)
-                    mm[at:at + part.numel()] = memoryview(stage[:part.numel()].numpy())
-                    at += part.numel()
-            else:
-                mm[:] = memoryview(blob)
+            at = 0
+            for piece in protocol.staged_pieces(flat) if device.type == "cuda" else [memoryview(blob)]:
+                mm[at:at + piece.nbytes] = piece  # (the same pieces send writes to the pipe)
+                at += piece.nbytes
         protocol.send(rep_fd, {"shape": [n]})
 
 
