@@ -109,10 +109,10 @@ def send(fd: int, obj, blobs=(), re: str | None = None):
 
 def _read_exact(fd: int, n: int, alive=None, into=bytearray, deadline: float | None = None):
     """n bytes into a new buffer: a bytearray, or with into=torch.uint8 a tensor that unpack() views as is (no
-    chunk list, no join, no zero-filling of GBs), or into a given uint8 tensor of n elements. EOFError once
+    chunk list, no join, no zero-filling of GBs), or into a given uint8 tensor of n elements. PastDeadline once
     `deadline` (time.monotonic()) has passed, checked before every read: a child that trickles a byte every 0.2 s is
     never quiet for long. alive() is asked only while the pipe is quiet: a child that wrote its last reply and ended
-    is still read."""
+    is still read. Any other EOFError is an end: the pipe closed, or the child's thread returned."""
     if isinstance(into, torch.Tensor):
         buf = into
     else:
@@ -120,15 +120,21 @@ def _read_exact(fd: int, n: int, alive=None, into=bytearray, deadline: float | N
     view, got = memoryview(buf.numpy() if isinstance(buf, torch.Tensor) else buf).cast("B"), 0
     while got < n:
         if deadline is not None and time.monotonic() > deadline:
-            raise EOFError("the child is past its deadline")
+            raise PastDeadline("the child is past its deadline")
         while alive is not None and not select.select([fd], [], [], 0.5)[0]:
-            if not alive() or (deadline is not None and time.monotonic() > deadline):
+            if deadline is not None and time.monotonic() > deadline:
+                raise PastDeadline("the child is past its deadline")
+            if not alive():
                 raise EOFError("the child process ended")  # (something it left behind may still hold the pipe)
         k = os.readv(fd, [view[got:got + (1 << 24)]])
         if not k:
             raise EOFError("the other side closed the pipe")
         got += k
     return buf
+
+
+class PastDeadline(EOFError):
+    """A read that found the deadline passed. Only this is a timeout: the pipe's end is a death, however early."""
 
 
 BLOB_ALIGN = 64  # where each blob starts in a reused buffer: a multiple of every dtype's size, as a fresh one is
@@ -493,9 +499,9 @@ class Child:
             kept = 0 if reuse or self._kept is None else self._kept.numel()
             obj, blobs = recv(self.rep_r, limit=max(0, self.reply_limit - kept), alive=self.thread.is_alive, expect=expect,
                               deadline=deadline, into=self._reuse if reuse else None)
-        except EOFError:
-            if self.cmd_timeout is None or not self.thread.is_alive():
-                raise
+        except PastDeadline:
+            # (an end of the pipe is never a timeout: a child's pipe closes before the thread that ran it returns, so
+            # a crash may be seen while that thread is still alive)
             if self.pgid:  # still running past its deadline: stopped (the device is free again)
                 with contextlib.suppress(OSError):
                     os.killpg(self.pgid, signal.SIGKILL)

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -1264,3 +1265,39 @@ def test_kept_memory_counts_against_the_reply_limit(monkeypatch):
         os.close(rep_w)
         os.close(cmd_r)
     assert peak[0] <= c.reply_limit, f"the candidate's replies held {peak[0]} bytes at once, reply_limit is {c.reply_limit}"
+
+
+def test_a_child_that_died_is_not_reported_as_timed_out():
+    """The child's pipe closes before the thread that ran it ends (that thread closes the parent's copy of the write
+    end and only then returns). An end of the pipe seen in that window, well before the command's deadline, is a
+    death, not a timeout: a segfault must never be reported as `timed out` (it was, once in a CI run)."""
+    rep_r, rep_w = os.pipe()
+    os.close(rep_w)  # the child has died: its reply pipe is at its end
+    finishing = threading.Event()
+    thread = threading.Thread(target=finishing.wait, daemon=True)  # the child's thread, not yet returned
+    thread.start()
+    c = object.__new__(protocol.Child)
+    c.rep_r, c.thread, c.cmd_timeout, c.pgid = rep_r, thread, 30.0, None
+    try:
+        with pytest.raises(EOFError) as e:
+            c.answer(expect="00", what="run")
+        assert not isinstance(e.value, protocol.ChildTimeout), e.value
+    finally:
+        finishing.set()
+        os.close(rep_r)
+
+
+def test_a_child_past_its_deadline_is_stopped_and_reported_as_timed_out():
+    rep_r, rep_w = os.pipe()  # a child that never answers: its pipe stays open and quiet
+    finishing = threading.Event()
+    thread = threading.Thread(target=finishing.wait, daemon=True)
+    thread.start()
+    c = object.__new__(protocol.Child)
+    c.rep_r, c.thread, c.cmd_timeout, c.pgid = rep_r, thread, 0.3, None
+    try:
+        with pytest.raises(protocol.ChildTimeout, match="one `run` took longer than 0.3 s"):
+            c.answer(expect="00", what="run")
+    finally:
+        finishing.set()
+        os.close(rep_r)
+        os.close(rep_w)
