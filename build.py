@@ -6,7 +6,9 @@ as candidates on their device (no baseline is timed while one runs).
 A .cpp that includes <torch/extension.h> is preprocessed with that header precompiled (`-include` it first,
 `-fpch-preprocess`): the text the scan reads and the compiler compiles is the workspace's code and one pragma that
 names our .gch, in place of 17 MB of torch headers, which take half of a binding file's compile time to parse. A
-workspace's own pragmas come from an allow-list that does not hold `pch_preprocess` (scan.py).
+workspace's own pragmas come from an allow-list that does not hold `pch_preprocess` (scan.py). The header offered
+first is a lighter one under the same name (LIGHT_HEADER: the same macros, without most of the C++ frontend); a
+source that does not compile under it is preprocessed, scanned and compiled again under the whole one.
 
     b = build({"kernels/op.cu": src, "kernels/binding.cpp": binding}, "cuda")   # -> Build(ok, so_path, log, ...)
 """
@@ -47,7 +49,9 @@ class Build:
     seconds: float
     rebuilt: list  # sources that were compiled (not served from the cache)
     violations: list = dataclasses.field(default_factory=list)  # what the preprocessed scan refused
-    pch: list = dataclasses.field(default_factory=list)  # sources compiled from the precompiled torch header
+    pch: list = dataclasses.field(default_factory=list)  # sources compiled from a precompiled torch header
+    # sources that did not compile under the light header (LIGHT_HEADER) and were compiled under the whole one
+    whole_header: list = dataclasses.field(default_factory=list)
 
 
 _TOOLCHAIN: dict = {}
@@ -155,33 +159,75 @@ def preprocess(tc: dict, src: Path, out: Path, timeout: float, pch: Path | None 
 
 _PCH_FAILED: set = set()
 
+# What a binding file costs to compile is mostly per-file work that torch's headers cause even precompiled (template
+# instantiations, code for the inline functions their static initialisers use): ~10 s on 2 cores for an empty file
+# under the whole <torch/extension.h>, ~7 s under this header, where the C++ frontend's modules, optimisers, data
+# loaders, autograd functions and profiler (most of torch/all.h, which bindings rarely use) are left out. It holds
+# torch/python.h (tensors, ATen, pybind11 and torch's casters), at::parallel_for, and the headers that define every
+# other macro of the whole header: torch_pch checks that the macros are the same, name for name and value for value,
+# so no `#if` of a workspace reads differently under it. A source that does not compile under it compiles again
+# under the whole header, preprocessed and scanned again (_build): a build fails only where the whole header fails.
+LIGHT_HEADER = """#pragma once
+#include <torch/python.h>
+#include <ATen/Parallel.h>
+#include <ATen/Config.h>
+#include <c10/util/ThreadLocal.h>
+#include <c10/util/strong_type.h>
+#include <torch/version.h>
+#include <torch/enum.h>
+#include <torch/nn/modules/common.h>
+#include <torch/optim/serialize.h>
+#include <torch/csrc/profiler/util.h>
+#include <queue>
+"""
 
-def torch_pch(tc: dict, timeout: float) -> Path | None:
+
+def torch_pch(tc: dict, timeout: float, light: bool = False) -> Path | None:
     """<torch/extension.h> precompiled with this toolchain's flags, built once (sandboxed, under a lock): parsing it
-    is half of compiling a binding file. Returns the .gch path (next to a link named like the header, as GCC looks
-    for X.gch beside X), or None where it cannot be built (the build goes on without it)."""
-    gch = CACHE_DIR / "pch" / tc["pch_id"] / "torch" / "extension.h.gch"
-    if tc["pch_id"] in _PCH_FAILED:  # (tried once in this process: builds go on without it, not 50 s slower each)
-        return None
-    with file_lock(CACHE_DIR / "locks" / f"pch-{tc['pch_id']}.lock"):
+    is half of compiling a binding file. Returns the .gch path (next to the header it was made from, named
+    torch/extension.h, as GCC looks for X.gch beside X), or None where it cannot be built (the build goes on without
+    it). light=True: LIGHT_HEADER under that name, or the whole header where the two do not define the same macros."""
+    name = tc["pch_id"] + (f"-light-{hashlib.sha256(LIGHT_HEADER.encode()).hexdigest()[:8]}" if light else "")
+    gch = CACHE_DIR / "pch" / name / "torch" / "extension.h.gch"
+    if name in _PCH_FAILED:  # (tried once in this process: builds go on without it, not 50 s slower each)
+        return torch_pch(tc, timeout) if light else None
+    with file_lock(CACHE_DIR / "locks" / f"pch-{name}.lock"):
         if not gch.exists():
             header = next((Path(r) / "torch" / "extension.h" for r in tc["roots"] if (Path(r) / "torch" / "extension.h").exists()), None)
             if header is None:
                 return None
             with tempfile.TemporaryDirectory(prefix="pch-", dir=CACHE_DIR) as t:
                 (Path(t) / "torch").mkdir()
-                (Path(t) / "torch" / "extension.h").symlink_to(header)
-                r = run_sandboxed([*tc["cxx"], "-x", "c++-header", str(header), "-o", f"{t}/torch/extension.h.gch"], t,
-                                  timeout, mem_gb=None, output_limit=4000)
+                if light:
+                    (Path(t) / "torch" / "extension.h").write_text(LIGHT_HEADER)
+                    mine, whole = _macros(tc, t, timeout), _macros(tc, None, timeout)
+                    if mine is None or mine != whole:
+                        _PCH_FAILED.add(name)
+                        return torch_pch(tc, timeout)
+                else:
+                    (Path(t) / "torch" / "extension.h").symlink_to(header)
+                r = run_sandboxed([*tc["cxx"], "-x", "c++-header", str(Path(t) / "torch" / "extension.h"), "-o",
+                                   f"{t}/torch/extension.h.gch"], t, timeout, mem_gb=None, output_limit=4000)
                 if r.returncode != 0:
-                    _PCH_FAILED.add(tc["pch_id"])
-                    return None
-                for p in (t, f"{t}/torch", f"{t}/torch/extension.h.gch"):  # readable by the sandbox's uid
-                    os.chmod(p, 0o755 if Path(p).is_dir() else 0o644)
+                    _PCH_FAILED.add(name)
+                    return torch_pch(tc, timeout) if light else None
+                for p in (t, f"{t}/torch", *(str(f) for f in Path(t, "torch").iterdir())):  # readable by the sandbox's uid
+                    if not Path(p).is_symlink():
+                        os.chmod(p, 0o755 if Path(p).is_dir() else 0o644)
                 gch.parent.parent.parent.mkdir(parents=True, exist_ok=True)
                 os.replace(t, gch.parent.parent)  # atomic: a half-written header never has the final name
                 os.mkdir(t)  # (for TemporaryDirectory's cleanup)
     return gch
+
+
+def _macros(tc: dict, first: str | None, timeout: float) -> list | None:
+    """Every macro that `#include <torch/extension.h>` defines, with its value (sorted `#define` lines), found
+    in the folder `first` before torch's own; None where the preprocessor fails."""
+    with tempfile.TemporaryDirectory(prefix="macros-", dir=CACHE_DIR) as d:
+        (Path(d) / "probe.cpp").write_text("#include <torch/extension.h>\n")
+        cmd = [tc["cxx"][0], *([f"-I{first}"] if first else []), *tc["cxx"][1:], "-E", "-dM", "probe.cpp", "-o", "macros.txt"]
+        r = run_sandboxed(cmd, d, timeout, mem_gb=None, output_limit=4000, readable=[first] if first else ())
+        return sorted(Path(d, "macros.txt").read_text().splitlines()) if r.returncode == 0 else None
 
 
 _EXPANSION: dict = {}
@@ -222,17 +268,18 @@ def error_excerpt(text: str, max_lines: int = 16) -> str:
     return "\n".join(l if len(l) < 240 else l[:237] + "..." for l in picked[:max_lines])
 
 
-def build(files: dict, backend: str, timeout: float = 600.0) -> Build:
+def build(files: dict, backend: str, timeout: float = 600.0, light: bool = True) -> Build:
     """Preprocess, scan and compile every source into the object cache, then link the module. Killed builds
     leave nothing behind: objects are renamed into place only when complete, locks are flocks. A cached object
     passed the same scan (the scan's version is part of its key); its metadata says whether it holds the module.
     A build counts as a candidate on its device: the sources decide how long the compiler keeps every core busy,
-    so no baseline is timed meanwhile."""
+    so no baseline is timed meanwhile. light=False: the whole <torch/extension.h> only (bench/env_bench.py's
+    comparison)."""
     with candidate_alive(backend):
-        return _build(files, backend, timeout)
+        return _build(files, backend, timeout, light)
 
 
-def _build(files: dict, backend: str, timeout: float) -> Build:
+def _build(files: dict, backend: str, timeout: float, light: bool) -> Build:
     t0 = time.monotonic()
     tc = toolchain(backend)
     sources = sorted(p for p in files if Path(p).suffix in SOURCE_EXT)
@@ -242,18 +289,21 @@ def _build(files: dict, backend: str, timeout: float) -> Build:
     objdir = CACHE_DIR / "obj"
     objdir.mkdir(parents=True, exist_ok=True)
     keys = {p: hashlib.sha256(f"{tc['id']}\0{p}\0{files[p]}\0{headers}".encode()).hexdigest()[:32] for p in sources}
-    rebuilt, errors, violations, has_module, used_pch = [], [], [], {}, []
+    rebuilt, errors, violations, has_module, pch_of, fell_back = [], [], [], {}, {}, []
     deadline = time.monotonic() + timeout
     # Directives first, on the text as written: the scan below trusts the line markers of the preprocessed text.
     bad = [v for p in sorted(files) for v in scan.check_directives(p, files[p])]
     if bad:
         return Build(False, None, "\n".join(bad), time.monotonic() - t0, [], bad)
 
-    # A .cpp that includes torch/extension.h (itself or through workspace headers) starts from the precompiled header.
+    # A .cpp that includes torch/extension.h (itself or through workspace headers) starts from the precompiled light
+    # header (LIGHT_HEADER), and from the whole one where it does not compile under the light one.
     uses_pch = {p for p in sources if p.endswith(".cpp") and includes_torch(p, files)
                 and not (objdir / f"{keys[p]}.json").exists()}  # (a cached object needs no compiling)
-    pch = torch_pch(tc, max(1.0, deadline - time.monotonic())) if uses_pch else None
-    roots = tc["roots"] + ([str(pch.parent.parent)] if pch else [])  # (the link to extension.h, if GCC passes the .gch by)
+    pch = torch_pch(tc, max(1.0, deadline - time.monotonic()), light=light) if uses_pch else None
+    # (the folders of our headers named torch/extension.h, if GCC passes a .gch by)
+    whole_gch = CACHE_DIR / "pch" / tc["pch_id"] / "torch" / "extension.h.gch"  # (built only when a source needs it)
+    roots = tc["roots"] + [str(whole_gch.parent.parent), *([str(pch.parent.parent)] if pch else [])]
 
     with tempfile.TemporaryDirectory(prefix="build-", dir=CACHE_DIR) as tmp:
         tmp = Path(tmp).resolve()
@@ -262,23 +312,22 @@ def _build(files: dict, backend: str, timeout: float) -> Build:
             (tmp / p).write_text(text)
         is_user = lambda path: path.startswith("/") and os.path.normpath(path).startswith(str(tmp) + "/")
 
-        def scan_one(p):  # preprocess and check (skipped for a cached object: it passed the same scan)
-            obj, meta = objdir / f"{keys[p]}.o", objdir / f"{keys[p]}.json"
+        def scan_one(p, mine=None):  # preprocess and check (skipped for a cached object: it passed the same scan);
+            obj, meta = objdir / f"{keys[p]}.o", objdir / f"{keys[p]}.json"  # returns (errors, violations)
             if obj.exists() and meta.exists():
                 has_module[p] = json.loads(meta.read_text())["module"]
-                return
+                return [], []
             src, pre = tmp / p, tmp / f"{keys[p]}.ii"
-            mine = pch if p in uses_pch else None
             r, text = preprocess(tc, src, pre, max(1.0, deadline - time.monotonic()), mine)
             if not text:
                 why = f"preprocessing of {p} {r.crash}" if r.crash else f"{p} failed to preprocess"
-                errors.append(f"{why}:\n{error_excerpt(r.stderr + r.stdout)}")
-                return
+                return [f"{why}:\n{error_excerpt(r.stderr + r.stdout)}"], []
             # The one pragma that loads the precompiled header is ours, once (a workspace's own is refused below).
-            ours = f'#pragma GCC pch_preprocess "{pch}"\n'
+            ours = f'#pragma GCC pch_preprocess "{mine}"\n'
+            pch_of.pop(p, None)
             if mine and text.count(ours) == 1:
                 text = text.replace(ours, "\n", 1)
-                used_pch.append(p)
+                pch_of[p] = mine
             tokens, includes = scan.split_preprocessed(text, is_user)
             bad = [f"{p}: #include of {inc} is not allowed (workspace files, torch/CUDA headers and standard headers only)"
                    for _, inc in includes if not is_user(inc) and not scan.header_allowed(inc, roots)]
@@ -286,8 +335,8 @@ def _build(files: dict, backend: str, timeout: float) -> Build:
             hits = scan.find_seq(tokens, expansion)
             for h in reversed(hits):
                 del tokens[h:h + len(expansion)]
-            violations.extend(bad + scan.check_macro_order(p, text, is_user) + scan.check_tokens(p, tokens))
             has_module[p] = len(hits)
+            return [], bad + scan.check_macro_order(p, text, is_user) + scan.check_tokens(p, tokens)
 
         def compile_one(p):
             obj, meta = objdir / f"{keys[p]}.o", objdir / f"{keys[p]}.json"
@@ -298,8 +347,20 @@ def _build(files: dict, backend: str, timeout: float) -> Build:
                 # A .cpp compiles from the text just scanned (no second preprocessing); nvcc runs its own passes.
                 cmd = [*tc["nvcc"], f"-I{tmp}", f"-I{tmp}/kernels", f"-I{src.parent}", "-c", str(src)] if p.endswith(".cu") \
                     else [*tc["cxx"], "-x", "c++-cpp-output", "-c", str(pre)]
-                r = run_sandboxed([*cmd, "-o", str(part)], tmp, max(1.0, deadline - time.monotonic()), mem_gb=None,
-                                  output_limit=40_000, readable=[pch.parent.parent] if p in uses_pch and pch else ())
+
+                def run():
+                    return run_sandboxed([*cmd, "-o", str(part)], tmp, max(1.0, deadline - time.monotonic()), mem_gb=None,
+                                         output_limit=40_000, readable=[pch_of[p].parent.parent] if p in pch_of else ())
+                r = run()
+                if r.returncode != 0 and pch_of.get(p) not in (None, whole_gch):
+                    # Under the light header: maybe it lacks what p uses. The whole header's text, scanned again.
+                    errs, bad = scan_one(p, torch_pch(tc, max(1.0, deadline - time.monotonic())))
+                    if errs or bad:
+                        errors.extend(errs)
+                        violations.extend(bad)
+                        return
+                    fell_back.append(p)
+                    r = run()
                 if r.returncode != 0 or not part.exists():
                     why = f"compilation of {p} {r.crash}" if r.crash else f"{p} failed to compile"
                     errors.append(f"{why}:\n{error_excerpt(r.stderr + r.stdout)}")
@@ -308,18 +369,28 @@ def _build(files: dict, backend: str, timeout: float) -> Build:
                 os.replace(part, obj)  # atomic: a half-written object never has the final name
                 rebuilt.append(p)
 
-        with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-            list(pool.map(scan_one, sources))
-            if violations:
-                return Build(False, None, "\n".join(violations), time.monotonic() - t0, [], violations)
+        def module_error():
             modules = [p for p in sources if has_module.get(p)]
             if not errors and (len(modules) != 1 or has_module[modules[0]] != 1):
                 msg = "no source defines" if not modules else f"{', '.join(modules)} define{'s' if len(modules) == 1 else ''}"
-                return Build(False, None, f"{msg} PYBIND11_MODULE(TORCH_EXTENSION_NAME, m){' more than once' if modules else ''}; "
-                             "exactly one source must, once, with exactly that spelling", time.monotonic() - t0, [])
+                return (f"{msg} PYBIND11_MODULE(TORCH_EXTENSION_NAME, m){' more than once' if modules else ''}; "
+                        "exactly one source must, once, with exactly that spelling")
+
+        with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+            for errs, bad in pool.map(lambda p: scan_one(p, pch if p in uses_pch else None), sources):
+                errors += errs
+                violations += bad
+            if violations:
+                return Build(False, None, "\n".join(violations), time.monotonic() - t0, [], violations)
+            if msg := module_error():
+                return Build(False, None, msg, time.monotonic() - t0, [])
             if not errors:
                 list(pool.map(compile_one, sources))
         rebuilt.sort()
+        if violations:  # (found in a source scanned again under the whole header)
+            return Build(False, None, "\n".join(violations), time.monotonic() - t0, rebuilt, violations)
+        if msg := module_error():
+            return Build(False, None, msg, time.monotonic() - t0, rebuilt)
         if errors:
             return Build(False, None, "\n".join(errors), time.monotonic() - t0, rebuilt)
         link_key = hashlib.sha256("".join(keys[p] for p in sources).encode() + tc["id"].encode()).hexdigest()[:32]
@@ -343,7 +414,7 @@ def _build(files: dict, backend: str, timeout: float) -> Build:
             mine = so.with_suffix(f".{uuid.uuid4().hex}.part")  # builds of the same sources may link at the same time
             shutil.copy(part, mine)
             os.replace(mine, so)
-    return Build(True, so, "", time.monotonic() - t0, rebuilt, pch=sorted(used_pch))
+    return Build(True, so, "", time.monotonic() - t0, rebuilt, pch=sorted(pch_of), whole_header=sorted(fell_back))
 
 
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)

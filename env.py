@@ -20,11 +20,11 @@ What one verdict does, in order (build.py has step 3, protocol.py the children a
                preprocessor (-dD: macro bodies stay where they were defined) and its tokens checked
                (scan.py: allowed includes and pragmas only, no doors out of the process, no compute ops by
                name, no Python object model, exactly one real PYBIND11_MODULE); then compiled on its own (nvcc
-               for .cu, g++ for .cpp from the scanned text, -O3, OpenMP on the CPU backend; <torch/extension.h>
-               precompiled) into a content-hash cache and linked into one module `cuda_extension`, whose
-               imported symbols (C functions from an allow-list; no PyTorch compute operator, thread, process,
-               file or dispatcher entry, whatever the source spelled) and machine code (no system call
-               instruction) are checked. Editing one kernel rebuilds only that object. A build counts as a
+               for .cu, g++ for .cpp from the scanned text, -O3, OpenMP on the CPU backend; <torch/extension.h>,
+               or a lighter header by that name, precompiled: build.py) into a content-hash cache and linked
+               into one module `cuda_extension`, whose imported symbols (C functions from an allow-list; no
+               PyTorch compute operator, thread, process, file or dispatcher entry, whatever the source
+               spelled) and machine code (no system call instruction) are checked. Editing one kernel rebuilds only that object. A build counts as a
                candidate on its device (step 5).
   4. verify    a trusted REFERENCE child computes the outputs of 5 check inputs and of the timing inputs
                (each drawn from a fresh secret seed, on the task's device) and sends them to this process

@@ -314,7 +314,54 @@ def test_binding_files_compile_from_the_precompiled_torch_header():
              "kernels/axpby.cpp": (src / "axpby.cpp").read_text() + nonce}
     b = env.build(files, "cpu")
     assert b.ok and b.pch == ["binding.cpp", "kernels/axpby_binding.cpp"], (b.pch, b.log)
+    assert b.whole_header == [], b.whole_header  # (the light header holds what a binding uses)
     assert sorted(b.rebuilt) == sorted(files.keys() - {"binding_registry.h"})
+
+
+def test_the_light_header_defines_every_macro_of_the_whole_one():
+    """A workspace's `#if` reads the same under the light header as under <torch/extension.h>: torch_pch offers it
+    only where the macros are the same, and on this toolchain they are."""
+    tc = builder.toolchain("cpu")
+    light = builder.torch_pch(tc, 600, light=True)
+    assert light is not None and light.parent.parent.name.startswith(f"{tc['pch_id']}-light-"), light
+    assert builder._macros(tc, str(light.parent.parent), 600) == builder._macros(tc, None, 600)
+
+
+def test_a_light_header_without_every_macro_is_not_offered(monkeypatch):
+    """The check, failing: a light header that leaves out torch/version.h (TORCH_VERSION_MAJOR...) gives way to the
+    whole header."""
+    monkeypatch.setattr(builder, "LIGHT_HEADER", builder.LIGHT_HEADER.replace("#include <torch/version.h>\n", "")
+                        + f"// {os.urandom(4).hex()}\n")
+    tc = builder.toolchain("cpu")
+    assert builder.torch_pch(tc, 600, light=True) == env.CACHE_DIR / "pch" / tc["pch_id"] / "torch" / "extension.h.gch"
+
+
+def test_a_source_that_needs_the_whole_torch_header_compiles_under_it(tmp_path, monkeypatch):
+    """A source that does not compile under the light header costs a second compile, under the whole header, and
+    nothing else: the build works, and the other binding file stays on the light one. (Every torch name a workspace
+    may use is in the light header, so the light header here is made to differ: it declares a variable with the
+    name of the source's function; the macros stay the same.) A source that fails under both reports the error."""
+    monkeypatch.setattr(builder, "LIGHT_HEADER", builder.LIGHT_HEADER + f"int index_sum; // {os.urandom(4).hex()}\n")
+    src, nonce = CASES / "registry", f"// nonce {os.urandom(8).hex()}\n"
+    uses_parallel = (src / "axpby_binding_cpu.cpp").read_text().replace(
+        "REGISTER_BINDING(axpby, axpby);",
+        "int64_t index_sum(int64_t n) {\n  std::vector<int64_t> v(n, 0);\n"
+        "  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) { for (int64_t i = b; i < e; i++) v[i] = i; });\n"
+        "  int64_t s = 0;\n  for (auto x : v) s += x;\n  return s;\n}\n"
+        "REGISTER_BINDING(axpby, axpby);\nREGISTER_BINDING(index_sum, index_sum);")
+    files = {"binding.cpp": (src / "binding.cpp").read_text() + nonce, "binding_registry.h": (src / "binding_registry.h").read_text(),
+             "kernels/axpby_binding.cpp": uses_parallel + nonce, "kernels/axpby.cpp": (src / "axpby.cpp").read_text() + nonce}
+    b = env.build(files, "cpu")
+    assert b.ok and b.whole_header == ["kernels/axpby_binding.cpp"], (b.whole_header, b.log)
+    assert b.pch == ["binding.cpp", "kernels/axpby_binding.cpp"], b.pch
+    r = subprocess.run([sys.executable, "-c", f"import torch, importlib.util as u; s = u.spec_from_file_location("
+                        f"'cuda_extension', {str(b.so_path)!r}); m = u.module_from_spec(s); s.loader.exec_module(m); "
+                        "print(m.index_sum(10))"], capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["45"], (r.stdout, r.stderr)
+
+    files["kernels/axpby_binding.cpp"] = uses_parallel.replace("int64_t s = 0;", "int64_t s = \"0\";") + nonce
+    b = env.build(files, "cpu")
+    assert not b.ok and "invalid conversion" in b.log, b.log
 
 
 def test_a_precompiled_header_that_fails_is_tried_once(monkeypatch):
