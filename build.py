@@ -8,7 +8,8 @@ A .cpp that includes <torch/extension.h> is preprocessed with that header precom
 names our .gch, in place of 17 MB of torch headers, which take half of a binding file's compile time to parse. A
 workspace's own pragmas come from an allow-list that does not hold `pch_preprocess` (scan.py). The header offered
 first is a lighter one under the same name (LIGHT_HEADER: the same macros, without most of the C++ frontend); a
-source that does not compile under it is preprocessed, scanned and compiled again under the whole one.
+source that fails under it in a way the whole header could undo is preprocessed, scanned and compiled again under
+the whole one.
 
     b = build({"kernels/op.cu": src, "kernels/binding.cpp": binding}, "cuda")   # -> Build(ok, so_path, log, ...)
 """
@@ -165,8 +166,10 @@ _PCH_FAILED: set = set()
 # loaders, autograd functions and profiler (most of torch/all.h, which bindings rarely use) are left out. It holds
 # torch/python.h (tensors, ATen, pybind11 and torch's casters), at::parallel_for, and the headers that define every
 # other macro of the whole header: torch_pch checks that the macros are the same, name for name and value for value,
-# so no `#if` of a workspace reads differently under it. A source that does not compile under it compiles again
-# under the whole header, preprocessed and scanned again (_build): a build fails only where the whole header fails.
+# so no `#if` of a workspace reads differently under it; every torch function a workspace may name
+# (scan.CPP_ALLOWED_TORCH) is in it. A source whose compile fails under it with an error that involves torch
+# (TORCH_ERROR_RE), or whose scan finds a torch header entered after a workspace #define (a header it leaves out,
+# which the whole one has already included), is preprocessed, scanned and compiled again under the whole header.
 LIGHT_HEADER = """#pragma once
 #include <torch/python.h>
 #include <ATen/Parallel.h>
@@ -187,10 +190,13 @@ def torch_pch(tc: dict, timeout: float, light: bool = False) -> Path | None:
     is half of compiling a binding file. Returns the .gch path (next to the header it was made from, named
     torch/extension.h, as GCC looks for X.gch beside X), or None where it cannot be built (the build goes on without
     it). light=True: LIGHT_HEADER under that name, or the whole header where the two do not define the same macros."""
+    deadline = time.monotonic() + timeout
+    left = lambda: max(1.0, deadline - time.monotonic())
     name = tc["pch_id"] + (f"-light-{hashlib.sha256(LIGHT_HEADER.encode()).hexdigest()[:8]}" if light else "")
     gch = CACHE_DIR / "pch" / name / "torch" / "extension.h.gch"
-    if name in _PCH_FAILED:  # (tried once in this process: builds go on without it, not 50 s slower each)
-        return torch_pch(tc, timeout) if light else None
+    differs = CACHE_DIR / "pch" / f"{name}.differs"  # (the light header's macros are not the whole one's: checked once)
+    if name in _PCH_FAILED or differs.exists():  # (tried once in this process: builds go on without it, not 50 s slower each)
+        return torch_pch(tc, left()) if light else None
     with file_lock(CACHE_DIR / "locks" / f"pch-{name}.lock"):
         if not gch.exists():
             header = next((Path(r) / "torch" / "extension.h" for r in tc["roots"] if (Path(r) / "torch" / "extension.h").exists()), None)
@@ -200,17 +206,22 @@ def torch_pch(tc: dict, timeout: float, light: bool = False) -> Path | None:
                 (Path(t) / "torch").mkdir()
                 if light:
                     (Path(t) / "torch" / "extension.h").write_text(LIGHT_HEADER)
-                    mine, whole = _macros(tc, t, timeout), _macros(tc, None, timeout)
+                    try:
+                        mine, whole = _macros(tc, t, left()), _macros(tc, None, left())
+                    except TimeoutError:  # (this build's time ran out, not the header: a later build checks again)
+                        return torch_pch(tc, left())
                     if mine is None or mine != whole:
-                        _PCH_FAILED.add(name)
-                        return torch_pch(tc, timeout)
+                        differs.parent.mkdir(parents=True, exist_ok=True)
+                        differs.write_text("\n".join(sorted(set(whole or []) ^ set(mine or []))) + "\n")
+                        return torch_pch(tc, left())
                 else:
                     (Path(t) / "torch" / "extension.h").symlink_to(header)
                 r = run_sandboxed([*tc["cxx"], "-x", "c++-header", str(Path(t) / "torch" / "extension.h"), "-o",
-                                   f"{t}/torch/extension.h.gch"], t, timeout, mem_gb=None, output_limit=4000)
+                                   f"{t}/torch/extension.h.gch"], t, left(), mem_gb=None, output_limit=4000)
                 if r.returncode != 0:
-                    _PCH_FAILED.add(name)
-                    return torch_pch(tc, timeout) if light else None
+                    if not r.timed_out:  # (a timeout is the calling build's budget: a later build tries again)
+                        _PCH_FAILED.add(name)
+                    return torch_pch(tc, left()) if light else None
                 for p in (t, f"{t}/torch", *(str(f) for f in Path(t, "torch").iterdir())):  # readable by the sandbox's uid
                     if not Path(p).is_symlink():
                         os.chmod(p, 0o755 if Path(p).is_dir() else 0o644)
@@ -222,12 +233,21 @@ def torch_pch(tc: dict, timeout: float, light: bool = False) -> Path | None:
 
 def _macros(tc: dict, first: str | None, timeout: float) -> list | None:
     """Every macro that `#include <torch/extension.h>` defines, with its value (sorted `#define` lines), found
-    in the folder `first` before torch's own; None where the preprocessor fails."""
+    in the folder `first` before torch's own; None where the preprocessor fails, TimeoutError where it ran out."""
     with tempfile.TemporaryDirectory(prefix="macros-", dir=CACHE_DIR) as d:
         (Path(d) / "probe.cpp").write_text("#include <torch/extension.h>\n")
         cmd = [tc["cxx"][0], *([f"-I{first}"] if first else []), *tc["cxx"][1:], "-E", "-dM", "probe.cpp", "-o", "macros.txt"]
         r = run_sandboxed(cmd, d, timeout, mem_gb=None, output_limit=4000, readable=[first] if first else ())
+        if r.timed_out:
+            raise TimeoutError
         return sorted(Path(d, "macros.txt").read_text().splitlines()) if r.returncode == 0 else None
+
+
+# An error under the light header that the whole one could undo involves torch: a name it lacks ("'Linear' is not a
+# member of 'torch::nn'"), or an overload or type of torch's in the message. Any other error (a type error in the
+# workspace's own code, its own misspelt name) is the same under both headers, and is reported at once: compile
+# errors are common in RL, and compiling them twice would cost ~60% more than the whole header alone.
+TORCH_ERROR_RE = re.compile(r"error:[^\n]*\b(torch|at|c10|caffe2|pybind11|py)(::|[’'`])")
 
 
 _EXPANSION: dict = {}
@@ -291,6 +311,7 @@ def _build(files: dict, backend: str, timeout: float, light: bool) -> Build:
     keys = {p: hashlib.sha256(f"{tc['id']}\0{p}\0{files[p]}\0{headers}".encode()).hexdigest()[:32] for p in sources}
     rebuilt, errors, violations, has_module, pch_of, fell_back = [], [], [], {}, {}, []
     deadline = time.monotonic() + timeout
+    left = lambda: max(1.0, deadline - time.monotonic())
     # Directives first, on the text as written: the scan below trusts the line markers of the preprocessed text.
     bad = [v for p in sorted(files) for v in scan.check_directives(p, files[p])]
     if bad:
@@ -300,7 +321,7 @@ def _build(files: dict, backend: str, timeout: float, light: bool) -> Build:
     # header (LIGHT_HEADER), and from the whole one where it does not compile under the light one.
     uses_pch = {p for p in sources if p.endswith(".cpp") and includes_torch(p, files)
                 and not (objdir / f"{keys[p]}.json").exists()}  # (a cached object needs no compiling)
-    pch = torch_pch(tc, max(1.0, deadline - time.monotonic()), light=light) if uses_pch else None
+    pch = torch_pch(tc, left(), light=light) if uses_pch else None
     # (the folders of our headers named torch/extension.h, if GCC passes a .gch by)
     whole_gch = CACHE_DIR / "pch" / tc["pch_id"] / "torch" / "extension.h.gch"  # (built only when a source needs it)
     roots = tc["roots"] + [str(whole_gch.parent.parent), *([str(pch.parent.parent)] if pch else [])]
@@ -313,15 +334,15 @@ def _build(files: dict, backend: str, timeout: float, light: bool) -> Build:
         is_user = lambda path: path.startswith("/") and os.path.normpath(path).startswith(str(tmp) + "/")
 
         def scan_one(p, mine=None):  # preprocess and check (skipped for a cached object: it passed the same scan);
-            obj, meta = objdir / f"{keys[p]}.o", objdir / f"{keys[p]}.json"  # returns (errors, violations)
+            obj, meta = objdir / f"{keys[p]}.o", objdir / f"{keys[p]}.json"  # -> errors, violations, macro order's
             if obj.exists() and meta.exists():
                 has_module[p] = json.loads(meta.read_text())["module"]
-                return [], []
+                return [], [], []
             src, pre = tmp / p, tmp / f"{keys[p]}.ii"
-            r, text = preprocess(tc, src, pre, max(1.0, deadline - time.monotonic()), mine)
+            r, text = preprocess(tc, src, pre, left(), mine)
             if not text:
                 why = f"preprocessing of {p} {r.crash}" if r.crash else f"{p} failed to preprocess"
-                return [f"{why}:\n{error_excerpt(r.stderr + r.stdout)}"], []
+                return [f"{why}:\n{error_excerpt(r.stderr + r.stdout)}"], [], []
             # The one pragma that loads the precompiled header is ours, once (a workspace's own is refused below).
             ours = f'#pragma GCC pch_preprocess "{mine}"\n'
             pch_of.pop(p, None)
@@ -330,13 +351,23 @@ def _build(files: dict, backend: str, timeout: float, light: bool) -> Build:
                 pch_of[p] = mine
             tokens, includes = scan.split_preprocessed(text, is_user)
             bad = [f"{p}: #include of {inc} is not allowed (workspace files, torch/CUDA headers and standard headers only)"
-                   for _, inc in includes if not is_user(inc) and not scan.header_allowed(inc, roots)]
-            expansion = module_expansion(tc, src.suffix, max(1.0, deadline - time.monotonic()))
+                   for _, inc in includes if not is_user(inc) and (inc.endswith(".gch") or not scan.header_allowed(inc, roots))]
+            expansion = module_expansion(tc, src.suffix, left())
             hits = scan.find_seq(tokens, expansion)
             for h in reversed(hits):
                 del tokens[h:h + len(expansion)]
             has_module[p] = len(hits)
-            return [], bad + scan.check_macro_order(p, text, is_user) + scan.check_tokens(p, tokens)
+            order = scan.check_macro_order(p, text, is_user)
+            return [], bad + order + scan.check_tokens(p, tokens), order
+
+        def scan_first(p):
+            errs, bad, order = scan_one(p, pch if p in uses_pch else None)
+            if order and pch_of.get(p) not in (None, whole_gch):
+                # A torch header the light one leaves out, entered after a workspace #define, is skipped under the
+                # whole one (#pragma once, included already): judged under the header a build falls back to.
+                fell_back.append(p)
+                errs, bad, _ = scan_one(p, torch_pch(tc, left()))
+            return errs, bad
 
         def compile_one(p):
             obj, meta = objdir / f"{keys[p]}.o", objdir / f"{keys[p]}.json"
@@ -349,12 +380,14 @@ def _build(files: dict, backend: str, timeout: float, light: bool) -> Build:
                     else [*tc["cxx"], "-x", "c++-cpp-output", "-c", str(pre)]
 
                 def run():
-                    return run_sandboxed([*cmd, "-o", str(part)], tmp, max(1.0, deadline - time.monotonic()), mem_gb=None,
+                    return run_sandboxed([*cmd, "-o", str(part)], tmp, left(), mem_gb=None,
                                          output_limit=40_000, readable=[pch_of[p].parent.parent] if p in pch_of else ())
                 r = run()
-                if r.returncode != 0 and pch_of.get(p) not in (None, whole_gch):
-                    # Under the light header: maybe it lacks what p uses. The whole header's text, scanned again.
-                    errs, bad = scan_one(p, torch_pch(tc, max(1.0, deadline - time.monotonic())))
+                if r.returncode != 0 and not r.crash and pch_of.get(p) not in (None, whole_gch) and \
+                        TORCH_ERROR_RE.search(r.stderr + r.stdout):
+                    # Under the light header, an error that involves torch: maybe the light header lacks what p
+                    # uses. The whole header's text, scanned again, and compiled.
+                    errs, bad, _ = scan_one(p, torch_pch(tc, left()))
                     if errs or bad:
                         errors.extend(errs)
                         violations.extend(bad)
@@ -377,7 +410,7 @@ def _build(files: dict, backend: str, timeout: float, light: bool) -> Build:
                         "exactly one source must, once, with exactly that spelling")
 
         with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-            for errs, bad in pool.map(lambda p: scan_one(p, pch if p in uses_pch else None), sources):
+            for errs, bad in pool.map(scan_first, sources):
                 errors += errs
                 violations += bad
             if violations:
@@ -399,7 +432,7 @@ def _build(files: dict, backend: str, timeout: float, light: bool) -> Build:
             so.parent.mkdir(parents=True, exist_ok=True)
             part = tmp / "cuda_extension.so"
             cmd = [tc["cxx"][0], "-shared", *[str(objdir / f"{keys[p]}.o") for p in sources], "-o", str(part), *tc["ldflags"]]
-            r = run_sandboxed(cmd, tmp, max(1.0, deadline - time.monotonic()), mem_gb=None, writable=[objdir])
+            r = run_sandboxed(cmd, tmp, left(), mem_gb=None, writable=[objdir])
             if r.returncode != 0:
                 return Build(False, None, "link failed:\n" + error_excerpt(r.stderr + r.stdout), time.monotonic() - t0, rebuilt)
             # What the module imports is what it can call, whatever the sources spelled (scan.check_imports).

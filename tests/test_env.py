@@ -336,32 +336,74 @@ def test_a_light_header_without_every_macro_is_not_offered(monkeypatch):
     assert builder.torch_pch(tc, 600, light=True) == env.CACHE_DIR / "pch" / tc["pch_id"] / "torch" / "extension.h.gch"
 
 
-def test_a_source_that_needs_the_whole_torch_header_compiles_under_it(tmp_path, monkeypatch):
-    """A source that does not compile under the light header costs a second compile, under the whole header, and
-    nothing else: the build works, and the other binding file stays on the light one. (Every torch name a workspace
-    may use is in the light header, so the light header here is made to differ: it declares a variable with the
-    name of the source's function; the macros stay the same.) A source that fails under both reports the error."""
-    monkeypatch.setattr(builder, "LIGHT_HEADER", builder.LIGHT_HEADER + f"int index_sum; // {os.urandom(4).hex()}\n")
+def test_a_source_that_needs_the_whole_torch_header_compiles_under_it(monkeypatch):
+    """torch::ExpandingArray (a type: the scan allows it) is in <torch/extension.h> and not in the light header: the
+    source that uses it compiles again under the whole header, and works; the other binding file stays on the
+    light one. A source that fails under both reports the whole header's error."""
+    wanted = []
+    real = builder.torch_pch
+    monkeypatch.setattr(builder, "torch_pch", lambda tc, timeout, light=False: (wanted.append(light), real(tc, timeout, light))[1])
     src, nonce = CASES / "registry", f"// nonce {os.urandom(8).hex()}\n"
-    uses_parallel = (src / "axpby_binding_cpu.cpp").read_text().replace(
+    uses_whole = (src / "axpby_binding_cpu.cpp").read_text().replace(
         "REGISTER_BINDING(axpby, axpby);",
-        "int64_t index_sum(int64_t n) {\n  std::vector<int64_t> v(n, 0);\n"
-        "  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) { for (int64_t i = b; i < e; i++) v[i] = i; });\n"
-        "  int64_t s = 0;\n  for (auto x : v) s += x;\n  return s;\n}\n"
-        "REGISTER_BINDING(axpby, axpby);\nREGISTER_BINDING(index_sum, index_sum);")
+        "int64_t expanded() {\n  torch::ExpandingArray<2> a(7);\n  return (*a)[0] + (*a)[1];\n}\n"
+        "REGISTER_BINDING(axpby, axpby);\nREGISTER_BINDING(expanded, expanded);")
     files = {"binding.cpp": (src / "binding.cpp").read_text() + nonce, "binding_registry.h": (src / "binding_registry.h").read_text(),
-             "kernels/axpby_binding.cpp": uses_parallel + nonce, "kernels/axpby.cpp": (src / "axpby.cpp").read_text() + nonce}
+             "kernels/axpby_binding.cpp": uses_whole + nonce, "kernels/axpby.cpp": (src / "axpby.cpp").read_text() + nonce}
     b = env.build(files, "cpu")
     assert b.ok and b.whole_header == ["kernels/axpby_binding.cpp"], (b.whole_header, b.log)
-    assert b.pch == ["binding.cpp", "kernels/axpby_binding.cpp"], b.pch
+    assert b.pch == ["binding.cpp", "kernels/axpby_binding.cpp"] and wanted == [True, False], (b.pch, wanted)
     r = subprocess.run([sys.executable, "-c", f"import torch, importlib.util as u; s = u.spec_from_file_location("
                         f"'cuda_extension', {str(b.so_path)!r}); m = u.module_from_spec(s); s.loader.exec_module(m); "
-                        "print(m.index_sum(10))"], capture_output=True, text=True, timeout=120)
-    assert r.stdout.split() == ["45"], (r.stdout, r.stderr)
+                        "print(m.expanded())"], capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["14"], (r.stdout, r.stderr)
 
-    files["kernels/axpby_binding.cpp"] = uses_parallel.replace("int64_t s = 0;", "int64_t s = \"0\";") + nonce
+    wanted.clear()
+    files["kernels/axpby_binding.cpp"] = uses_whole.replace("return (*a)[0] + (*a)[1];", "return torch::Tensor();") + nonce
+    b = env.build(files, "cpu")
+    assert not b.ok and "at::Tensor" in b.log and wanted == [True, False], (b.log, wanted)
+
+
+def test_an_error_that_does_not_involve_torch_is_not_compiled_twice(monkeypatch):
+    """A type error in a workspace's own code is the same under both headers: reported from the light header's
+    compile, without a second one under the whole header (compile errors are common in RL)."""
+    wanted = []
+    real = builder.torch_pch
+    monkeypatch.setattr(builder, "torch_pch", lambda tc, timeout, light=False: (wanted.append(light), real(tc, timeout, light))[1])
+    src, nonce = CASES / "registry", f"// nonce {os.urandom(8).hex()}\n"
+    files = {"binding.cpp": (src / "binding.cpp").read_text() + nonce, "binding_registry.h": (src / "binding_registry.h").read_text(),
+             "kernels/axpby_binding.cpp": (src / "axpby_binding_cpu.cpp").read_text().replace(
+                 "REGISTER_BINDING(axpby, axpby);", "int64_t broken() { int64_t s = \"0\"; return s; }\n"
+                 "REGISTER_BINDING(axpby, axpby);") + nonce,
+             "kernels/axpby.cpp": (src / "axpby.cpp").read_text() + nonce}
     b = env.build(files, "cpu")
     assert not b.ok and "invalid conversion" in b.log, b.log
+    assert wanted == [True], wanted  # the light header only
+    assert builder.TORCH_ERROR_RE.search("x.cpp:3:5: error: ‘Linear’ is not a member of ‘torch::nn’")
+    assert builder.TORCH_ERROR_RE.search("x.cpp:3:5: error: no match for ‘operator+’ (operand types are ‘int64_t’ and ‘at::Tensor’)")
+    assert not builder.TORCH_ERROR_RE.search("x.cpp:3:5: error: invalid conversion from ‘const char*’ to ‘int64_t’")
+    assert not builder.TORCH_ERROR_RE.search("x.cpp:3:5: error: expected ‘;’ at end of member declaration")
+
+
+def test_a_torch_header_entered_after_a_define_is_judged_under_the_whole_header():
+    """<torch/all.h> included again after a workspace #define: under the whole header it is already included (no
+    header is entered), under the light one it would be entered fresh, which the macro-order check refuses. The
+    build is judged as the whole header would judge it."""
+    nonce = f"// nonce {os.urandom(8).hex()}\n"
+    files = {"kernels/b.cpp": "#include <torch/extension.h>\n#define SQR(x) ((x)*(x))\n#include <torch/all.h>\n"
+             "torch::Tensor f(torch::Tensor x) { return x; }\n"
+             "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def(\"f\", &f); }\n" + nonce}
+    b = env.build(files, "cpu")
+    assert b.ok and b.whole_header == ["kernels/b.cpp"], (b.log, b.whole_header)
+    b = env.build({"kernels/b.cpp": files["kernels/b.cpp"].replace("#include <torch/all.h>", "#include <ATen/Dispatch_v2.h>")}, "cpu")
+    assert not b.ok and "after the macro SQR" in b.log, b.log  # (a header neither has included: refused under both)
+
+
+def test_a_precompiled_header_that_runs_out_of_time_is_tried_again():
+    """A header build stopped by the calling build's deadline says nothing about the toolchain: the next build tries."""
+    tc = dict(builder.toolchain("cpu"), pch_id=f"slow-{os.urandom(4).hex()}")
+    assert builder.torch_pch(tc, 1) is None
+    assert tc["pch_id"] not in builder._PCH_FAILED and not (env.CACHE_DIR / "pch" / tc["pch_id"]).exists()
 
 
 def test_a_precompiled_header_that_fails_is_tried_once(monkeypatch):
