@@ -163,16 +163,19 @@ _PCH_FAILED: set = set()
 # What a binding file costs to compile is mostly per-file work that torch's headers cause even precompiled (template
 # instantiations, code for the inline functions their static initialisers use): ~10 s on 2 cores for an empty file
 # under the whole <torch/extension.h>, ~7 s under this header, where the C++ frontend's modules, optimisers, data
-# loaders, autograd functions and profiler (most of torch/all.h, which bindings rarely use) are left out. It holds
-# torch/python.h (tensors, ATen, pybind11 and torch's casters), at::parallel_for, and the headers that define every
-# other macro of the whole header: torch_pch checks that the macros are the same, name for name and value for value,
-# so no `#if` of a workspace reads differently under it; every torch function a workspace may name
-# (scan.CPP_ALLOWED_TORCH) is in it. A source whose compile fails under it with an error that involves torch
-# (TORCH_ERROR_RE), or whose scan finds a torch header entered after a workspace #define (a header it leaves out,
-# which the whole one has already included), is preprocessed, scanned and compiled again under the whole header.
+# loaders and autograd functions (most of torch/all.h, which bindings rarely use) are left out. It holds
+# torch/python.h (tensors, ATen, pybind11 and torch's casters), at::parallel_for, torch/utils.h (NoGradGuard,
+# get_num_threads, and the profiler's global names), torch/mps.h (its global names), and the headers that define
+# every other macro of the whole header. torch_pch checks that the macros are the same, name for name and value for
+# value, so no `#if` of a workspace reads differently under it, and records the headers it leaves out: a source
+# whose text enters one of them (included after the light header, it would be parsed under the workspace's macros,
+# where the whole header has parsed it already), or whose compile fails with an error that involves torch
+# (TORCH_ERROR_RE: a name the light header lacks), is preprocessed, scanned and compiled again under the whole one.
 LIGHT_HEADER = """#pragma once
 #include <torch/python.h>
 #include <ATen/Parallel.h>
+#include <torch/utils.h>
+#include <torch/mps.h>
 #include <ATen/Config.h>
 #include <c10/util/ThreadLocal.h>
 #include <c10/util/strong_type.h>
@@ -189,58 +192,77 @@ def torch_pch(tc: dict, timeout: float, light: bool = False) -> Path | None:
     """<torch/extension.h> precompiled with this toolchain's flags, built once (sandboxed, under a lock): parsing it
     is half of compiling a binding file. Returns the .gch path (next to the header it was made from, named
     torch/extension.h, as GCC looks for X.gch beside X), or None where it cannot be built (the build goes on without
-    it). light=True: LIGHT_HEADER under that name, or the whole header where the two do not define the same macros."""
+    it). light=True: LIGHT_HEADER under that name, with `whole_only.txt` beside it (the headers the whole one
+    includes and it does not), or the whole header where the two do not define the same macros."""
     deadline = time.monotonic() + timeout
     left = lambda: max(1.0, deadline - time.monotonic())
     name = tc["pch_id"] + (f"-light-{hashlib.sha256(LIGHT_HEADER.encode()).hexdigest()[:8]}" if light else "")
     gch = CACHE_DIR / "pch" / name / "torch" / "extension.h.gch"
     differs = CACHE_DIR / "pch" / f"{name}.differs"  # (the light header's macros are not the whole one's: checked once)
-    if name in _PCH_FAILED or differs.exists():  # (tried once in this process: builds go on without it, not 50 s slower each)
-        return torch_pch(tc, left()) if light else None
+    built = name not in _PCH_FAILED and not differs.exists() and _build_pch(tc, name, gch, differs, light, left)
+    if built:
+        return gch
+    return torch_pch(tc, left()) if light else None  # (outside the light header's lock)
+
+
+def _build_pch(tc: dict, name: str, gch: Path, differs: Path, light: bool, left) -> bool:
+    """torch_pch's work, under the header's lock: whether the .gch is there (made now, or before)."""
     with file_lock(CACHE_DIR / "locks" / f"pch-{name}.lock"):
-        if not gch.exists():
-            header = next((Path(r) / "torch" / "extension.h" for r in tc["roots"] if (Path(r) / "torch" / "extension.h").exists()), None)
-            if header is None:
-                return None
-            with tempfile.TemporaryDirectory(prefix="pch-", dir=CACHE_DIR) as t:
-                (Path(t) / "torch").mkdir()
-                if light:
-                    (Path(t) / "torch" / "extension.h").write_text(LIGHT_HEADER)
-                    try:
-                        mine, whole = _macros(tc, t, left()), _macros(tc, None, left())
-                    except TimeoutError:  # (this build's time ran out, not the header: a later build checks again)
-                        return torch_pch(tc, left())
-                    if mine is None or mine != whole:
-                        differs.parent.mkdir(parents=True, exist_ok=True)
-                        differs.write_text("\n".join(sorted(set(whole or []) ^ set(mine or []))) + "\n")
-                        return torch_pch(tc, left())
-                else:
-                    (Path(t) / "torch" / "extension.h").symlink_to(header)
-                r = run_sandboxed([*tc["cxx"], "-x", "c++-header", str(Path(t) / "torch" / "extension.h"), "-o",
-                                   f"{t}/torch/extension.h.gch"], t, left(), mem_gb=None, output_limit=4000)
-                if r.returncode != 0:
-                    if not r.timed_out:  # (a timeout is the calling build's budget: a later build tries again)
-                        _PCH_FAILED.add(name)
-                    return torch_pch(tc, left()) if light else None
-                for p in (t, f"{t}/torch", *(str(f) for f in Path(t, "torch").iterdir())):  # readable by the sandbox's uid
-                    if not Path(p).is_symlink():
-                        os.chmod(p, 0o755 if Path(p).is_dir() else 0o644)
-                gch.parent.parent.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(t, gch.parent.parent)  # atomic: a half-written header never has the final name
-                os.mkdir(t)  # (for TemporaryDirectory's cleanup)
-    return gch
+        if gch.exists():
+            return True
+        header = next((Path(r) / "torch" / "extension.h" for r in tc["roots"] if (Path(r) / "torch" / "extension.h").exists()), None)
+        if header is None or differs.exists():
+            return False
+        with tempfile.TemporaryDirectory(prefix="pch-", dir=CACHE_DIR) as t:
+            (Path(t) / "torch").mkdir()
+            if light:
+                (Path(t) / "torch" / "extension.h").write_text(LIGHT_HEADER)
+                try:
+                    mine, whole = _probe(tc, t, "-dM", left()), _probe(tc, None, "-dM", left())
+                    mine_h, whole_h = _probe(tc, t, "-M", left()), _probe(tc, None, "-M", left())
+                except TimeoutError:  # (this build's time ran out, not the header: a later build checks again)
+                    return False
+                if None in (mine, whole, mine_h, whole_h):  # (the preprocessor failed: this process does without)
+                    _PCH_FAILED.add(name)
+                    return False
+                if mine != whole:
+                    differs.parent.mkdir(parents=True, exist_ok=True)
+                    differs.write_text("\n".join(sorted(set(whole) ^ set(mine))) + "\n")
+                    return False
+                (Path(t) / "whole_only.txt").write_text("\n".join(sorted(set(whole_h) - set(mine_h))) + "\n")
+            else:
+                (Path(t) / "torch" / "extension.h").symlink_to(header)
+            r = run_sandboxed([*tc["cxx"], "-x", "c++-header", str(Path(t) / "torch" / "extension.h"), "-o",
+                               f"{t}/torch/extension.h.gch"], t, left(), mem_gb=None, output_limit=4000)
+            if r.returncode != 0:
+                if not r.timed_out:  # (a timeout is the calling build's budget: a later build tries again)
+                    _PCH_FAILED.add(name)
+                return False
+            for p in (t, *Path(t).iterdir(), *Path(t, "torch").iterdir()):  # readable by the sandbox's uid
+                if not Path(p).is_symlink():
+                    os.chmod(p, 0o755 if Path(p).is_dir() else 0o644)
+            gch.parent.parent.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(t, gch.parent.parent)  # atomic: a half-written header never has the final name
+            os.mkdir(t)  # (for TemporaryDirectory's cleanup)
+        return True
 
 
-def _macros(tc: dict, first: str | None, timeout: float) -> list | None:
-    """Every macro that `#include <torch/extension.h>` defines, with its value (sorted `#define` lines), found
-    in the folder `first` before torch's own; None where the preprocessor fails, TimeoutError where it ran out."""
-    with tempfile.TemporaryDirectory(prefix="macros-", dir=CACHE_DIR) as d:
+def _probe(tc: dict, first: str | None, what: str, timeout: float) -> list | None:
+    """What `#include <torch/extension.h>` brings, found in the folder `first` before torch's own: its macros with
+    their values (what="-dM": sorted `#define` lines) or the headers it includes (what="-M": normalised paths);
+    None where the preprocessor fails, TimeoutError where it ran out of time."""
+    with tempfile.TemporaryDirectory(prefix="probe-", dir=CACHE_DIR) as d:
         (Path(d) / "probe.cpp").write_text("#include <torch/extension.h>\n")
-        cmd = [tc["cxx"][0], *([f"-I{first}"] if first else []), *tc["cxx"][1:], "-E", "-dM", "probe.cpp", "-o", "macros.txt"]
+        cmd = [tc["cxx"][0], *([f"-I{first}"] if first else []), *tc["cxx"][1:], "-E", what, "probe.cpp", "-o", "out.txt"]
         r = run_sandboxed(cmd, d, timeout, mem_gb=None, output_limit=4000, readable=[first] if first else ())
         if r.timed_out:
             raise TimeoutError
-        return sorted(Path(d, "macros.txt").read_text().splitlines()) if r.returncode == 0 else None
+        if r.returncode != 0:
+            return None
+        text = Path(d, "out.txt").read_text()
+        if what == "-M":  # "probe.o: probe.cpp /usr/include/c++/12/cstddef \\\n ..."
+            return sorted({os.path.normpath(w) for w in text.replace("\\\n", " ").split()[1:] if w.startswith("/")})
+        return sorted(text.splitlines())
 
 
 # An error under the light header that the whole one could undo involves torch: a name it lacks ("'Linear' is not a
@@ -308,7 +330,7 @@ def _build(files: dict, backend: str, timeout: float, light: bool) -> Build:
     headers = "".join(f"{p}\0{files[p]}\0" for p in sorted(files) if Path(p).suffix in HEADER_EXT)
     objdir = CACHE_DIR / "obj"
     objdir.mkdir(parents=True, exist_ok=True)
-    keys = {p: hashlib.sha256(f"{tc['id']}\0{p}\0{files[p]}\0{headers}".encode()).hexdigest()[:32] for p in sources}
+    keys = {p: hashlib.sha256(f"{tc['id']}\0{light}\0{p}\0{files[p]}\0{headers}".encode()).hexdigest()[:32] for p in sources}
     rebuilt, errors, violations, has_module, pch_of, fell_back = [], [], [], {}, {}, []
     deadline = time.monotonic() + timeout
     left = lambda: max(1.0, deadline - time.monotonic())
@@ -325,6 +347,9 @@ def _build(files: dict, backend: str, timeout: float, light: bool) -> Build:
     # (the folders of our headers named torch/extension.h, if GCC passes a .gch by)
     whole_gch = CACHE_DIR / "pch" / tc["pch_id"] / "torch" / "extension.h.gch"  # (built only when a source needs it)
     roots = tc["roots"] + [str(whole_gch.parent.parent), *([str(pch.parent.parent)] if pch else [])]
+    whole_only = set()  # the headers the whole header includes and the light one does not (torch_pch)
+    if pch is not None and pch != whole_gch:
+        whole_only = set((pch.parent.parent / "whole_only.txt").read_text().split())
 
     with tempfile.TemporaryDirectory(prefix="build-", dir=CACHE_DIR) as tmp:
         tmp = Path(tmp).resolve()
@@ -334,7 +359,7 @@ def _build(files: dict, backend: str, timeout: float, light: bool) -> Build:
         is_user = lambda path: path.startswith("/") and os.path.normpath(path).startswith(str(tmp) + "/")
 
         def scan_one(p, mine=None):  # preprocess and check (skipped for a cached object: it passed the same scan);
-            obj, meta = objdir / f"{keys[p]}.o", objdir / f"{keys[p]}.json"  # -> errors, violations, macro order's
+            obj, meta = objdir / f"{keys[p]}.o", objdir / f"{keys[p]}.json"  # -> errors, violations, whole-only headers
             if obj.exists() and meta.exists():
                 has_module[p] = json.loads(meta.read_text())["module"]
                 return [], [], []
@@ -357,15 +382,14 @@ def _build(files: dict, backend: str, timeout: float, light: bool) -> Build:
             for h in reversed(hits):
                 del tokens[h:h + len(expansion)]
             has_module[p] = len(hits)
-            order = scan.check_macro_order(p, text, is_user)
-            return [], bad + order + scan.check_tokens(p, tokens), order
+            entered = {os.path.normpath(m.group(2).replace('\\"', '"')) for m in map(scan.MARKER_RE.match, text.split("\n"))
+                       if m and "1" in m.group(3).split()} if mine is not None and mine != whole_gch else set()
+            return [], bad + scan.check_macro_order(p, text, is_user) + scan.check_tokens(p, tokens), entered & whole_only
 
         def scan_first(p):
-            errs, bad, order = scan_one(p, pch if p in uses_pch else None)
-            if order and pch_of.get(p) not in (None, whole_gch):
-                # A torch header the light one leaves out, entered after a workspace #define, is skipped under the
-                # whole one (#pragma once, included already): judged under the header a build falls back to.
-                fell_back.append(p)
+            errs, bad, missing = scan_one(p, pch if p in uses_pch else None)
+            if missing:  # a header the light one leaves out, parsed here under the workspace's macros: the whole one
+                fell_back.append(p)  # has parsed it already (before them), and #pragma once skips it
                 errs, bad, _ = scan_one(p, torch_pch(tc, left()))
             return errs, bad
 

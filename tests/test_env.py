@@ -6,6 +6,7 @@ so the suite pays for one g++ build of a torch extension; the content-hash cache
 import contextlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -324,7 +325,9 @@ def test_the_light_header_defines_every_macro_of_the_whole_one():
     tc = builder.toolchain("cpu")
     light = builder.torch_pch(tc, 600, light=True)
     assert light is not None and light.parent.parent.name.startswith(f"{tc['pch_id']}-light-"), light
-    assert builder._macros(tc, str(light.parent.parent), 600) == builder._macros(tc, None, 600)
+    assert builder._probe(tc, str(light.parent.parent), "-dM", 600) == builder._probe(tc, None, "-dM", 600)
+    left_out = (light.parent.parent / "whole_only.txt").read_text().split()  # (recorded: a source entering one falls back)
+    assert 100 < len(left_out) < 300 and any(h.endswith("/torch/nn/modules/linear.h") for h in left_out), left_out[:5]
 
 
 def test_a_light_header_without_every_macro_is_not_offered(monkeypatch):
@@ -385,18 +388,55 @@ def test_an_error_that_does_not_involve_torch_is_not_compiled_twice(monkeypatch)
     assert not builder.TORCH_ERROR_RE.search("x.cpp:3:5: error: expected ‘;’ at end of member declaration")
 
 
-def test_a_torch_header_entered_after_a_define_is_judged_under_the_whole_header():
-    """<torch/all.h> included again after a workspace #define: under the whole header it is already included (no
-    header is entered), under the light one it would be entered fresh, which the macro-order check refuses. The
-    build is judged as the whole header would judge it."""
+@pytest.mark.parametrize("macro", ["#define SQR(x) ((x)*(x))", "#define scale 2"])
+def test_a_header_the_light_one_leaves_out_is_judged_under_the_whole_header(macro):
+    """<torch/all.h> after a workspace #define: under the whole header its headers are parsed already (before the
+    macro: #pragma once skips them), under the light one the C++ frontend's would be parsed under it, where `scale`
+    breaks torch/nn/functional/upsampling.h and SQR trips the macro-order check. The source is judged, built and
+    compiled as the whole header would; a header that neither has included stays refused after SQR."""
     nonce = f"// nonce {os.urandom(8).hex()}\n"
-    files = {"kernels/b.cpp": "#include <torch/extension.h>\n#define SQR(x) ((x)*(x))\n#include <torch/all.h>\n"
-             "torch::Tensor f(torch::Tensor x) { return x; }\n"
-             "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def(\"f\", &f); }\n" + nonce}
-    b = env.build(files, "cpu")
+    src = (f"#include <torch/extension.h>\n{macro}\n#include <torch/all.h>\n"
+           "torch::Tensor f(torch::Tensor x) { TORCH_CHECK(x.dim() >= 0, \"rank\"); return x; }\n"
+           "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def(\"f\", &f); }\n" + nonce)
+    b = env.build({"kernels/b.cpp": src}, "cpu")
     assert b.ok and b.whole_header == ["kernels/b.cpp"], (b.log, b.whole_header)
-    b = env.build({"kernels/b.cpp": files["kernels/b.cpp"].replace("#include <torch/all.h>", "#include <ATen/Dispatch_v2.h>")}, "cpu")
-    assert not b.ok and "after the macro SQR" in b.log, b.log  # (a header neither has included: refused under both)
+    if "SQR" in macro:
+        b = env.build({"kernels/b.cpp": src.replace("#include <torch/all.h>", "#include <ATen/Dispatch_v2.h>")}, "cpu")
+        assert not b.ok and "after the macro SQR" in b.log, b.log
+
+
+def test_the_light_header_declares_what_a_workspace_may_name(tmp_path):
+    """Every torch/at name the scan lets a workspace write resolves the same under the light header as under the
+    whole one (a using-declaration per name and root, one per line: the same lines fail under both), and the global
+    names of torch's profiler and MPS headers are declared (a workspace may use any name outside torch's roots)."""
+    tc = builder.toolchain("cpu")
+    light = builder.torch_pch(tc, 600, light=True)
+    assert light is not None and light != env.CACHE_DIR / "pch" / tc["pch_id"] / "torch" / "extension.h.gch"
+    lines = ["#include <torch/extension.h>"] + [f"namespace n_{root}_{name} {{ using {root}::{name}; }}"
+                                               for name in sorted(scan.CPP_ALLOWED_TORCH) for root in ("torch", "at")]
+    lines += ["static MTLCommandBuffer_t mtl = nullptr;", "static libkineto::ITraceActivity* act = nullptr;",
+              "static CUevent_st* ev = nullptr;", "static DispatchQueue_t q = nullptr;"]
+    work = tmp_path
+    (work / "names.cpp").write_text("\n".join(lines) + "\n")
+    failed = {}
+    for kind, first in (("light", [f"-I{light.parent.parent}"]), ("whole", [])):
+        r = subprocess.run([tc["cxx"][0], *first, *tc["cxx"][1:], "-fsyntax-only", "names.cpp"], cwd=work,
+                           capture_output=True, text=True, timeout=600)
+        failed[kind] = sorted({int(m) for m in re.findall(r"^names\.cpp:(\d+):\d+: error", r.stderr, re.M)})
+    assert failed["light"] == failed["whole"], failed
+    assert len(failed["whole"]) < len(lines) - 10 and not set(failed["whole"]) & set(range(len(lines) - 3, len(lines) + 1)), failed
+
+
+def test_builds_under_the_whole_header_alone_are_cached_apart():
+    """bench/env_bench.py's build under the whole header alone (light=False) is not served to a default build."""
+    src, nonce = CASES / "registry", f"// nonce {os.urandom(8).hex()}\n"
+    files = {"binding.cpp": (src / "binding.cpp").read_text() + nonce, "binding_registry.h": (src / "binding_registry.h").read_text(),
+             "kernels/axpby_binding.cpp": (src / "axpby_binding_cpu.cpp").read_text() + nonce,
+             "kernels/axpby.cpp": (src / "axpby.cpp").read_text() + nonce}
+    whole = env.build(files, "cpu", light=False)
+    assert whole.ok and len(whole.rebuilt) == 3, whole.log
+    b = env.build(files, "cpu")
+    assert b.ok and len(b.rebuilt) == 3 and b.pch == ["binding.cpp", "kernels/axpby_binding.cpp"], (b.rebuilt, b.pch)
 
 
 def test_a_precompiled_header_that_runs_out_of_time_is_tried_again():
