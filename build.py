@@ -51,7 +51,8 @@ class Build:
     rebuilt: list  # sources that were compiled (not served from the cache)
     violations: list = dataclasses.field(default_factory=list)  # what the preprocessed scan refused
     pch: list = dataclasses.field(default_factory=list)  # sources compiled from a precompiled torch header
-    # sources that did not compile under the light header (LIGHT_HEADER) and were compiled under the whole one
+    # sources judged under the whole header: they include a header the light one (LIGHT_HEADER) leaves out, or failed
+    # under it with an error that involves torch
     whole_header: list = dataclasses.field(default_factory=list)
 
 
@@ -340,12 +341,12 @@ def _build(files: dict, backend: str, timeout: float, light: bool) -> Build:
         return Build(False, None, "\n".join(bad), time.monotonic() - t0, [], bad)
 
     # A .cpp that includes torch/extension.h (itself or through workspace headers) starts from the precompiled light
-    # header (LIGHT_HEADER), and from the whole one where it does not compile under the light one.
+    # header (LIGHT_HEADER), and is judged under the whole one where the two could differ for it (scan_first, compile_one).
     uses_pch = {p for p in sources if p.endswith(".cpp") and includes_torch(p, files)
                 and not (objdir / f"{keys[p]}.json").exists()}  # (a cached object needs no compiling)
     pch = torch_pch(tc, left(), light=light) if uses_pch else None
-    # (the folders of our headers named torch/extension.h, if GCC passes a .gch by)
     whole_gch = CACHE_DIR / "pch" / tc["pch_id"] / "torch" / "extension.h.gch"  # (built only when a source needs it)
+    # (the folders of our headers named torch/extension.h, if GCC passes a .gch by)
     roots = tc["roots"] + [str(whole_gch.parent.parent), *([str(pch.parent.parent)] if pch else [])]
     whole_only = set()  # the headers the whole header includes and the light one does not (torch_pch)
     if pch is not None and pch != whole_gch:
