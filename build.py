@@ -383,9 +383,8 @@ def _build(files: dict, backend: str, timeout: float, light: bool) -> Build:
             for h in reversed(hits):
                 del tokens[h:h + len(expansion)]
             has_module[p] = len(hits)
-            entered = {os.path.normpath(m.group(2).replace('\\"', '"')) for m in map(scan.MARKER_RE.match, text.split("\n"))
-                       if m and "1" in m.group(3).split()} if mine is not None and mine != whole_gch else set()
-            return [], bad + scan.check_macro_order(p, text, is_user) + scan.check_tokens(p, tokens), entered & whole_only
+            return [], bad + scan.check_macro_order(p, text, is_user) + scan.check_tokens(p, tokens), \
+                scan.headers_entered(text) & whole_only if mine is not None and mine != whole_gch else set()
 
         def scan_first(p):
             errs, bad, missing = scan_one(p, pch if p in uses_pch else None)

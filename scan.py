@@ -455,6 +455,16 @@ def split_preprocessed(text: str, is_user) -> tuple[list[str], list[tuple[str, s
     return tokens, includes
 
 
+def headers_entered(text: str) -> set[str]:
+    """Every file the preprocessed text enters anywhere (line markers with flag 1), its path normalised."""
+    found = set()
+    for line in text.split("\n"):
+        m = MARKER_RE.match(line)
+        if m and "1" in m.group(3).split():
+            found.add(os.path.normpath(m.group(2).replace('\\"', '"')))
+    return found
+
+
 _DEFINE_RE = re.compile(r"^\s*#\s*define\s+([A-Za-z_$][\w$]*)(\(?)(.*)$")
 
 

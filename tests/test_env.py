@@ -305,14 +305,29 @@ def test_cuda_agent_layout_cpu(tmp_path):
     assert v.compiled and v.correct and v.reward >= 1, v.summary()
 
 
+def registry_files(binding_extra: str = "") -> dict:
+    """The CPU registry layout as a files dict for env.build, nothing of it cached (a fresh comment in every source);
+    binding_extra: C++ added to kernels/axpby_binding.cpp before its REGISTER_BINDING line."""
+    src, nonce = CASES / "registry", f"// nonce {os.urandom(8).hex()}\n"
+    binding = (src / "axpby_binding_cpu.cpp").read_text()
+    return {"binding.cpp": (src / "binding.cpp").read_text() + nonce, "binding_registry.h": (src / "binding_registry.h").read_text(),
+            "kernels/axpby_binding.cpp": binding.replace("REGISTER_BINDING(axpby, axpby);",
+                                                         binding_extra + "REGISTER_BINDING(axpby, axpby);") + nonce,
+            "kernels/axpby.cpp": (src / "axpby.cpp").read_text() + nonce}
+
+
+def spy_pch(monkeypatch) -> list:
+    """The `light` argument of every builder.torch_pch call from here on."""
+    wanted, real = [], builder.torch_pch
+    monkeypatch.setattr(builder, "torch_pch", lambda tc, timeout, light=False: (wanted.append(light), real(tc, timeout, light))[1])
+    return wanted
+
+
 def test_binding_files_compile_from_the_precompiled_torch_header():
     """The files that include torch/extension.h (binding.cpp through binding_registry.h) are preprocessed with the
     header precompiled, and the text compiled is the one scanned plus our pragma; the pure kernel file is not
     given the header."""
-    src, nonce = CASES / "registry", f"// nonce {os.urandom(8).hex()}\n"
-    files = {"binding.cpp": (src / "binding.cpp").read_text() + nonce, "binding_registry.h": (src / "binding_registry.h").read_text(),
-             "kernels/axpby_binding.cpp": (src / "axpby_binding_cpu.cpp").read_text() + nonce,
-             "kernels/axpby.cpp": (src / "axpby.cpp").read_text() + nonce}
+    files = registry_files()
     b = env.build(files, "cpu")
     assert b.ok and b.pch == ["binding.cpp", "kernels/axpby_binding.cpp"], (b.pch, b.log)
     assert b.whole_header == [], b.whole_header  # (the light header holds what a binding uses)
@@ -343,16 +358,10 @@ def test_a_source_that_needs_the_whole_torch_header_compiles_under_it(monkeypatc
     """torch::ExpandingArray (a type: the scan allows it) is in <torch/extension.h> and not in the light header: the
     source that uses it compiles again under the whole header, and works; the other binding file stays on the
     light one. A source that fails under both reports the whole header's error."""
-    wanted = []
-    real = builder.torch_pch
-    monkeypatch.setattr(builder, "torch_pch", lambda tc, timeout, light=False: (wanted.append(light), real(tc, timeout, light))[1])
-    src, nonce = CASES / "registry", f"// nonce {os.urandom(8).hex()}\n"
-    uses_whole = (src / "axpby_binding_cpu.cpp").read_text().replace(
-        "REGISTER_BINDING(axpby, axpby);",
-        "int64_t expanded() {\n  torch::ExpandingArray<2> a(7);\n  return (*a)[0] + (*a)[1];\n}\n"
-        "REGISTER_BINDING(axpby, axpby);\nREGISTER_BINDING(expanded, expanded);")
-    files = {"binding.cpp": (src / "binding.cpp").read_text() + nonce, "binding_registry.h": (src / "binding_registry.h").read_text(),
-             "kernels/axpby_binding.cpp": uses_whole + nonce, "kernels/axpby.cpp": (src / "axpby.cpp").read_text() + nonce}
+    wanted = spy_pch(monkeypatch)
+    expanded = ("int64_t expanded() {\n  torch::ExpandingArray<2> a(7);\n  return (*a)[0] + (*a)[1];\n}\n"
+                "REGISTER_BINDING(expanded, expanded);\n")
+    files = registry_files(expanded)
     b = env.build(files, "cpu")
     assert b.ok and b.whole_header == ["kernels/axpby_binding.cpp"], (b.whole_header, b.log)
     assert b.pch == ["binding.cpp", "kernels/axpby_binding.cpp"] and wanted == [True, False], (b.pch, wanted)
@@ -362,24 +371,15 @@ def test_a_source_that_needs_the_whole_torch_header_compiles_under_it(monkeypatc
     assert r.stdout.split() == ["14"], (r.stdout, r.stderr)
 
     wanted.clear()
-    files["kernels/axpby_binding.cpp"] = uses_whole.replace("return (*a)[0] + (*a)[1];", "return torch::Tensor();") + nonce
-    b = env.build(files, "cpu")
+    b = env.build(registry_files(expanded.replace("return (*a)[0] + (*a)[1];", "return torch::Tensor();")), "cpu")
     assert not b.ok and "at::Tensor" in b.log and wanted == [True, False], (b.log, wanted)
 
 
 def test_an_error_that_does_not_involve_torch_is_not_compiled_twice(monkeypatch):
     """A type error in a workspace's own code is the same under both headers: reported from the light header's
     compile, without a second one under the whole header (compile errors are common in RL)."""
-    wanted = []
-    real = builder.torch_pch
-    monkeypatch.setattr(builder, "torch_pch", lambda tc, timeout, light=False: (wanted.append(light), real(tc, timeout, light))[1])
-    src, nonce = CASES / "registry", f"// nonce {os.urandom(8).hex()}\n"
-    files = {"binding.cpp": (src / "binding.cpp").read_text() + nonce, "binding_registry.h": (src / "binding_registry.h").read_text(),
-             "kernels/axpby_binding.cpp": (src / "axpby_binding_cpu.cpp").read_text().replace(
-                 "REGISTER_BINDING(axpby, axpby);", "int64_t broken() { int64_t s = \"0\"; return s; }\n"
-                 "REGISTER_BINDING(axpby, axpby);") + nonce,
-             "kernels/axpby.cpp": (src / "axpby.cpp").read_text() + nonce}
-    b = env.build(files, "cpu")
+    wanted = spy_pch(monkeypatch)
+    b = env.build(registry_files("int64_t broken() { int64_t s = \"0\"; return s; }\n"), "cpu")
     assert not b.ok and "invalid conversion" in b.log, b.log
     assert wanted == [True], wanted  # the light header only
     assert builder.TORCH_ERROR_RE.search("x.cpp:3:5: error: ‘Linear’ is not a member of ‘torch::nn’")
@@ -429,10 +429,7 @@ def test_the_light_header_declares_what_a_workspace_may_name(tmp_path):
 
 def test_builds_under_the_whole_header_alone_are_cached_apart():
     """bench/env_bench.py's build under the whole header alone (light=False) is not served to a default build."""
-    src, nonce = CASES / "registry", f"// nonce {os.urandom(8).hex()}\n"
-    files = {"binding.cpp": (src / "binding.cpp").read_text() + nonce, "binding_registry.h": (src / "binding_registry.h").read_text(),
-             "kernels/axpby_binding.cpp": (src / "axpby_binding_cpu.cpp").read_text() + nonce,
-             "kernels/axpby.cpp": (src / "axpby.cpp").read_text() + nonce}
+    files = registry_files()
     whole = env.build(files, "cpu", light=False)
     assert whole.ok and len(whole.rebuilt) == 3, whole.log
     b = env.build(files, "cpu")
