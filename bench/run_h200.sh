@@ -7,7 +7,8 @@
 #   bash bench/run_h200.sh default-random OUT  # the short default run on random weights (no GGUF needed)
 #   bash bench/run_h200.sh gpu-tests OUT   # the GPU tests of agent.py (FastEngine on CUDA)
 #   bash bench/run_h200.sh gpu-tests-all OUT  # every GPU test (two groups side by side, then the curriculum's)
-#   bash bench/run_h200.sh verdict   OUT   # verdict time split (exec'ed vs forked children) and the env bench
+#   bash bench/run_h200.sh verdict   OUT   # verdict time split (exec'ed vs forked children) and the env bench (cold
+#                                          # builds under the light and the whole torch header side by side)
 #   bash bench/run_h200.sh big-verdict OUT # verdicts of the curriculum's large tasks (GB-sized outputs), phase by phase
 #   bash bench/run_h200.sh transfer OUT    # one 2 GiB output moved child -> parent: the pipe vs a mapped memory file
 #   bash bench/run_h200.sh cuda-agent OUT  # CUDA Agent's compile.sh / verification / profiling beside env.py
