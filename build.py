@@ -218,6 +218,8 @@ def _build_pch(tc: dict, name: str, gch: Path, differs: Path, light: bool, left)
             (Path(t) / "torch").mkdir()
             if light:
                 (Path(t) / "torch" / "extension.h").write_text(LIGHT_HEADER)
+                for p in (t, Path(t) / "torch", Path(t) / "torch" / "extension.h"):  # readable by the probes' sandbox uid
+                    os.chmod(p, 0o644 if Path(p).is_file() else 0o755)
                 try:
                     mine, whole = _probe(tc, t, "-dM", left()), _probe(tc, None, "-dM", left())
                     mine_h, whole_h = _probe(tc, t, "-M", left()), _probe(tc, None, "-M", left())

@@ -109,7 +109,7 @@ if not args.cache:
     light = pch is not None and pch.parent.parent.name != tc["pch_id"]
     row("one-time toolchain set-up (precompiled light header, probe)", time.monotonic() - t0, "s",
         "per machine and torch install" + ("" if pch else "; NO precompiled header") +
-        ("" if light else "; the light header is not offered here (its macros differ)"))
+        ("" if light else "; the light header is not offered here (its macros differ, or it failed to build)"))
     t0 = time.monotonic()
     build.torch_pch(tc, 600)
     row("  and the whole <torch/extension.h> (only for a source that needs it)", time.monotonic() - t0, "s")
