@@ -436,6 +436,23 @@ def test_builds_under_the_whole_header_alone_are_cached_apart():
     assert b.ok and len(b.rebuilt) == 3 and b.pch == ["binding.cpp", "kernels/axpby_binding.cpp"], (b.rebuilt, b.pch)
 
 
+def test_the_light_headers_probes_can_read_its_folder(monkeypatch):
+    """The probes of a light header run sandboxed, where the sandbox drops to another uid (the H200's does): its
+    folder and the header in it must be readable by others when they run (a fresh temporary folder is 0700)."""
+    modes = []
+
+    def probe(tc, first, what, timeout):
+        if first is not None:
+            modes.extend(os.stat(p).st_mode & 0o777 for p in (first, f"{first}/torch", f"{first}/torch/extension.h"))
+        return None  # (as if the preprocessor failed: the build goes on with the whole header, nothing is built)
+    monkeypatch.setattr(builder, "_probe", probe)
+    monkeypatch.setattr(builder, "LIGHT_HEADER", builder.LIGHT_HEADER + f"// {os.urandom(4).hex()}\n")
+    tc = builder.toolchain("cpu")
+    builder.torch_pch(tc, 600, light=True)
+    folder, torch_folder, header = modes  # (one probe reached the check before the first failure ended the rest)
+    assert folder & 0o005 == torch_folder & 0o005 == 0o005 and header & 0o004, [oct(m) for m in modes]
+
+
 def test_a_precompiled_header_that_runs_out_of_time_is_tried_again():
     """A header build stopped by the calling build's deadline says nothing about the toolchain: the next build tries."""
     tc = dict(builder.toolchain("cpu"), pch_id=f"slow-{os.urandom(4).hex()}")
