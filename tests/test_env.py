@@ -449,7 +449,7 @@ def test_the_light_headers_probes_can_read_its_folder(monkeypatch):
     monkeypatch.setattr(builder, "LIGHT_HEADER", builder.LIGHT_HEADER + f"// {os.urandom(4).hex()}\n")
     tc = builder.toolchain("cpu")
     builder.torch_pch(tc, 600, light=True)
-    folder, torch_folder, header = modes  # (one probe reached the check before the first failure ended the rest)
+    folder, torch_folder, header = modes[:3]  # (each probe of the light header sees the same three)
     assert folder & 0o005 == torch_folder & 0o005 == 0o005 and header & 0o004, [oct(m) for m in modes]
 
 
