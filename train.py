@@ -121,6 +121,12 @@ class Config:
     # data: synthesised when no --dataset is given; the test split (eval_tasks of them) is held out
     synth_tasks: int = 96
     family: str = "elementwise"  # synth.py --family: elementwise (the teacher's family) | paper (the paper's mix)
+    # synth.py --window-ms: the eager-time window tasks are sized for; 0 = synth.py's (1-100 ms on CUDA, 0.1-10 on CPU).
+    # A memory-bound chain needs ~0.5-2 GB tensors to last 1-100 ms on an H200, and a verdict moves ~15 whole outputs
+    # between processes (~1.6 s per GiB): smaller windows buy verdicts of seconds, at the price of a larger share of
+    # the harness's fixed per-run overhead in every runtime (README, "What a runtime is").
+    window_lo_ms: float = 0.0
+    window_hi_ms: float = 0.0
     eval_tasks: int = 32  # held-out tasks scored after every stage (never given to the teacher)
     # sft: teacher demonstrations on the training tasks
     sft_tasks: int = 64  # training tasks the teacher works (0: all)
@@ -674,9 +680,10 @@ def synthesise(cfg: Config, run_dir: Path, backend: str):
     share = min(0.5, cfg.eval_tasks / max(cfg.synth_tasks, 1))
     print(f"data: no --dataset given: synthesising {cfg.synth_tasks} tasks of the {cfg.family} family into {out} "
           f"({cfg.synth_workers} workers, test share {share:.2f})", flush=True)
+    window = ["--window-ms", str(cfg.window_lo_ms), str(cfg.window_hi_ms)] if cfg.window_hi_ms else []
     r = subprocess.run([sys.executable, str(ROOT / "synth.py"), "--out", str(out), "--num-tasks", str(cfg.synth_tasks),
                         "--family", cfg.family, "--backend", backend, "--seed", str(cfg.seed),
-                        "--workers", str(cfg.synth_workers), "--test-share", f"{share:.6f}"])
+                        "--workers", str(cfg.synth_workers), "--test-share", f"{share:.6f}", *window])
     if r.returncode != 0 or not (out / "dataset_dict.json").is_file():
         raise env.UsageError(f"dataset synthesis failed (synth.py exit code {r.returncode}); pass --dataset to use an existing one")
     return str(out)
@@ -759,6 +766,9 @@ def check_inputs(cfg: Config, a) -> tuple[list, list, str | None]:
         raise env.UsageError(f"grad_ckpt {cfg.grad_ckpt!r}: expected auto, on or off")
     if cfg.family not in ("elementwise", "paper"):
         raise env.UsageError(f"family {cfg.family!r}: expected elementwise or paper")
+    if (cfg.window_lo_ms or cfg.window_hi_ms) and not 0 < cfg.window_lo_ms < cfg.window_hi_ms:
+        raise env.UsageError(f"window_lo_ms {cfg.window_lo_ms:g}, window_hi_ms {cfg.window_hi_ms:g}: expected 0 < LO < HI "
+                             "(or both 0: synth.py's window)")
     if not a.resume:
         for s in stages:
             if latest(run_dir / s):

@@ -119,8 +119,12 @@ model)
 learning)
   # issue 16's run in small: synthesis, teacher demos, sft, warm-up, RFT, critic, PPO, a held-out row after each;
   # needs the embedded model (/tmp/gg). Not finished in one call? The same part again continues it (--resume).
+  # LEARN_WINDOW (default "0.3 3"): the tasks' eager-time window in ms (train.py window_lo_ms / window_hi_ms; "0 0" is
+  # synth.py's 1-100 ms, whose 0.5-2 GB tensors make a verdict take ~50 s)
+  read lo hi <<< "${LEARN_WINDOW:-0.3 3}"
   S="--preset default --backend cuda --set synth_tasks=24 --set eval_tasks=8 --set sft_tasks=16 --set sft_batch=2
-     --set warmup_steps=2 --set tasks_per_step=8 --set rft_tasks=8 --set ppo_steps=2 --set critic_epochs=10"
+     --set warmup_steps=2 --set tasks_per_step=8 --set rft_tasks=8 --set ppo_steps=2 --set critic_epochs=10
+     --set window_lo_ms=$lo --set window_hi_ms=$hi"
   r=""; [ -f /tmp/run-sft/config.json ] && r="--resume"
   step 540 learning python3 train.py --stage all --run-dir /tmp/run-sft $S $r
   mkdir -p "$OUT/learning" && cp /tmp/run-sft/stages.jsonl /tmp/run-sft/stages.png /tmp/run-sft/metrics.jsonl "$OUT/learning/" 2>/dev/null
