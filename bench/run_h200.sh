@@ -125,9 +125,12 @@ learning)
   S="--preset default --backend cuda --set synth_tasks=24 --set eval_tasks=8 --set sft_tasks=16 --set sft_batch=2
      --set warmup_steps=2 --set tasks_per_step=8 --set rft_tasks=8 --set ppo_steps=2 --set critic_epochs=10
      --set window_lo_ms=$lo --set window_hi_ms=$hi"
+  # LEARN_SET: more train.py flags (e.g. "--skip warmup,rft,critic,ppo --set sft_tasks=24"), after these
   r=""; [ -f /tmp/run-sft/config.json ] && r="--resume"
-  step 540 learning python3 train.py --stage all --run-dir /tmp/run-sft $S $r
+  step 540 learning python3 train.py --stage all --run-dir /tmp/run-sft $S $r ${LEARN_SET:-}
   mkdir -p "$OUT/learning" && cp /tmp/run-sft/stages.jsonl /tmp/run-sft/stages.png /tmp/run-sft/metrics.jsonl "$OUT/learning/" 2>/dev/null
+  # the episodes behind the rows: held-out ones per stage, the teacher's (kept or not), compressed
+  (cd /tmp/run-sft && tar czf "$OUT/learning/episodes.tgz" eval/*/rank*.jsonl sft/teacher/*/*/trajectories.jsonl 2>/dev/null)
   ;;
 big-1.5b|big-7b)
   # issue 19: every stage of `train.py --stage all` on random bf16 weights of Qwen2.5-Coder-{1.5B,7B}-Instruct's exact
