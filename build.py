@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import sysconfig
 import tempfile
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -424,29 +425,54 @@ def _build(files: dict, backend: str, timeout: float, light: bool) -> Build:
                     why = f"compilation of {p} {r.crash}" if r.crash else f"{p} failed to compile"
                     errors.append(f"{why}:\n{error_excerpt(r.stderr + r.stdout)}")
                     return
-                meta.write_text(json.dumps({"module": has_module[p]}))
-                os.replace(part, obj)  # atomic: a half-written object never has the final name
-                rebuilt.append(p)
+                with state:  # into the cache now if every scan of the build has passed (the usual case: a binding
+                    if scanned.is_set() and accepted():  # file's compile outlasts every scan), else at the end
+                        commit(p)
+                    else:
+                        pending.append(p)
+
+        def commit(p):  # (holding p's lock, or after every scan has passed: see accepted)
+            obj, meta = objdir / f"{keys[p]}.o", objdir / f"{keys[p]}.json"
+            meta.write_text(json.dumps({"module": has_module[p]}))
+            os.replace(tmp / f"{keys[p]}.o.part", obj)  # atomic: a half-written object never has the final name
+            rebuilt.append(p)
+
+        def accepted():  # every scan has passed and exactly one source defines the module: objects may be cached
+            modules = [n for q, n in has_module.items() if n]
+            return not violations and not scan_errors and modules == [1]
 
         def module_error():
             modules = [p for p in sources if has_module.get(p)]
-            if not errors and (len(modules) != 1 or has_module[modules[0]] != 1):
+            if not scan_errors and (len(modules) != 1 or has_module[modules[0]] != 1):  # (before compile errors)
                 msg = "no source defines" if not modules else f"{', '.join(modules)} define{'s' if len(modules) == 1 else ''}"
                 return (f"{msg} PYBIND11_MODULE(TORCH_EXTENSION_NAME, m){' more than once' if modules else ''}; "
                         "exactly one source must, once, with exactly that spelling")
 
+        # Each source compiles as soon as its own scan passes, so the binding files' compiles (seconds) do not wait
+        # for the slowest scan (a .cu's host preprocessing). Only text that passed its scan is compiled, and an
+        # object enters the cache only once every scan of the build has passed: a refused build leaves nothing
+        # behind and reports nothing compiled (its objects stay in the build's temporary folder).
+        state, scanned, pending, scan_errors, n_scanned = threading.Lock(), threading.Event(), [], [], [0]
+
+        def scan_and_compile(p):
+            errs, bad = scan_first(p)
+            with state:
+                scan_errors.extend(errs)
+                violations.extend(bad)
+                n_scanned[0] += 1
+                if n_scanned[0] == len(sources):
+                    scanned.set()
+            if not errs and not bad:
+                compile_one(p)
+
         with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-            for errs, bad in pool.map(scan_first, sources):
-                errors += errs
-                violations += bad
-            if violations:
-                return Build(False, None, "\n".join(violations), time.monotonic() - t0, [], violations)
-            if msg := module_error():
-                return Build(False, None, msg, time.monotonic() - t0, [])
-            if not errors:
-                list(pool.map(compile_one, sources))
+            list(pool.map(scan_and_compile, sources))
+        errors[:0] = scan_errors
+        if accepted():
+            for p in pending:
+                commit(p)
         rebuilt.sort()
-        if violations:  # (found in a source scanned again under the whole header)
+        if violations:  # (a scan's, or found in a source scanned again under the whole header)
             return Build(False, None, "\n".join(violations), time.monotonic() - t0, rebuilt, violations)
         if msg := module_error():
             return Build(False, None, msg, time.monotonic() - t0, rebuilt)
@@ -462,12 +488,17 @@ def _build(files: dict, backend: str, timeout: float, light: bool) -> Build:
             if r.returncode != 0:
                 return Build(False, None, "link failed:\n" + error_excerpt(r.stderr + r.stdout), time.monotonic() - t0, rebuilt)
             # What the module imports is what it can call, whatever the sources spelled (scan.check_imports).
-            r = run_sandboxed(["nm", "-D", "--undefined-only", "-C", str(part)], tmp, 120, mem_gb=None, output_limit=1 << 24)
+            # and a system call needs no import: only an instruction, which no compiler emits for C++ or CUDA code
+            # (the two reads of the module run side by side)
+            with ThreadPoolExecutor(max_workers=2) as pool:
+                nm = pool.submit(run_sandboxed, ["nm", "-D", "--undefined-only", "-C", str(part)], tmp, 120, mem_gb=None,
+                                 output_limit=1 << 24)
+                dis = pool.submit(run_sandboxed, ["objdump", "-d", "--no-show-raw-insn", str(part)], tmp, 120, mem_gb=None,
+                                  output_limit=1 << 28)
+                r, rd = nm.result(), dis.result()
             bad = scan.check_imports([l.split(None, 1)[-1] for l in r.stdout.splitlines() if l.strip()], IMPORT_OPS) \
                 if r.returncode == 0 else [f"the linked module cannot be read by nm: {error_excerpt(r.stderr)}"]
-            # and a system call needs no import: only an instruction, which no compiler emits for C++ or CUDA code
-            r = run_sandboxed(["objdump", "-d", "--no-show-raw-insn", str(part)], tmp, 120, mem_gb=None, output_limit=1 << 28)
-            bad += scan.check_instructions(r.stdout) if r.returncode == 0 else ["the linked module cannot be disassembled"]
+            bad += scan.check_instructions(rd.stdout) if rd.returncode == 0 else ["the linked module cannot be disassembled"]
             if bad:
                 return Build(False, None, "\n".join(bad), time.monotonic() - t0, rebuilt, bad)
             mine = so.with_suffix(f".{uuid.uuid4().hex}.part")  # builds of the same sources may link at the same time

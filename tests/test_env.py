@@ -236,6 +236,43 @@ def test_editing_one_kernel_rebuilds_only_that_file(tmp_path):
     assert b3.ok and b3.rebuilt == [] and b3.so_path == b2.so_path
 
 
+def test_a_source_compiles_as_soon_as_its_own_scan_passes(monkeypatch):
+    """The binding files' compiles (seconds) do not wait for the slowest scan: slow.cpp's preprocessing waits until
+    fast.cpp's compile has started (it never starts when every compile waits for every scan: the wait runs out)."""
+    nonce = os.urandom(8).hex()
+    files = {"kernels/fast.cpp": OPS + f"\n// nonce {nonce}\n", "kernels/slow.cpp": f"int slow_{nonce}() {{ return 1; }}\n"}
+    started, real_pp, real_run = threading.Event(), builder.preprocess, builder.run_sandboxed
+
+    def preprocess(tc, src, out, timeout, pch=None):
+        if src.name == "slow.cpp":
+            started.wait(60)
+        return real_pp(tc, src, out, timeout, pch)
+
+    def run_sandboxed(cmd, *a, **k):
+        if "-c" in cmd and any(str(c).endswith(".ii") for c in cmd) and not started.is_set():
+            started.set()  # (only fast.cpp has been scanned by now)
+        return real_run(cmd, *a, **k)
+
+    monkeypatch.setattr(builder, "preprocess", preprocess)
+    monkeypatch.setattr(builder, "run_sandboxed", run_sandboxed)
+    t0 = time.monotonic()
+    b = env.build(files, "cpu")
+    assert b.ok and b.rebuilt == ["kernels/fast.cpp", "kernels/slow.cpp"], b.log
+    assert started.is_set() and time.monotonic() - t0 < 60
+
+
+def test_a_refused_build_caches_none_of_its_objects():
+    """Sources compile before every scan of the build is in, but an object enters the cache only once they all
+    passed: a build that one source's violation refuses reports nothing compiled and leaves nothing to reuse."""
+    nonce = os.urandom(8).hex()
+    clean = {"kernels/ops.cpp": OPS + f"\n// nonce {nonce}\n"}
+    b = env.build({**clean, "kernels/bad.cpp": 'int f() { return system("id"); }\n'}, "cpu")
+    assert not b.ok and b.violations and b.rebuilt == [], b.log
+    assert not list((env.CACHE_DIR / "obj").glob("*.part"))
+    again = env.build(clean, "cpu")
+    assert again.ok and again.rebuilt == ["kernels/ops.cpp"], again.log  # compiled afresh: nothing was cached
+
+
 # ------------------------------------------------------------------ the sandbox itself
 def sandboxed_python(way, code, cwd, timeout, **kw):
     """Python `code` in a sandboxed child, exec'ed (`python -c`) or forked from the fork server (as verdict children are)."""
