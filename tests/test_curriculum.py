@@ -124,6 +124,38 @@ def test_teacher_reads_the_conversation_from_tokens(tok):
 
 
 @pytest.mark.slow
+def test_teachers_model_new_builds_with_allocation_ops_only(monkeypatch):
+    """env.py refuses a ModelNew whose constructor computes with PyTorch (scan.INIT_OPS), so the teacher's
+    constructor only allocates, for every parameter the family has (div_param's `torch.rand(dim) + 0.5` and the
+    affine norms' `torch.randn(dim) * 0.5 + 1.0` are an aten.add and an aten.mul): the values come from Model."""
+    from scan import INIT_OPS
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setitem(sys.modules, "cuda_extension", type(sys)("cuda_extension"))
+    with_params = [op for op, spec in {**E.OPS, **E.REDUCTIONS}.items() if "param" in spec or "affine" in op]
+    assert {"div_param", "layer_norm_affine", "rms_norm_affine"} <= set(with_params)
+    for op in with_params:
+        c = find(lambda s: op in [st["op"] for st in s])
+        steps = E.parse(c["code"])
+        ns = {}
+        exec(compile(E.model_new(c["code"], steps, "cpu"), "model_new.py", "exec"), ns)
+        model = {}
+        exec(compile(c["code"], "model.py", "exec"), model)
+        with Ops() as ops:
+            m = ns["ModelNew"](*model["get_init_inputs"]())
+        assert ops.seen <= set(INIT_OPS), (op, ops.seen - set(INIT_OPS))
+        assert m.load_state_dict(model["Model"](*model["get_init_inputs"]()).state_dict()) is not None
+
+
 def test_every_cpu_variant_is_correct(tasks):
     """Every CPU kernel variant of each task kind passes env.py's 5 checks (the binding is built once: cached)."""
     for t in tasks:
