@@ -588,31 +588,62 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
                                                         budget_mb=cfg.input_budget_mb),
                                                    run / "ref", backend, cfg, writable=writable, env=extra)))
 
-        def start_candidate(hold):
-            stack.enter_context(hold)  # the device, held by us and released after the child is gone
+        def start_candidate(hold, within):
+            within.enter_context(hold)  # the device, held by us and released after the child is gone
             spec = dict(common, mode="candidate", reference=str(run / "cand" / "model.py"),
                         model_new=str(run / "cand" / "model_new.py"), ext_dir=str(run / "cand" / "ext"), cand_dir=str(run / "cand"))
-            return stack.enter_context(_closing(Child(spec, run / "cand", backend, cfg)))  # no shared cache of any kind
+            return within.enter_context(_closing(Child(spec, run / "cand", backend, cfg)))  # no shared cache of any kind
+
+        def drive(cand, checks: bool, timed: bool) -> bool:
+            """Checks and/or timed runs of one candidate child; False when the verdict is decided (v says how)."""
+            # a reply may not declare more than twice the largest reference output (a candidate cannot exhaust our memory)
+            cand.reply_limit = 2 * max(sum(t.numel() * t.element_size() for t in _tensors(o)) for o in ref_outs) + (1 << 20)
+            try:
+                _drive_candidate(v, cand, check_seeds if checks else [], ref_checks if checks else [],
+                                 timed_seeds if timed else [], ref_timed, cfg, backend, lap)
+            except ChildTimeout as e:
+                v.error, v.log = f"ModelNew timed out: {e}", ""
+            except (EOFError, ValueError, TypeError, KeyError, AttributeError) as e:
+                dead = cand.why_dead() if not cand.thread.is_alive() or isinstance(e, EOFError) else None
+                v.error = f"ModelNew {dead}" if dead else f"the candidate process sent a malformed reply ({type(e).__name__}: {e})"
+                v.log = ""
+            except Exception as e:  # noqa: BLE001 - whatever else a reply provokes while judged is the candidate's -1:
+                # an exception out of evaluate() counts as the harness's failure, and its episode is left out of training
+                v.error, v.log = f"the candidate's reply could not be judged ({type(e).__name__}: {str(e)[:300]})", ""
+            return not (v.error or v.violations)
 
         # The candidate overlaps its start-up with the reference's work, under the reference's hold of the device: a
         # holder never waits for the gate (a waiting baseline holds the gate and waits for every holder).
-        cand = None if need_baselines else start_candidate(ref_busy.pop_all())
+        first = stack.enter_context(contextlib.ExitStack())
+        cand = start_candidate(ref_busy.pop_all(), first)
         try:
             n_sets = ref.answer()[0]["timed_sets"]
             timed_seeds = timed_seeds[:n_sets]
             ref_outs = [unpack(*ref.answer()) for _ in check_seeds + timed_seeds]
-            if need_baselines:  # torch.compile compiles at its first run (seconds of CPU work): here, while the device
-                ref.ask({"op": "use", "fn": "compile"})  # is not held for timing, and no other verdict waits on us
-                ref.ask({"op": "load", "seed": timed_seeds[0]})
-                ref.ask({"op": "run"})
         except (EOFError, ValueError, KeyError, TypeError, ChildError) as e:
             v.error = f"the reference model.py failed: {e if isinstance(e, ChildError) else ref.why_dead()}"
             return
         ref_checks, ref_timed = ref_outs[:len(check_seeds)], ref_outs[len(check_seeds):]
-        ref_busy.close()  # (before our own baselines, which wait for every holder)
-        lap("reference outputs")  # (and torch.compile's compile; the candidate starts meanwhile when the baselines are cached)
-        if need_baselines:
+        lap("reference outputs")
+        if not need_baselines:  # the usual case: one child, checked and timed
+            ref.close()  # (its device memory is freed before any candidate run)
+            if not drive(cand, checks=True, timed=timed) or not timed:
+                return
+        else:
+            # A task's first profile: the candidate is checked first, so a wrong one costs no baselines (torch.compile's
+            # compile and ~40 timed runs: most of a first verdict). Baselines are timed while no candidate is alive,
+            # so a correct candidate's child is stopped, and a fresh child of the same files serves the timed runs
+            # (each sampled, two read in full at random, the last in full: the checks one child would get).
+            if not drive(cand, checks=True, timed=False):
+                return
+            first.close()  # the candidate is gone, and our hold of the device with it
             try:
+                # torch.compile compiles at its first run (seconds of CPU work): here, while the device is not held
+                with candidate_alive(backend):  # for timing and no other verdict waits on us
+                    ref.ask({"op": "use", "fn": "compile"})
+                    ref.ask({"op": "load", "seed": timed_seeds[0]})
+                    ref.ask({"op": "run"})
+                lap("reference outputs")  # (torch.compile's compile)
                 with no_candidates(backend), file_lock(gpu_lock_path(backend)):
                     lap("wait device")
                     times = {}
@@ -631,27 +662,12 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
             tmp = base_file.with_suffix(f".{uuid.uuid4().hex}.tmp")
             tmp.write_text(json.dumps(cached))
             os.replace(tmp, base_file)
-        ref.close()
-        lap("baselines")
-        if cand is None:
-            stack.enter_context(candidate_alive(backend))
+            ref.close()
+            lap("baselines")
+            cand = start_candidate(candidate_alive(backend), stack)
             lap("wait device")
-            cand = start_candidate(contextlib.nullcontext())
-        # a reply may not declare more than twice the largest reference output (a candidate cannot exhaust our memory)
-        cand.reply_limit = 2 * max(sum(t.numel() * t.element_size() for t in _tensors(o)) for o in ref_outs) + (1 << 20)
-        try:
-            _drive_candidate(v, cand, check_seeds, ref_checks, timed_seeds, ref_timed, cfg, backend, lap)
-        except ChildTimeout as e:
-            v.error, v.log = f"ModelNew timed out: {e}", ""
-        except (EOFError, ValueError, TypeError, KeyError, AttributeError) as e:
-            dead = cand.why_dead() if not cand.thread.is_alive() or isinstance(e, EOFError) else None
-            v.error = f"ModelNew {dead}" if dead else f"the candidate process sent a malformed reply ({type(e).__name__}: {e})"
-            v.log = ""
-        except Exception as e:  # noqa: BLE001 - whatever else a reply provokes while judged is the candidate's -1:
-            # an exception out of evaluate() counts as the harness's failure, and its episode is left out of training
-            v.error, v.log = f"the candidate's reply could not be judged ({type(e).__name__}: {str(e)[:300]})", ""
-        if v.error or v.violations or not timed:
-            return
+            if not drive(cand, checks=False, timed=True):
+                return
         v.eager_ms, v.compile_ms = cached["eager_ms"], cached["compile_ms"]
         v.speedup_eager, v.speedup_compile = v.eager_ms / v.runtime_ms, v.compile_ms / v.runtime_ms
         v.reward = reward_for(True, v.runtime_ms, v.eager_ms, v.compile_ms)

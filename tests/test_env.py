@@ -909,19 +909,20 @@ def test_fills_are_allocation_not_compute(tmp_path):
 
 
 # 6. Baselines are timed only while no candidate of this device is alive.
-def test_baselines_are_timed_while_no_candidate_lives(tmp_path, monkeypatch):
+def spy_children(monkeypatch):
+    """events: ("start", mode, child id), ("end", mode, child id) once its process is gone, ("time", mode)."""
     events = []
     real_init, real_close, real_timed = env.Child.__init__, env.Child.close, env.timed_runs
 
     def init(self, spec, *a, **k):
         real_init(self, spec, *a, **k)
         self.mode = spec["mode"]
-        events.append(("start", self.mode))
+        events.append(("start", self.mode, id(self)))
 
     def close(self):
         r = real_close(self)
-        if self.thread.is_alive() is False and ("end", self.mode) not in events:
-            events.append(("end", self.mode))
+        if self.thread.is_alive() is False and ("end", self.mode, id(self)) not in events:
+            events.append(("end", self.mode, id(self)))
         return r
 
     def timed(child, *a, **k):
@@ -931,13 +932,47 @@ def test_baselines_are_timed_while_no_candidate_lives(tmp_path, monkeypatch):
     monkeypatch.setattr(env.Child, "__init__", init)
     monkeypatch.setattr(env.Child, "close", close)
     monkeypatch.setattr(env, "timed_runs", timed)
+    return events
+
+
+def test_baselines_are_timed_while_no_candidate_lives(tmp_path, monkeypatch):
+    """A task's first profile checks the candidate, stops its child, times the baselines with no candidate alive,
+    then times a fresh child of the candidate."""
+    events = spy_children(monkeypatch)
     nonce = f"\n# baseline nonce {os.urandom(8).hex()}\n"  # a reference never seen: its baselines are measured now
     ws = make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)"))
     (ws / "model.py").write_text(RELU + nonce)
     v = env.evaluate(ws, backend="cpu")
-    assert v.correct and v.eager_ms and v.compile_ms, v.summary()
+    assert v.correct and v.eager_ms and v.compile_ms and v.runtime_ms, v.summary()
+    alive = set()
+    for e in events:
+        if e[:2] == ("start", "candidate"):
+            alive.add(e[2])
+        elif e[:2] == ("end", "candidate"):
+            alive.discard(e[2])
+        elif e == ("time", "reference"):
+            assert not alive, events
     ref_times = [i for i, e in enumerate(events) if e == ("time", "reference")]
-    assert len(ref_times) == 2 and events.index(("start", "candidate")) > max(ref_times), events
+    cand_times = [i for i, e in enumerate(events) if e == ("time", "candidate")]
+    assert len(ref_times) == 2 and len(cand_times) == 1 and cand_times[0] > max(ref_times), events
+
+
+def test_a_wrong_candidate_costs_no_baselines(tmp_path, monkeypatch):
+    """The first profile of a task checks the candidate before anything is timed: a wrong answer is -1 without
+    torch.compile's compile and the baselines' runs (most of a first verdict), and caches no baselines."""
+    events = spy_children(monkeypatch)
+    nonce = f"\n# baseline nonce {os.urandom(8).hex()}\n"
+    ws = make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x[1:], self.scale)"))
+    (ws / "model.py").write_text(RELU + nonce)
+    v = env.evaluate(ws, backend="cpu")  # (one row short: a wrong answer, with no compute outside the kernel)
+    assert v.compiled and not v.correct and v.reward == -1 and "check 1/5" in (v.error or ""), v.summary()
+    assert not v.violations, v.summary()
+    assert ("time", "reference") not in events and v.eager_ms is None, events
+    ws = make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)"), name="ok")
+    (ws / "model.py").write_text(RELU + nonce)
+    v = env.evaluate(ws, backend="cpu")
+    assert v.correct and v.eager_ms, v.summary()
+    assert events.count(("time", "reference")) == 2, events  # measured now, by the first correct candidate
 
 
 def test_every_child_gets_the_same_threading_settings(tmp_path, monkeypatch):
