@@ -155,9 +155,15 @@ def preprocess(tc: dict, src: Path, out: Path, timeout: float, pch: Path | None 
         cmd = [*tc["cxx"], "-E", "-o", str(out), str(src)]
     # -dD keeps every #define in the text, where it was written: the body of a macro that a workspace file defines is
     # scanned as its code, also when the macro is only ever expanded inside a system header (which is not scanned).
-    cmd += ["-dD", f"-I{src.parent}", f"-I{out.parent}", f"-I{out.parent}/kernels"]
+    cmd += ["-dD", *workspace_includes(src, out.parent)]
     r = run_sandboxed(cmd, out.parent, timeout, mem_gb=None, output_limit=40_000, readable=[pch.parent.parent] if pch else ())
     return r, (out.read_text(errors="replace") if r.returncode == 0 and out.exists() else "")
+
+
+def workspace_includes(src: Path, root: Path) -> list:
+    """The workspace's include folders, in the one order that both the scan's preprocessing and nvcc's compile of a
+    .cu use: an `#include <x.h>` that resolved to kernels/x.h in the scan must not resolve to ./x.h in the compile."""
+    return [f"-I{src.parent}", f"-I{root}", f"-I{root}/kernels"]
 
 
 _PCH_FAILED: set = set()
@@ -365,8 +371,9 @@ def _build(files: dict, backend: str, timeout: float, light: bool) -> Build:
         def scan_one(p, mine=None):  # preprocess and check (skipped for a cached object: it passed the same scan);
             obj, meta = objdir / f"{keys[p]}.o", objdir / f"{keys[p]}.json"  # -> errors, violations, whole-only headers
             if obj.exists() and meta.exists():
-                has_module[p] = json.loads(meta.read_text())["module"]
-                return [], [], []
+                with contextlib.suppress(ValueError, KeyError, TypeError):  # (unreadable: scanned and built again)
+                    has_module[p] = json.loads(meta.read_text())["module"]
+                    return [], [], []
             src, pre = tmp / p, tmp / f"{keys[p]}.ii"
             r, text = preprocess(tc, src, pre, left(), mine)
             if not text:
@@ -403,7 +410,7 @@ def _build(files: dict, backend: str, timeout: float, light: bool) -> Build:
                     return
                 src, pre, part = tmp / p, tmp / f"{keys[p]}.ii", tmp / f"{keys[p]}.o.part"
                 # A .cpp compiles from the text just scanned (no second preprocessing); nvcc runs its own passes.
-                cmd = [*tc["nvcc"], f"-I{tmp}", f"-I{tmp}/kernels", f"-I{src.parent}", "-c", str(src)] if p.endswith(".cu") \
+                cmd = [*tc["nvcc"], *workspace_includes(src, tmp), "-c", str(src)] if p.endswith(".cu") \
                     else [*tc["cxx"], "-x", "c++-cpp-output", "-c", str(pre)]
 
                 def run():
@@ -431,10 +438,13 @@ def _build(files: dict, backend: str, timeout: float, light: bool) -> Build:
                     else:
                         pending.append(p)
 
-        def commit(p):  # (holding p's lock, or after every scan has passed: see accepted)
+        def commit(p):  # (holding p's lock)
             obj, meta = objdir / f"{keys[p]}.o", objdir / f"{keys[p]}.json"
-            meta.write_text(json.dumps({"module": has_module[p]}))
-            os.replace(tmp / f"{keys[p]}.o.part", obj)  # atomic: a half-written object never has the final name
+            if not (obj.exists() and meta.exists()):  # (another build of the same source may have committed it)
+                part = meta.with_suffix(f".{uuid.uuid4().hex}.part")
+                part.write_text(json.dumps({"module": has_module[p]}))
+                os.replace(part, meta)  # atomic, like the object: a half-written file never has the final name
+                os.replace(tmp / f"{keys[p]}.o.part", obj)
             rebuilt.append(p)
 
         def accepted():  # every scan has passed and exactly one source defines the module: objects may be cached
@@ -470,7 +480,8 @@ def _build(files: dict, backend: str, timeout: float, light: bool) -> Build:
         errors[:0] = scan_errors
         if accepted():
             for p in pending:
-                commit(p)
+                with file_lock(CACHE_DIR / "locks" / f"{keys[p]}.lock"):
+                    commit(p)
         rebuilt.sort()
         if violations:  # (a scan's, or found in a source scanned again under the whole header)
             return Build(False, None, "\n".join(violations), time.monotonic() - t0, rebuilt, violations)

@@ -190,8 +190,10 @@ PRESETS = {
     "cpu": dict(synth_tasks=6, eval_tasks=2, sft_tasks=2, sft_epochs=1, sft_batch=2, tasks_per_step=2, max_new_tokens=48,
                 max_turns=2, max_context=8192, warmup_steps=1, rft_tasks=2, rft_epochs=1, critic_epochs=1,
                 critic_patience=1, ppo_steps=1, lora_r=4, lora_alpha=8, minibatches=1, micro_batch=1, lr_warmup=0),
-    # One H200 with the embedded 135M model: 64 training tasks for the teacher, 32 held out.
-    "default": dict(),
+    # One H200 with the embedded 135M model: 64 training tasks for the teacher, 32 held out, sized for 0.3-3 ms in
+    # eager (0.5-2.4 ms measured): at synth.py's 1-100 ms a verdict moves GB-sized outputs (~50 s), and the
+    # teacher's first 8 episodes took over 7 minutes; at this window 16 took 4 min 22 s (docs/results.md).
+    "default": dict(window_lo_ms=0.3, window_hi_ms=3.0),
     # The paper's hyper-parameters (actor lr 3e-6, critic lr 6e-6, gamma 1, lambda 0.95, eps 0.2/0.28,
     # 150 PPO steps) with batch, context and turns scaled to one 8-GPU node (paper: batch 1024, 128k
     # context, 150 turns), on the paper's task mix (the scripted teacher solves none of it: --teacher-url).

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -259,6 +260,20 @@ def test_a_source_compiles_as_soon_as_its_own_scan_passes(monkeypatch):
     b = env.build(files, "cpu")
     assert b.ok and b.rebuilt == ["kernels/fast.cpp", "kernels/slow.cpp"], b.log
     assert started.is_set() and time.monotonic() - t0 < 60
+
+
+def test_a_cu_include_resolves_in_the_compile_as_in_the_scan():
+    """nvcc preprocesses a .cu again when it compiles it: with the include folders in another order, `#include
+    <x.h>` was scanned as kernels/x.h and compiled as ./x.h, a file no scan had read."""
+    if shutil.which(builder.toolchain("cuda")["nvcc"][0]) is None:
+        pytest.skip("no nvcc")
+    nonce = os.urandom(8).hex()
+    files = {"kernels/x.h": f"inline int benign_{nonce}() {{ return 1; }}\n",
+             "x.h": "int never_scanned_text(;\n",  # (a syntax error: the compile says so if it reads this file)
+             "kernels/op.cu": f"#include <x.h>\nint use_{nonce}() {{ return benign_{nonce}(); }}\n",
+             "binding.cpp": "#include <pybind11/pybind11.h>\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}\n"}
+    b = env.build(files, "cuda")  # (the link may fail without a CUDA build of torch: what matters is the compile)
+    assert "never_scanned_text" not in b.log and "kernels/op.cu" in b.rebuilt, b.log
 
 
 def test_a_refused_build_caches_none_of_its_objects():
@@ -646,8 +661,9 @@ def test_torch_compile_compiles_before_the_device_is_held(tmp_path, monkeypatch)
     (ws / "model.py").write_text(fresh)
     v = env.evaluate(ws, backend="cpu", stage="profile")
     assert v.correct and v.compile_ms > 0, v.summary()
-    first_compiled_run = log[[op for _, op, _ in log].index("use") + 2]  # use compile, load, run
-    assert log[[op for _, op, _ in log].index("use")][2] == "compile" and first_compiled_run[1] == "run", log
+    use_compile = [(op, fn) for _, op, fn in log].index(("use", "compile"))
+    first_compiled_run = log[use_compile + 2]  # use compile, load, run
+    assert first_compiled_run[1] == "run", log
     assert first_compiled_run[0] is False, "torch.compile's first run happened while the device was held"
     assert any(h and fn == "compile" for h, _, fn in log), "the compiled baseline was not timed under the gate"
 
