@@ -73,7 +73,10 @@ What the sandbox protects against (sandbox.py has the layers)
     descriptor but its stdio and its two pipes.
   - slowing the baselines: they are never timed while a candidate is alive on that device, and every process
     the policy controls counts as one: the candidate child, a build, the agent's bash tool; so does another
-    verdict's reference child until its outputs are in (the policy decides when verdicts start).
+    verdict's reference child until its outputs are in (the policy decides when verdicts start). A task's first
+    profile checks the candidate before its baselines (a wrong one costs none): that child is stopped first, and
+    the timed runs get a fresh child in a fresh folder; no child holding reference outputs lives while candidate
+    code runs.
   - hiding a cheat from the scan: the scan reads the preprocessed tokens, so aliases, token pasting,
     digraphs, computed includes and comments change nothing; no directive can re-attribute lines to a system
     header (#line, line markers, text that reads as a marker), a workspace macro is scanned where it is
@@ -127,6 +130,9 @@ What it does NOT protect against (be honest; RL will look)
     baseline). A timing process of its own would close this; not built.
   - load from outside the policy's processes (other users of the machine) while a baseline is timed: a
     uniformly loaded machine gives a slow baseline with a small spread, and it is cached.
+  - the device's state left by earlier work: a candidate (this verdict's checks on a task's first profile, or
+    another verdict's) may keep the GPU busy for its time limits until just before a baseline is timed; a device
+    that throttles for heat would give a slow, steady baseline, and it is cached.
   - a build sees the host's files read-only (the cache root hidden): `__has_include` tells it whether a file
     exists.
 """
@@ -571,11 +577,15 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
     with tempfile.TemporaryDirectory(prefix="run-", dir=CACHE_DIR) as run, contextlib.ExitStack() as stack:
         run = Path(run)
         (run / "ref").mkdir()
-        (run / "cand" / "ext").mkdir(parents=True)
         (run / "ref" / "model.py").write_text(ref_code)
-        (run / "cand" / "model.py").write_text(ref_code)  # the task itself, which the candidate may read
-        (run / "cand" / "model_new.py").write_text(model_new)
-        shutil.copy(so_path, run / "cand" / "ext" / "cuda_extension.so")
+
+        def candidate_folder(name):  # each candidate child gets a folder of its own, made from our copies
+            (run / name / "ext").mkdir(parents=True)
+            (run / name / "model.py").write_text(ref_code)  # the task itself, which the candidate may read
+            (run / name / "model_new.py").write_text(model_new)
+            shutil.copy(so_path, run / name / "ext" / "cuda_extension.so")
+            return run / name
+
         extra, writable = compile_caches()
         # The reference's outputs load the device like a candidate does: no other verdict times a baseline meanwhile
         # (in training many rollouts of one task reach this together, and the first one's baselines are cached).
@@ -583,16 +593,20 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
         lap("reference outputs")  # (the run folder's set-up counts with the reference's work)
         ref_busy.enter_context(candidate_alive(backend))
         lap("wait device")  # every wait for a device lock or the baselines' gate: bench/env_bench.py --workers
-        ref = stack.enter_context(_closing(Child(dict(common, mode="reference", reference=str(run / "ref" / "model.py"),
-                                                        seeds=check_seeds + timed_seeds, n_checks=len(check_seeds),
-                                                        budget_mb=cfg.input_budget_mb),
-                                                   run / "ref", backend, cfg, writable=writable, env=extra)))
 
-        def start_candidate(hold, within):
+        def start_reference(seeds, n_checks, outputs=True):
+            spec = dict(common, mode="reference", reference=str(run / "ref" / "model.py"), seeds=seeds, n_checks=n_checks,
+                        budget_mb=cfg.input_budget_mb, outputs=outputs)
+            return stack.enter_context(_closing(Child(spec, run / "ref", backend, cfg, writable=writable, env=extra)))
+
+        ref = start_reference(check_seeds + timed_seeds, len(check_seeds))
+
+        def start_candidate(hold, within, folder="cand"):
             within.enter_context(hold)  # the device, held by us and released after the child is gone
-            spec = dict(common, mode="candidate", reference=str(run / "cand" / "model.py"),
-                        model_new=str(run / "cand" / "model_new.py"), ext_dir=str(run / "cand" / "ext"), cand_dir=str(run / "cand"))
-            return within.enter_context(_closing(Child(spec, run / "cand", backend, cfg)))  # no shared cache of any kind
+            d = candidate_folder(folder)
+            spec = dict(common, mode="candidate", reference=str(d / "model.py"),
+                        model_new=str(d / "model_new.py"), ext_dir=str(d / "ext"), cand_dir=str(d))
+            return within.enter_context(_closing(Child(spec, d, backend, cfg)))  # no shared cache of any kind
 
         def drive(cand, checks: bool, timed: bool) -> bool:
             """Checks and/or timed runs of one candidate child; False when the verdict is decided (v says how)."""
@@ -625,8 +639,8 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
             return
         ref_checks, ref_timed = ref_outs[:len(check_seeds)], ref_outs[len(check_seeds):]
         lap("reference outputs")
+        ref.close()  # (its device memory is freed before any candidate run)
         if not need_baselines:  # the usual case: one child, checked and timed
-            ref.close()  # (its device memory is freed before any candidate run)
             if not drive(cand, checks=True, timed=timed) or not timed:
                 return
         else:
@@ -637,7 +651,9 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
             if not drive(cand, checks=True, timed=False):
                 return
             first.close()  # the candidate is gone, and our hold of the device with it
-            try:
+            try:  # a reference child of its own for the baselines: no outputs, only the timed sets' inputs
+                ref = start_reference(timed_seeds, 0, outputs=False)
+                ref.answer()  # ("timed_sets": the same sets as the first one drew)
                 # torch.compile compiles at its first run (seconds of CPU work): here, while the device is not held
                 with candidate_alive(backend):  # for timing and no other verdict waits on us
                     ref.ask({"op": "use", "fn": "compile"})
@@ -664,7 +680,7 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
             os.replace(tmp, base_file)
             ref.close()
             lap("baselines")
-            cand = start_candidate(candidate_alive(backend), stack)
+            cand = start_candidate(candidate_alive(backend), stack, "cand2")
             lap("wait device")
             if not drive(cand, checks=False, timed=True):
                 return

@@ -319,7 +319,7 @@ def _child_main(spec_path: str):
         n_sets = int(max(2, min(len(seeds) - n_checks, spec["budget_mb"] * 2**20 // per_set))) if len(seeds) > n_checks else 0
         send(rep_fd, {"timed_sets": n_sets})  # distinct fresh input sets for timing, within the memory budget
         with torch.no_grad():  # every output the parent will compare against, before any candidate run
-            for seed in seeds[:n_checks + n_sets]:
+            for seed in seeds[:n_checks + n_sets] if spec.get("outputs", True) else []:  # (none: a baselines' child)
                 blobs = []
                 send(rep_fd, pack(model(*inputs_for(seed)), blobs), blobs)
         fns = {"eager": model}

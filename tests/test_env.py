@@ -945,29 +945,37 @@ def spy_children(monkeypatch):
         events.append(("time", child.mode))
         return real_timed(child, *a, **k)
 
+    def ask(self, cmd, **kw):
+        events.append(("ask", self.mode, id(self)))
+        return real_ask(self, cmd, **kw)
+
+    real_ask = env.Child.ask
     monkeypatch.setattr(env.Child, "__init__", init)
     monkeypatch.setattr(env.Child, "close", close)
+    monkeypatch.setattr(env.Child, "ask", ask)
     monkeypatch.setattr(env, "timed_runs", timed)
     return events
 
 
 def test_baselines_are_timed_while_no_candidate_lives(tmp_path, monkeypatch):
     """A task's first profile checks the candidate, stops its child, times the baselines with no candidate alive,
-    then times a fresh child of the candidate."""
+    then times a fresh child of the candidate. No child that holds reference outputs lives while a candidate runs."""
     events = spy_children(monkeypatch)
     nonce = f"\n# baseline nonce {os.urandom(8).hex()}\n"  # a reference never seen: its baselines are measured now
     ws = make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)"))
     (ws / "model.py").write_text(RELU + nonce)
     v = env.evaluate(ws, backend="cpu")
     assert v.correct and v.eager_ms and v.compile_ms and v.runtime_ms, v.summary()
-    alive = set()
+    alive = {"candidate": set(), "reference": set()}
     for e in events:
-        if e[:2] == ("start", "candidate"):
-            alive.add(e[2])
-        elif e[:2] == ("end", "candidate"):
-            alive.discard(e[2])
+        if e[0] == "start":
+            alive[e[1]].add(e[2])
+        elif e[0] == "end":
+            alive[e[1]].discard(e[2])
         elif e == ("time", "reference"):
-            assert not alive, events
+            assert not alive["candidate"], events
+        elif e[:2] == ("ask", "candidate"):
+            assert not alive["reference"], events
     ref_times = [i for i, e in enumerate(events) if e == ("time", "reference")]
     cand_times = [i for i, e in enumerate(events) if e == ("time", "candidate")]
     assert len(ref_times) == 2 and len(cand_times) == 1 and cand_times[0] > max(ref_times), events
