@@ -651,11 +651,13 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
             if not drive(cand, checks=True, timed=False):
                 return
             first.close()  # the candidate is gone, and our hold of the device with it
-            try:  # a reference child of its own for the baselines: no outputs, only the timed sets' inputs
-                ref = start_reference(timed_seeds, 0, outputs=False)
-                ref.answer()  # ("timed_sets": the same sets as the first one drew)
+            try:
                 # torch.compile compiles at its first run (seconds of CPU work): here, while the device is not held
                 with candidate_alive(backend):  # for timing and no other verdict waits on us
+                    # a reference child of its own for the baselines: no outputs, only the timed sets' inputs
+                    ref = start_reference(timed_seeds, 0, outputs=False)
+                    if ref.answer()[0]["timed_sets"] != len(timed_seeds):
+                        raise ValueError("the baselines' reference drew other input sets")
                     ref.ask({"op": "use", "fn": "compile"})
                     ref.ask({"op": "load", "seed": timed_seeds[0]})
                     ref.ask({"op": "run"})

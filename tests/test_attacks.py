@@ -555,7 +555,7 @@ def test_attack_reference_outputs_are_not_computed_while_a_baseline_is_timed(tmp
     (ws / "model.py").write_text(RELU + f"\n# baseline nonce {os.urandom(8).hex()}\n")  # baselines measured in this verdict
     v = env.evaluate(ws, backend="cpu")
     assert v.correct and v.eager_ms, v.summary()
-    assert seen == ["held"], seen
+    assert seen and set(seen) == {"held"}, seen  # (a task's first profile starts two: outputs, then baselines)
 
 
 # A kernel that takes the protocol over before the harness ever replies (at import: a forged "ready", then every command
