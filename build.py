@@ -166,6 +166,18 @@ def workspace_includes(src: Path, root: Path) -> list:
     return [f"-I{src.parent}", f"-I{root}", f"-I{root}/kernels"]
 
 
+def same_host_text(compiled: Path, scanned: Path) -> bool:
+    """Whether nvcc's own host preprocessing (kept with --keep) is the text the scan read. nvcc preprocesses a .cu
+    again when it compiles it, and what a directive sees may differ by then: `__has_include` of a file that exists
+    only while nvcc runs (its temporary files, another process's /proc entry) chose code no scan read. The scan's
+    text has every #define and #undef in it (-dD): those lines, line markers and blank lines are set aside."""
+    if not compiled.is_file() or not scanned.is_file():
+        return False
+    skip = re.compile(r'#\s*(\d+\s+"|define\s|undef\s)')
+    text = lambda path: [l for l in path.read_text(errors="replace").split("\n") if l.strip() and not skip.match(l)]
+    return text(compiled) == text(scanned)
+
+
 _PCH_FAILED: set = set()
 
 # What a binding file costs to compile is mostly per-file work that torch's headers cause even precompiled (template
@@ -410,8 +422,11 @@ def _build(files: dict, backend: str, timeout: float, light: bool) -> Build:
                     return
                 src, pre, part = tmp / p, tmp / f"{keys[p]}.ii", tmp / f"{keys[p]}.o.part"
                 # A .cpp compiles from the text just scanned (no second preprocessing); nvcc runs its own passes.
-                cmd = [*tc["nvcc"], *workspace_includes(src, tmp), "-c", str(src)] if p.endswith(".cu") \
-                    else [*tc["cxx"], "-x", "c++-cpp-output", "-c", str(pre)]
+                keep = tmp / f"{keys[p]}.keep"  # nvcc's intermediate files, its host pass's text among them
+                cmd = [*tc["nvcc"], *workspace_includes(src, tmp), "--keep", "--keep-dir", str(keep), "-c", str(src)] \
+                    if p.endswith(".cu") else [*tc["cxx"], "-x", "c++-cpp-output", "-c", str(pre)]
+                if p.endswith(".cu"):
+                    keep.mkdir()
 
                 def run():
                     return run_sandboxed([*cmd, "-o", str(part)], tmp, left(), mem_gb=None,
@@ -431,6 +446,10 @@ def _build(files: dict, backend: str, timeout: float, light: bool) -> Build:
                 if r.returncode != 0 or not part.exists():
                     why = f"compilation of {p} {r.crash}" if r.crash else f"{p} failed to compile"
                     errors.append(f"{why}:\n{error_excerpt(r.stderr + r.stdout)}")
+                    return
+                if p.endswith(".cu") and not same_host_text(keep / f"{src.stem}.cpp4.ii", pre):
+                    violations.append(f"{p}: the host code nvcc compiled is not the text that was scanned (it reads a "
+                                      "file that exists only while compiling, or one that changed)")
                     return
                 with state:  # into the cache now if every scan of the build has passed (the usual case: a binding
                     if scanned.is_set() and accepted():  # file's compile outlasts every scan), else at the end

@@ -276,6 +276,24 @@ def test_a_cu_include_resolves_in_the_compile_as_in_the_scan():
     assert "never_scanned_text" not in b.log and "kernels/op.cu" in b.rebuilt, b.log
 
 
+def test_a_cu_whose_compiled_text_differs_from_the_scanned_one_is_refused(monkeypatch):
+    """What a directive sees may differ between the scan's preprocessing and nvcc's own (`__has_include` of a file
+    that exists only while nvcc runs: its temporary files, a /proc entry): nvcc's host text, kept with --keep, must
+    be the scanned text. Here the scan alone gets a -D flag, so an #ifdef picks code only the compile reads."""
+    if shutil.which(builder.toolchain("cuda")["nvcc"][0]) is None:
+        pytest.skip("no nvcc")
+    real = builder.preprocess
+    monkeypatch.setattr(builder, "preprocess", lambda tc, src, out, timeout, pch=None: real(
+        dict(tc, nvcc_pp=[*tc["nvcc_pp"], "-DSCAN_ONLY"]) if src.suffix == ".cu" else tc, src, out, timeout, pch))
+    nonce = os.urandom(8).hex()
+    files = {"kernels/op.cu": f"#ifdef SCAN_ONLY\nint scanned_{nonce}() {{ return 1; }}\n#else\n"
+                              f"int compiled_{nonce}() {{ return 2; }}\n#endif\n",
+             "binding.cpp": "#include <pybind11/pybind11.h>\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}\n"}
+    b = env.build(files, "cuda")
+    assert not b.ok and any("not the text that was scanned" in x for x in b.violations), b.log
+    assert "kernels/op.cu" not in b.rebuilt, b.rebuilt
+
+
 def test_a_refused_build_caches_none_of_its_objects():
     """Sources compile before every scan of the build is in, but an object enters the cache only once they all
     passed: a build that one source's violation refuses reports nothing compiled and leaves nothing to reuse."""
