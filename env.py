@@ -81,7 +81,9 @@ What the sandbox protects against (sandbox.py has the layers)
     digraphs, computed includes and comments change nothing; no directive can re-attribute lines to a system
     header (#line, line markers, text that reads as a marker), a workspace macro is scanned where it is
     defined even when only a header expands it, and what the linked module imports and executes is checked
-    whatever the source looked like.
+    whatever the source looked like. What is compiled is what was scanned: a .cpp compiles from the scanned
+    text; nvcc preprocesses a .cu again, and its host text (kept with --keep) must equal the scanned one, so a
+    directive that sees a file existing only while compiling (`__has_include`) chooses nothing unscanned.
   - PyTorch from another thread (OpenMP workers, at::parallel_for, CUDA host callbacks): the module may import
     no PyTorch operator but allocation and views, so no thread has one to call.
 
