@@ -467,7 +467,7 @@ def _build(files: dict, backend: str, timeout: float, light: bool) -> Build:
             rebuilt.append(p)
 
         def accepted():  # every scan has passed and exactly one source defines the module: objects may be cached
-            modules = [n for q, n in has_module.items() if n]
+            modules = [n for n in has_module.values() if n]
             return not violations and not scan_errors and modules == [1]
 
         def module_error():
