@@ -684,8 +684,9 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
             os.replace(tmp, base_file)
             ref.close()
             lap("baselines")
-            cand = start_candidate(candidate_alive(backend), stack, "cand2")
+            stack.enter_context(candidate_alive(backend))
             lap("wait device")
+            cand = start_candidate(contextlib.nullcontext(), stack, "cand2")  # (the hold above is released after it)
             if not drive(cand, checks=False, timed=True):
                 return
         v.eager_ms, v.compile_ms = cached["eager_ms"], cached["compile_ms"]
