@@ -401,8 +401,49 @@ def model_new(code: str, steps: list[dict], backend: str) -> str:
             "        return y\n")
 
 
+# The op library: every op that PyTorch spells as a function call (torch.X / F.X) is a function op_X of the same
+# name in one fixed header, written before the kernel; arithmetic (x + 0.5, x * self.w0) stays inline. A kernel's
+# chain is then one pair of lines per op, a copy of Model.forward's line and its call:
+#     // x = F.leaky_relu(x, 0.1)
+#     v = op_leaky_relu(v, 0.1f);
+# Why: a small model copies text from its context far better than it recalls a C expression per op (the embedded
+# model, trained on 16 demonstrations, wrote the right op names with other ops' math: docs/curriculum.md).
+LIBRARY = [name for name, spec in OPS.items() if not spec["torch"].startswith("x ")]
+HEADER_PATH = {"cuda": "kernels/lib.cuh", "cpu": "kernels/lib.h"}
+
+
+def solution_files(code: str, backend: str, variant: str = "", block: int = 256) -> dict:
+    """Every file of a solution of the task `code` (workspace path -> text): binding, op library, kernel, model_new.py."""
+    steps = parse(code)
+    return {"kernels/binding.cpp": binding(backend), HEADER_PATH[backend]: header(backend),
+            f"kernels/op.{'cu' if backend == 'cuda' else 'cpp'}": kernel_source(steps, backend, variant, block),
+            "model_new.py": model_new(code, steps, backend)}
+
+
+def _signature(name: str) -> str:
+    return ", ".join(["float v"] + [f"float {k}" for k in "ab" if f"{{{k}}}" in OPS[name]["c"]])
+
+
+def header(backend: str) -> str:
+    """kernels/lib.cuh (CUDA: the library, then sums and maxima across a warp or a block) or kernels/lib.h (C++)."""
+    cuda = backend == "cuda"
+    qual = "__device__ __forceinline__" if cuda else "static inline"
+    fns = "".join(f"{qual} float op_{n}({_signature(n)}) {{ return {OPS[n]['c'].format(a='a', b='b')}; }}\n"
+                  for n in LIBRARY)
+    return (f"// {HEADER_PATH[backend]}: the family's activations, one function per PyTorch op and of its name"
+            f"{' (reductions across threads below)' if cuda else ''}. The same text for every task.\n"
+            "#pragma once\n#include <math.h>\n\n" + fns + (REDUCE_FUNCTIONS if cuda else ""))
+
+
+def _line(st: dict) -> str:
+    """The C statement of one op: a call of the library, or the arithmetic inline."""
+    if st["op"] in LIBRARY:
+        return f"op_{st['op']}(" + ", ".join(["v"] + [c_float(st[k]) for k in "ab" if k in st]) + ")"
+    return _c(OPS[st["op"]]["c"], st)
+
+
 def _fn(name: str, steps: list[dict], plist: str, qual: str) -> str:
-    body = "".join(f"  v = {_c((OPS[st['op']])['c'], st)};  // {st['op']}\n" for st in steps)
+    body = "".join(f"  // x = {torch_line(st)}\n  v = {_line(st)};\n" for st in steps)
     return f"{qual} float {name}(float v, int64_t d{plist}) {{\n{body}  return v;\n}}\n"
 
 
@@ -439,9 +480,8 @@ def kernel_source(steps: list[dict], backend: str, variant: str = "", block: int
     chain = " -> ".join(st["op"] for st in steps)
     head = (f"// kernels/op.{'cu' if cuda else 'cpp'}: {chain}, fused into one pass. Variant {variant}"
             f"{f'/{block}' if cuda else ''}: {VARIANTS[variant]}.\n"
-            + ("#include <cstdint>\n#include <math.h>\n#include <cuda_runtime.h>\n" +
-               ('#include "reduce.cuh"\n\n' if red else "\n") if cuda else
-               "#include <cstdint>\n#include <math.h>\n#include <vector>\n\n"))
+            + ('#include <cstdint>\n#include <cuda_runtime.h>\n#include "lib.cuh"\n\n' if cuda else
+               '#include <cstdint>\n#include <vector>\n#include "lib.h"\n\n'))
     launch_sig = ('extern "C" void launch(const float* x, float* y, const float* const* params, float* scratch, '
                   'int64_t rows, int64_t cols, void* stream) {\n')
     src = head + _fn("pre", pre, plist, qual) + (_fn("post", post, plist, qual) if red else "")
@@ -476,18 +516,18 @@ def kernel_source(steps: list[dict], backend: str, variant: str = "", block: int
     stats = spec["stats"]
     out = _c(spec.get("out") or spec["result"], red)
     keeps = "out" in spec
+    note = f"x = {torch_line(red)}"  # the reduction's line of Model.forward, above its statistics
     if cuda:
-        return src + _cuda_rows(variant, block, stats, out, keeps, plist, args, unpack, launch_sig)
-    return src + _cpu_rows(variant, stats, out, keeps, args, unpack, launch_sig)
+        return src + _cuda_rows(variant, block, stats, out, keeps, plist, args, unpack, launch_sig, note)
+    return src + _cpu_rows(variant, stats, out, keeps, args, unpack, launch_sig, note)
 
 
 GRID = ("  int64_t blocks = ({n} + {block} - 1) / {block};\n"
         "  int grid = (int)(blocks < 132 * 8 ? blocks : 132 * 8);  // a few waves of blocks over the SMs\n")
-# kernels/reduce.cuh: reductions across the threads of a warp (shuffles) or of a block (shuffles, then one value per
-# warp through shared memory). Fixed text for every task: its builds are shared through the object cache.
-REDUCE_HEADER = """// kernels/reduce.cuh: sums and maxima across a warp or a block; every thread gets the result
-#pragma once
-
+# The CUDA header's second half: reductions across the threads of a warp (shuffles) or of a block (shuffles, then one
+# value per warp through shared memory); every thread gets the result.
+REDUCE_FUNCTIONS = """
+// sums and maxima across a warp or a block; every thread gets the result
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
@@ -518,9 +558,10 @@ INIT = {"sum": "0.f", "max": "-INFINITY"}
 ACC = {"sum": "{n} += {e};", "max": "{n} = fmaxf({n}, {e});"}
 
 
-def _stat_code(stats, loop: str, load: str, reduce: str, args: str, ind: str) -> str:
-    """Each statistic in turn: accumulate over the row, reduce across threads (reduce: "block"/"warp"/""), finalise."""
-    code = ""
+def _stat_code(stats, loop: str, load: str, reduce: str, args: str, ind: str, note: str) -> str:
+    """Each statistic in turn: accumulate over the row, reduce across threads (reduce: "block"/"warp"/""), finalise.
+    note: a comment line above them (the reduction's line of Model.forward)."""
+    code = f"{ind}// {note}\n"
     for name, kind, term, fin in stats:
         code += (f"{ind}float {name} = {INIT[kind]};\n{ind}{loop} {{\n{ind}  float v = pre({load}, c{args});\n"
                  f"{ind}  {ACC[kind].format(n=name, e=term)}\n{ind}}}\n")
@@ -531,7 +572,7 @@ def _stat_code(stats, loop: str, load: str, reduce: str, args: str, ind: str) ->
     return code
 
 
-def _cuda_rows(variant, block, stats, out, keeps, plist, args, unpack, launch_sig) -> str:
+def _cuda_rows(variant, block, stats, out, keeps, plist, args, unpack, launch_sig, note) -> str:
     names = [s[0] for s in stats]
     result = (f"    float v = {out};\n    y[row] = post(v, 0{args});\n")
     if variant in ("block_row", "warp_row"):
@@ -541,7 +582,7 @@ def _cuda_rows(variant, block, stats, out, keeps, plist, args, unpack, launch_si
         body = ("  int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;\n  int lane = threadIdx.x & 31;\n"
                 "  if (row >= rows) return;  // the whole warp leaves: no shuffle is missing a lane\n") if warp else \
             "  int64_t row = blockIdx.x;\n"
-        body += "  const float* xr = x + row * cols;\n" + _stat_code(stats, loop, "xr[c]", "warp" if warp else "block", args, "  ")
+        body += "  const float* xr = x + row * cols;\n" + _stat_code(stats, loop, "xr[c]", "warp" if warp else "block", args, "  ", note)
         if keeps:
             body += f"  {loop} {{\n    float v = pre(xr[c], c{args});\n    v = {out};\n    y[row * cols + c] = post(v, c{args});\n  }}\n"
         else:
@@ -553,7 +594,7 @@ def _cuda_rows(variant, block, stats, out, keeps, plist, args, unpack, launch_si
     # two kernels: statistics per row into scratch, then every element (or row) on its own
     ns = len(stats)
     body = "  int64_t row = blockIdx.x;\n  const float* xr = x + row * cols;\n" + _stat_code(
-        stats, "for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)", "xr[c]", "block", args, "  ")
+        stats, "for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)", "xr[c]", "block", args, "  ", note)
     body += "  if (threadIdx.x == 0) {\n" + "".join(f"    stats[row * {ns} + {i}] = {n};\n" for i, n in enumerate(names)) + "  }\n"
     load = "".join(f"    float {n} = stats[row * {ns} + {i}];\n" for i, n in enumerate(names))
     if keeps:
@@ -576,7 +617,7 @@ def _cuda_rows(variant, block, stats, out, keeps, plist, args, unpack, launch_si
             f"  apply<<<grid, {block}, 0, (cudaStream_t)stream>>>(x, y, scratch{args}, {n}, cols);\n}}\n")
 
 
-def _cpu_rows(variant, stats, out, keeps, args, unpack, launch_sig) -> str:
+def _cpu_rows(variant, stats, out, keeps, args, unpack, launch_sig, note) -> str:
     buffered = variant == "row_buffer"  # the chain before the reduction runs once per element into a row buffer
     ind = "      " if buffered else "    "
     loop = "for (int64_t c = 0; c < cols; ++c)"
@@ -584,7 +625,7 @@ def _cpu_rows(variant, stats, out, keeps, args, unpack, launch_sig) -> str:
     body = f"{ind}const float* xr = x + r * cols;\n"
     if buffered:
         body += f"{ind}{loop} buf[c] = pre(xr[c], c{args});\n"
-    body += _stat_code(stats, loop, "xr[c]", "", args, ind).replace(f"pre(xr[c], c{args})", val)
+    body += _stat_code(stats, loop, "xr[c]", "", args, ind, note).replace(f"pre(xr[c], c{args})", val)
     if keeps:
         body += f"{ind}{loop} {{\n{ind}  float v = {val};\n{ind}  v = {out};\n{ind}  y[r * cols + c] = post(v, c{args});\n{ind}}}\n"
     else:

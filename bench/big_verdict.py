@@ -36,7 +36,6 @@ import env  # noqa: E402
 faulthandler.dump_traceback_later(90, repeat=True)  # where this process is, every 90 s (a slow verdict says why)
 backend = env.resolve_backend(args.backend)
 window = tuple(args.window) if args.window else ((1.0, 100.0) if backend == "cuda" else (0.1, 10.0))
-ext = "cu" if backend == "cuda" else "cpp"
 work = Path(tempfile.mkdtemp(prefix="big-verdict-"))
 print(f"big_verdict | backend {backend} | window {window[0]:g}-{window[1]:g} ms | {args.tasks} tasks x {args.repeats} verdicts",
       flush=True)
@@ -51,11 +50,8 @@ for t in range(args.tasks):
     ws = work / f"task{t}"
     (ws / "kernels").mkdir(parents=True)
     (ws / "model.py").write_text(c["code"])
-    (ws / "model_new.py").write_text(E.model_new(c["code"], steps, backend))
-    (ws / "kernels" / "binding.cpp").write_text(E.binding(backend))
-    (ws / "kernels" / f"op.{ext}").write_text(E.kernel_source(steps, backend, variant))
-    if reducing:
-        (ws / "kernels" / "reduce.cuh").write_text(E.REDUCE_HEADER)
+    for path, text in E.solution_files(c["code"], backend, variant).items():
+        (ws / path).write_text(text)
     n = math.prod(c["shape"])
     print(f"  task {t}: {' -> '.join(c['ops'])}, shape {tuple(c['shape'])}, estimated eager {c['est_ms']:.2f} ms", flush=True)
     for r in range(args.repeats):

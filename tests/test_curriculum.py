@@ -3,6 +3,7 @@ every kernel variant the teacher writes is correct (CPU here, CUDA on a GPU) or 
 demonstrations score reward >= 1 through env.py and are token-exact, and the command lines work."""
 import collections
 import concurrent.futures
+import ctypes
 import http.server
 import json
 import os
@@ -115,7 +116,7 @@ def test_teacher_reads_the_conversation_from_tokens(tok):
     got_code, history = pol._state(prompt2)
     assert got_code.strip() == code.strip() and history == [(tok.decode(out[:-1]), obs)]
     name, args, _ = agent.parse_tool_call(tok.decode(pol.generate([prompt2], 4096)[0]))
-    assert (name, args["path"]) == ("write_file", "kernels/op.cpp") and "#pragma omp" in args["content"]
+    assert (name, args["path"]) == ("write_file", "kernels/lib.h") and "op_relu(float v)" in args["content"]
     cut = pol.generate([prompt2], 50)[0]  # over budget: cut like a model's output, no stop token
     assert len(cut) == 50 and cut[-1] != pol.stop[0]
     other = agent.episode_prompt({"task_id": "x", "code": code.replace("return x", "x = torch.cumsum(x, 1)\n        return x")},
@@ -156,13 +157,38 @@ def test_teachers_model_new_builds_with_allocation_ops_only(monkeypatch):
         assert m.load_state_dict(model["Model"](*model["get_init_inputs"]()).state_dict()) is not None
 
 
+def test_every_op_statement_computes_what_its_pytorch_line_does(tmp_path):
+    """Every op of the family, as the kernels spell it (a call of the op library, or arithmetic inline), compiled by
+    g++ against kernels/lib.h and run on values around every op's kinks, matches its line of Model.forward; and
+    each kernel writes that line as a comment right above the statement (what the student copies)."""
+    ops = {name: {"op": name, **dict(zip("ab", spec.get("consts", [()])[0])), **({"p": "w"} if "param" in spec else {})}
+           for name, spec in E.OPS.items()}
+    fns = "".join(f'extern "C" void f_{n}(const float* x, float* y, const float* w, int n) {{\n'
+                  f"  for (int d = 0; d < n; ++d) {{ float v = x[d]; y[d] = {E._line(st)}; }}\n}}\n" for n, st in ops.items())
+    (tmp_path / "lib.h").write_text(E.header("cpu"))
+    (tmp_path / "ops.cpp").write_text('#include "lib.h"\n' + fns)
+    r = subprocess.run(["g++", "-O2", "-shared", "-fPIC", "-o", str(tmp_path / "ops.so"), str(tmp_path / "ops.cpp")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lib = ctypes.CDLL(str(tmp_path / "ops.so"))
+    x = torch.cat([torch.linspace(-25, 25, 2001), torch.randn(999)])
+    w = torch.rand(x.numel()) + 0.5
+    for name, st in ops.items():
+        y = torch.empty_like(x)
+        getattr(lib, f"f_{name}")(*(ctypes.c_void_p(t.data_ptr()) for t in (x, y, w)), ctypes.c_int(x.numel()))
+        ref = eval(E.torch_line(st), {"torch": torch, "F": torch.nn.functional, "x": x, "self": type("M", (), {"w": w})})
+        torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        src = E.kernel_source([st], "cpu")
+        assert f"  // x = {E.torch_line(st)}\n  v = {E._line(st)};\n" in src, name
+    assert "op_" in E._line(ops["gelu_tanh"]) and "op_" not in E._line(ops["mul_param"])
+
+
 def test_every_cpu_variant_is_correct(tasks):
     """Every CPU kernel variant of each task kind passes env.py's 5 checks (the binding is built once: cached)."""
     for t in tasks:
         steps = E.parse(t["code"])
         for v in E.VARIANTS_FOR[("cpu", kind(steps) != "elementwise")]:
-            files = {"kernels/binding.cpp": E.binding("cpu"), "kernels/op.cpp": E.kernel_source(steps, "cpu", v),
-                     "model_new.py": E.model_new(t["code"], steps, "cpu")}
+            files = E.solution_files(t["code"], "cpu", v)
             verdict = agent.score_files(files, t, "cpu", stage="verify")
             assert verdict.correct and not verdict.violations, (t["ops"], v, verdict.summary())
 
@@ -171,13 +197,16 @@ def test_every_cpu_variant_is_correct(tasks):
 def test_teacher_demonstrations_score_reward_and_are_token_exact(tasks, tok, tmp_path):
     pol = teacher.ScriptedTeacher(tok, "cpu", seed=1)
     # eval_timeout: torch.compile of the reference on a loaded 2-core machine can take minutes
-    demos, eps = teacher.make_demos(pol, tasks, "cpu", tmp_path, samples=1, progress=False, eval_timeout=900)
+    # max_context: this byte-level tokenizer spends a token per character (3x SmolLM2's)
+    demos, eps = teacher.make_demos(pol, tasks, "cpu", tmp_path, samples=1, progress=False, eval_timeout=900,
+                                    max_context=32768)
     assert len(eps) == 3 and all(ep["reward"] >= 1 for ep in eps), [(ep["ops"], ep["verdict"]) for ep in eps]
+    assert all(ep["end_reason"] == "finish" for ep in eps), [ep["end_reason"] for ep in eps]
     assert len(demos) == 3 and len(agent.load_episodes(tmp_path / "demos.jsonl")) == 3
     stop = pol.stop[0]
     for ep in eps:
         tools = [t["tool"] for t in ep["turns"]]
-        assert tools[:6] == ["write_file", "write_file", "write_file", "compile", "verify", "profile"]
+        assert tools[:7] == ["write_file"] * 4 + ["compile", "verify", "profile"]
         assert tools[-1] == "finish" and ep["finished"] and ep["malformed_calls"] == 0
         assert sum(ep["loss_mask"]) == sum(t["end"] - t["start"] for t in ep["turns"])
         for t in ep["turns"]:  # the model's tokens are the tool-call text the loop parsed, ending with the stop token
@@ -209,9 +238,9 @@ def test_teacher_script_keeps_the_fastest_variant():
             break
         o = obs["profile"].pop(0) if name == "profile" else obs.get(name, "wrote")
         text = gen.send(o)
-    assert [c[0] for c in calls] == ["write_file"] * 3 + ["compile", "verify", "profile", "write_file", "profile",
+    assert [c[0] for c in calls] == ["write_file"] * 4 + ["compile", "verify", "profile", "write_file", "profile",
                                                           "write_file", "finish"]
-    assert calls[-2][1]["content"] == calls[1][1]["content"] and "Variant flat" in calls[-2][1]["content"]
+    assert calls[-2][1]["content"] == calls[2][1]["content"] and "Variant flat" in calls[-2][1]["content"]
     assert "flat is correct, 1 ms (2.0x eager" in text
 
 
@@ -233,9 +262,7 @@ def test_cli_agent_teacher(tasks, tok, tmp_path):
 def serve_teacher_files(code: str):
     """A fake chat server (test_agent.FakeOpenAI) whose structured tool calls write the scripted teacher's files for
     the task `code`, then verify and finish. Returns (server, files); the caller shuts the server down."""
-    steps = E.parse(code)
-    files = {"kernels/binding.cpp": E.binding("cpu"), "kernels/op.cpp": E.kernel_source(steps, "cpu", "rows"),
-             "model_new.py": E.model_new(code, steps, "cpu")}
+    files = E.solution_files(code, "cpu", "rows")
     FakeOpenAI.script = [structured("write_file", i, path=p, content=c) for i, (p, c) in enumerate(files.items())] + \
         [{"content": "Check it. " + teacher.call("", "verify").strip()}, structured("finish", 4)]
     FakeOpenAI.requests = []
@@ -261,9 +288,9 @@ def test_cli_agent_teacher_url_on_loopback_server(tasks, tok, tmp_path):
         srv.shutdown()
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout.strip().splitlines()[-1])
-    assert summary["reward"] >= 1 and summary["turns"] == 5 and summary["malformed_calls"] == 0, r.stdout[-3000:]
+    assert summary["reward"] >= 1 and summary["turns"] == 6 and summary["malformed_calls"] == 0, r.stdout[-3000:]
     req = FakeOpenAI.requests
-    assert len(req) == 5 and "<tool_response>\nwrote kernels/binding.cpp" in req[1]["body"]["messages"][-1]["content"]
+    assert len(req) == 6 and "<tool_response>\nwrote kernels/binding.cpp" in req[1]["body"]["messages"][-1]["content"]
     ep = agent.load_episodes(tmp_path / "run" / "trajectories.jsonl")[0]
     first = tok.decode(ep["tokens"][ep["turns"][0]["start"]:ep["turns"][0]["end"]])
     assert json.loads(first.split("<tool_call>")[1].split("</tool_call>")[0])["arguments"]["content"] == files["kernels/binding.cpp"]
@@ -296,7 +323,7 @@ def test_every_cuda_variant_compiles_with_nvcc(tmp_path):
     nvcc = build.toolchain("cuda")["nvcc"]
     if shutil.which(nvcc[0]) is None:
         pytest.skip("no nvcc")
-    (tmp_path / "reduce.cuh").write_text(E.REDUCE_HEADER)
+    (tmp_path / "lib.cuh").write_text(E.header("cuda"))
     jobs = []
     for c in [find(lambda s: kind(s) == k and len(s) >= 2, "cuda", (1.0, 100.0)) for k in ("elementwise", "rowwise", "reducing")]:
         steps = E.parse(c["code"])
@@ -325,10 +352,7 @@ def test_cuda_variants_score_on_gpu(tok, tmp_path):
         steps = E.parse(t["code"])
         variants = E.VARIANTS_FOR[("cuda", kind(steps) != "elementwise")]
         for v, block in [(variants[0], b) for b in E.BLOCKS] + [(v, 256) for v in variants[1:]]:
-            files = {"kernels/binding.cpp": E.binding("cuda"), "kernels/op.cu": E.kernel_source(steps, "cuda", v, block),
-                     "model_new.py": E.model_new(t["code"], steps, "cuda")}
-            if kind(steps) != "elementwise":
-                files["kernels/reduce.cuh"] = E.REDUCE_HEADER
+            files = E.solution_files(t["code"], "cuda", v, block)
             vd = agent.score_files(files, t, "cuda", stage="profile")
             print(f"{' -> '.join(t['ops'])} {t['code'].split('DIM = ')[1].split()[0]} cols | {v}/{block} | reward "
                   f"{vd.reward:+d} | {vd.runtime_ms} ms | eager {vd.speedup_eager}x | compile {vd.speedup_compile}x")
