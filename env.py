@@ -161,8 +161,8 @@ import torch
 
 import scan
 from build import HEADER_EXT, SOURCE_EXT, build, error_excerpt, toolchain_id_light  # noqa: F401  (env.build: step 3)
-from protocol import (CHILD_ENV, PIPE_BYTES, Child, ChildError, ChildTimeout, _child_main, median, recv,  # noqa: F401
-                      sample_of, send, spread, timed_runs, unpack)  # steps 4-5 (env.Child, env.timed_runs ...)
+from protocol import (CHILD_ENV, PIPE_BYTES, Child, ChildError, ChildTimeout, ReplyTooLarge, _child_main,  # noqa: F401
+                      median, recv, sample_of, send, spread, timed_runs, unpack)  # steps 4-5 (env.Child, env.timed_runs ...)
 from scan import ALLOWED_OPS, IMPORT_OPS, INIT_OPS  # noqa: F401  (env.IMPORT_OPS: what the module may import)
 from reward import MARGIN, reward_for  # noqa: F401  (env.reward_for: the verdict's reward)
 from sandbox import (CACHE_DIR, SandboxResult, candidate_alive, file_lock, gpu_lock_path, isolation, no_candidates,
@@ -619,6 +619,10 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
                                  timed_seeds if timed else [], ref_timed, cfg, backend, lap)
             except ChildTimeout as e:
                 v.error, v.log = f"ModelNew timed out: {e}", ""
+            except ReplyTooLarge as e:  # (read no further: the reply is left unread)
+                shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in _tensors(ref_outs[0]))
+                v.error, v.log = (f"ModelNew's output is {e.nbytes:,} bytes, over the {e.limit:,} allowed (about twice "
+                                  f"the reference's output, shape {shapes}): check the shape of what forward returns"), ""
             except (EOFError, ValueError, TypeError, KeyError, AttributeError) as e:
                 dead = cand.why_dead() if not cand.thread.is_alive() or isinstance(e, EOFError) else None
                 v.error = f"ModelNew {dead}" if dead else f"the candidate process sent a malformed reply ({type(e).__name__}: {e})"

@@ -137,6 +137,14 @@ class PastDeadline(EOFError):
     """A read that found the deadline passed. Only this is a timeout: the pipe's end is a death, however early."""
 
 
+class ReplyTooLarge(ValueError):
+    """A reply that declares more bytes than the reader allows (for a candidate: an output of the wrong shape)."""
+
+    def __init__(self, nbytes: int, limit: int):
+        super().__init__(f"a reply of {nbytes} bytes, over the {limit} allowed")
+        self.nbytes, self.limit = nbytes, limit
+
+
 BLOB_ALIGN = 64  # where each blob starts in a reused buffer: a multiple of every dtype's size, as a fresh one is
 
 
@@ -157,8 +165,10 @@ def recv(fd: int, limit: int = 1 << 34, alive=None, expect: str | None = None, d
         raise ValueError("a reply that answers no command of the parent's (written by something other than the "
                          "harness, or out of step)")
     sizes = head.get("sizes", []) if isinstance(head, dict) else None
-    if not isinstance(sizes, list) or not all(isinstance(s, int) and 0 <= s for s in sizes) or sum(sizes) > limit:
+    if not isinstance(sizes, list) or not all(isinstance(s, int) and 0 <= s for s in sizes):
         raise ValueError("malformed message sizes")
+    if sum(sizes) > limit:
+        raise ReplyTooLarge(sum(sizes), limit)
     starts = [0]
     for size in sizes:
         starts.append(starts[-1] + -(-size // BLOB_ALIGN) * BLOB_ALIGN)

@@ -81,6 +81,16 @@ def test_honest_kernels_are_accepted(tmp_path, problem, body, stage):
         assert v.reward == env.reward_for(True, v.runtime_ms, v.eager_ms, v.compile_ms)
 
 
+def test_an_output_of_the_wrong_shape_is_named_in_the_error(tmp_path):
+    """An output more than twice the reference's size is refused unread; the error says so and gives the reference's
+    shape (what a policy needs to fix it), not "a malformed reply"."""
+    src = model_new("softmax", "torch.empty(x.shape[0], x.shape[1] * 8)")
+    v = env.evaluate(make_ws(tmp_path, "softmax", src), backend="cpu", stage="verify")
+    assert v.reward == -1 and not v.correct, v.summary()
+    assert "output is 4,194,304 bytes, over the 2,097,152 allowed (about twice the reference's output, shape " \
+        "(256, 512) float32)" in v.error, v.error
+
+
 # ------------------------------------------------------------------ cheats: each must get reward -1
 CHEATS = {
     # PyTorch fallback: refused by model_new.py's allow-list, or seen by the run-time dispatch monitor
@@ -1513,7 +1523,7 @@ def test_kept_memory_counts_against_the_reply_limit(monkeypatch):
         held[0] = 0
         obj, blobs = c.ask({"op": "sample", "offset": 1})
         assert torch.equal(protocol.unpack(obj, blobs), protocol.sample_of(ref, 1))
-        with pytest.raises(ValueError, match="sizes"):  # 18 x 64 KiB: within reply_limit alone, not beside the kept 64 KiB
+        with pytest.raises(ValueError, match="allowed"):  # 18 x 64 KiB: within reply_limit alone, not beside the kept 64 KiB
             c.ask({"op": "sample", "offset": 0})
     finally:
         os.close(cmd_w)
