@@ -139,7 +139,7 @@ class Config:
     # rollouts
     tasks_per_step: int = 16  # prompts per rank per step
     max_new_tokens: int = 1536  # per model turn (the teacher's longest CUDA turn is ~1,200 tokens)
-    max_turns: int = 12  # the teacher's episodes take 8-12 turns
+    max_turns: int = 12  # the teacher's episodes take 7-11 turns
     max_context: int = 8192  # SmolLM2's trained context; a longer demonstration is cut (its files are written early)
     temperature: float = 1.0
     # stage lengths
