@@ -14,8 +14,9 @@ What this module holds, top to bottom:
   2. compose_one(): sample a chain, pick a shape in the eager-time window, reject degenerate tasks, render the
      KernelBench-format module; synth.py runs its own filters on the result (--family elementwise);
   3. parse(): the chain back from a task's code (what the teacher reads);
-  4. emitters: the fixed binding, the kernel source (CUDA .cu or C++/OpenMP .cpp) in several variants, and
-     model_new.py. teacher.py writes these through the agent's tools.
+  4. emitters: the fixed binding, the fixed op library (one function per op: the kernel's chain is a copy of
+     Model.forward, a line and its call per op), the kernel source (CUDA .cu or C++/OpenMP .cpp) in several
+     variants, and model_new.py. teacher.py writes these through the agent's tools.
 
 Degenerate tasks are dropped at composition, because they would reward a wrong kernel at atol = rtol = 1e-2:
 a task whose output a constant (zeros included) matches on more than 3/4 of the elements (softmax over

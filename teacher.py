@@ -14,7 +14,8 @@ far, and it answers with token ids of the student's tokenizer, text in exactly t
 trained on like the student's own (loss on the teacher's tokens, never on the observations).
 
 ScriptedTeacher solves any task of the elementwise family (elementwise.py): it reads the chain from the task's
-code, writes the fixed binding, a fused kernel and model_new.py, compiles, verifies, profiles, then tries its
+code, writes the fixed binding, the fixed op library (elementwise.header), a fused kernel that calls it and
+model_new.py, compiles, profiles (a profile checks before it times: no verify first), then tries its
 other planned variants (naive / grid-stride / float4 / block sizes; block- or warp-per-row / two kernels for
 reductions; OpenMP flat / by rows / with a row buffer on CPU) and keeps the fastest. The plan (which variants,
 in which order) is drawn per episode, so demonstrations differ in speed and RL has something left to find.
