@@ -321,8 +321,9 @@ def params(steps: list[dict]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------
-# 4. Emitters. One fixed binding per backend and one fixed header of CUDA reductions (their builds are cached once for
-# all tasks: env.py's object cache is keyed by content), one kernel source per (task, variant), one model_new.py per task.
+# 4. Emitters. One fixed binding and one fixed op library per backend (the same text for every task, so the binding's
+# slow build is cached once: env.py's object cache keys a source by its text and every header's), one kernel source per
+# (task, variant), one model_new.py per task.
 #   launch(x, y, params, scratch, rows, cols, stream): y = chain(x) over rows of `cols` values; scratch holds
 #   per-row statistics (the two-kernel variant) and is allocated by model_new.py.
 # ----------------------------------------------------------------------------------------------
@@ -410,6 +411,7 @@ def model_new(code: str, steps: list[dict], backend: str) -> str:
 # Why: a small model copies text from its context far better than it recalls a C expression per op (the embedded
 # model, trained on 16 demonstrations, wrote the right op names with other ops' math: docs/curriculum.md).
 LIBRARY = [name for name, spec in OPS.items() if not spec["torch"].startswith("x ")]
+assert not any("param" in OPS[n] for n in LIBRARY), "a library function takes scalars only (_line passes no {p})"
 HEADER_PATH = {"cuda": "kernels/lib.cuh", "cpu": "kernels/lib.h"}
 
 
@@ -431,8 +433,8 @@ def header(backend: str) -> str:
     qual = "__device__ __forceinline__" if cuda else "static inline"
     fns = "".join(f"{qual} float op_{n}({_signature(n)}) {{ return {OPS[n]['c'].format(a='a', b='b')}; }}\n"
                   for n in LIBRARY)
-    return (f"// {HEADER_PATH[backend]}: the family's activations, one function per PyTorch op and of its name"
-            f"{' (reductions across threads below)' if cuda else ''}. The same text for every task.\n"
+    return (f"// {HEADER_PATH[backend]}: op_X(v, ...) computes PyTorch's X (F.gelu(x, approximate='tanh'): op_gelu_tanh)"
+            f"{'; reductions across threads below' if cuda else ''}. The same text for every task.\n"
             "#pragma once\n#include <math.h>\n\n" + fns + (REDUCE_FUNCTIONS if cuda else ""))
 
 
@@ -562,7 +564,7 @@ ACC = {"sum": "{n} += {e};", "max": "{n} = fmaxf({n}, {e});"}
 def _stat_code(stats, loop: str, load: str, reduce: str, args: str, ind: str, note: str) -> str:
     """Each statistic in turn: accumulate over the row, reduce across threads (reduce: "block"/"warp"/""), finalise.
     note: a comment line above them (the reduction's line of Model.forward)."""
-    code = f"{ind}// {note}\n"
+    code = f"{ind}// {note}: its statistics over the row\n"
     for name, kind, term, fin in stats:
         code += (f"{ind}float {name} = {INIT[kind]};\n{ind}{loop} {{\n{ind}  float v = pre({load}, c{args});\n"
                  f"{ind}  {ACC[kind].format(n=name, e=term)}\n{ind}}}\n")
@@ -575,7 +577,7 @@ def _stat_code(stats, loop: str, load: str, reduce: str, args: str, ind: str, no
 
 def _cuda_rows(variant, block, stats, out, keeps, plist, args, unpack, launch_sig, note) -> str:
     names = [s[0] for s in stats]
-    result = (f"    float v = {out};\n    y[row] = post(v, 0{args});\n")
+    result = (f"    // {note}\n    float v = {out};\n    y[row] = post(v, 0{args});\n")
     if variant in ("block_row", "warp_row"):
         warp = variant == "warp_row"
         step, first = ("32", "lane") if warp else ("blockDim.x", "threadIdx.x")
@@ -585,7 +587,8 @@ def _cuda_rows(variant, block, stats, out, keeps, plist, args, unpack, launch_si
             "  int64_t row = blockIdx.x;\n"
         body += "  const float* xr = x + row * cols;\n" + _stat_code(stats, loop, "xr[c]", "warp" if warp else "block", args, "  ", note)
         if keeps:
-            body += f"  {loop} {{\n    float v = pre(xr[c], c{args});\n    v = {out};\n    y[row * cols + c] = post(v, c{args});\n  }}\n"
+            body += (f"  {loop} {{\n    float v = pre(xr[c], c{args});\n    // {note}\n    v = {out};\n"
+                     f"    y[row * cols + c] = post(v, c{args});\n  }}\n")
         else:
             body += f"  if ({first} == 0) {{\n" + result + "  }\n"
         grid = f"(rows + {block // 32 - 1}) / {block // 32}" if warp else "rows"
@@ -603,7 +606,7 @@ def _cuda_rows(variant, block, stats, out, keeps, plist, args, unpack, launch_si
                   "int64_t n, int64_t cols) {\n"
                   "  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {\n"
                   "    int64_t row = i / cols, c = i % cols;\n" + load +
-                  f"    float v = pre(x[i], c{args});\n    v = {out};\n    y[i] = post(v, c{args});\n  }}\n}}\n")
+                  f"    float v = pre(x[i], c{args});\n    // {note}\n    v = {out};\n    y[i] = post(v, c{args});\n  }}\n}}\n")
         n = "rows * cols"
     else:
         second = (f"__global__ void apply(const float* __restrict__ x, float* __restrict__ y, const float* __restrict__ stats{plist}, "
@@ -628,9 +631,10 @@ def _cpu_rows(variant, stats, out, keeps, args, unpack, launch_sig, note) -> str
         body += f"{ind}{loop} buf[c] = pre(xr[c], c{args});\n"
     body += _stat_code(stats, loop, "xr[c]", "", args, ind, note).replace(f"pre(xr[c], c{args})", val)
     if keeps:
-        body += f"{ind}{loop} {{\n{ind}  float v = {val};\n{ind}  v = {out};\n{ind}  y[r * cols + c] = post(v, c{args});\n{ind}}}\n"
+        body += (f"{ind}{loop} {{\n{ind}  float v = {val};\n{ind}  // {note}\n{ind}  v = {out};\n"
+                 f"{ind}  y[r * cols + c] = post(v, c{args});\n{ind}}}\n")
     else:
-        body += f"{ind}{{\n{ind}  float v = {out};\n{ind}  y[r] = post(v, 0{args});\n{ind}}}\n"
+        body += f"{ind}{{\n{ind}  // {note}\n{ind}  float v = {out};\n{ind}  y[r] = post(v, 0{args});\n{ind}}}\n"
     if buffered:
         return ("\n" + launch_sig + unpack + "  #pragma omp parallel\n  {\n    std::vector<float> buf(cols);  // one per thread\n"
                 "    #pragma omp for\n    for (int64_t r = 0; r < rows; ++r) {\n" + body + "    }\n  }\n}\n")

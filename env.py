@@ -621,8 +621,9 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
                 v.error, v.log = f"ModelNew timed out: {e}", ""
             except ReplyTooLarge as e:  # (read no further: the reply is left unread)
                 shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in _tensors(ref_outs[0]))
-                v.error, v.log = (f"ModelNew's output is {e.nbytes:,} bytes, over the {e.limit:,} allowed (about twice "
-                                  f"the reference's output, shape {shapes}): check the shape of what forward returns"), ""
+                v.error, v.log = (f"a reply of the candidate is {e.nbytes:,} bytes, over the {e.limit:,} it may send (its "
+                                  f"outputs may take about twice the reference's, shape {shapes}): check the shape of "
+                                  f"what forward returns"), ""
             except (EOFError, ValueError, TypeError, KeyError, AttributeError) as e:
                 dead = cand.why_dead() if not cand.thread.is_alive() or isinstance(e, EOFError) else None
                 v.error = f"ModelNew {dead}" if dead else f"the candidate process sent a malformed reply ({type(e).__name__}: {e})"

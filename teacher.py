@@ -148,7 +148,7 @@ def script(code: str, backend: str, plan: list):
            "every element" if red else "no reduction, so one fused kernel reads x once and writes y once")
     yield call(f"The reference computes {chain} on x of shape ({', '.join(f'{n}={v}' for n, v in shape)}): {how}. "
                f"Layout: a fixed binding (kernels/binding.cpp: checks, raw pointers, one call of launch), the op library "
-               f"({E.HEADER_PATH[backend]}), and the chain in {op_path}, one Model.forward line and its call per op. "
+               f"({E.HEADER_PATH[backend]}), and the chain in {op_path}: per op, its Model.forward line and its C. "
                f"Variants to try, in order: {plan_text(plan, backend)}.",
                "write_file", path="kernels/binding.cpp", content=E.binding(backend))
     yield call("The op library: one function per PyTorch op of the family, of the op's name (F.silu -> op_silu)"
@@ -164,9 +164,9 @@ def script(code: str, backend: str, plan: list):
         if i == 0:
             ps = E.params(steps)
             keeps = red is None or "out" in E.REDUCTIONS[red["op"]]
-            shape = "x's shape" if keeps else f"one value per row ({E.torch_line(red)} removes the last dimension)"
+            y_shape = "x's shape" if keeps else f"one value per row ({E.torch_line(red)} removes the last dimension)"
             yield call(f"model_new.py keeps Model's constructor and passes {', '.join(ps) if ps else 'no parameters'} to "
-                       f"the kernel; it allocates y of {shape}{' and per-row statistics' if red else ''}.",
+                       f"the kernel; it allocates y of {y_shape}{' and per-row statistics' if red else ''}.",
                        "write_file", path="model_new.py", content=E.model_new(code, steps, backend))
             obs = yield call("Compile.", "compile")
             if not obs.startswith("compiled OK"):

@@ -87,8 +87,8 @@ def test_an_output_of_the_wrong_shape_is_named_in_the_error(tmp_path):
     src = model_new("softmax", "torch.empty(x.shape[0], x.shape[1] * 8)")
     v = env.evaluate(make_ws(tmp_path, "softmax", src), backend="cpu", stage="verify")
     assert v.reward == -1 and not v.correct, v.summary()
-    assert "output is 4,194,304 bytes, over the 2,097,152 allowed (about twice the reference's output, shape " \
-        "(256, 512) float32)" in v.error, v.error
+    assert "a reply of the candidate is 4,194,304 bytes, over the 2,097,152 it may send (its outputs may take about " \
+        "twice the reference's, shape (256, 512) float32)" in v.error, v.error
 
 
 # ------------------------------------------------------------------ cheats: each must get reward -1
@@ -1470,7 +1470,7 @@ def test_kept_memory_counts_against_the_reply_limit(monkeypatch):
     """reply_limit bounds what a candidate's replies make the parent hold at once ("a candidate cannot exhaust our
     memory"). A judged whole output stays in the Child's kept memory through the timed runs (Child.ask(reuse=True)),
     so a "sample" reply (a tuple of many small outputs, each sampled whole, packed by the real harness with the right
-    nonce) may bring only what the limit leaves beside it: more is a malformed reply, refused before it is read (red
+    nonce) may bring only what the limit leaves beside it: more is refused before it is read (protocol.ReplyTooLarge; red
     team: it held reply_limit + one whole output). An honest sample still passes."""
     import threading
     import torch
