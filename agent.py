@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import elementwise
 import env
 from engine import FastEngine
 from tasks import load_problem
@@ -96,13 +97,31 @@ def cut_after_call(tokenizer, out: list, stop_ids=()) -> int:
 # ----------------------------------------------------------------------------------------------
 # Prompts and the chat template
 # ----------------------------------------------------------------------------------------------
+def library_note(task: dict, backend: str) -> str:
+    """The task message's sentence on the op library, after a space, for a task of the elementwise curriculum (its
+    workspace starts with the library: new_workspace); "" for any other task."""
+    backend = env.resolve_backend(backend)
+    return " " + elementwise.provided_note(backend) if elementwise.provided_files(task["code"], backend) else ""
+
+
 def task_message(task: dict, backend: str) -> str:
     where = "a CUDA GPU (write kernels/*.cu + a binding .cpp)" if backend == "cuda" else \
         "the CPU backend (write one kernels/*.cpp with OpenMP; .cu files are ignored)"
     return (f"Task {task.get('task_id', '')}: make ModelNew faster than torch.compile on {where}. "
             f"The reference is in model.py:\n```python\n{task['code'].rstrip()}\n```\n"
-            "model_new.py holds a starter ModelNew that calls cuda_extension.forward(inputs..., *parameters). "
-            "Write the kernel, then compile(), verify(), profile(), and finish() when it is correct and fast.")
+            "model_new.py holds a starter ModelNew that calls cuda_extension.forward(inputs..., *parameters)."
+            f"{library_note(task, backend)} Write the kernel, then compile(), verify(), profile(), and finish() when it "
+            "is correct and fast.")
+
+
+def new_workspace(path, task: dict, backend: str) -> Path:
+    """env.py's scaffold (model.py, a starter model_new.py, kernels/), plus the files a task of the elementwise
+    curriculum starts with (its op library: elementwise.provided_files)."""
+    backend = env.resolve_backend(backend)
+    ws = env.new_workspace(path, task["code"], backend)
+    for rel, text in elementwise.provided_files(task["code"], backend).items():
+        (ws / rel).write_text(text)
+    return ws
 
 
 def tools_in_template(tokenizer) -> bool:
@@ -139,7 +158,9 @@ def single_turn_messages(task: dict, backend: str = "cuda") -> list:
     sys_text = SKILL.strip() + ("\n\n# Answer format\nNo tools in this mode: answer with complete files, each in a fenced "
                                 "block whose first line names it, e.g.\n```python\n# file: model_new.py\n...\n```\n"
                                 f"```cpp\n// file: {ext.split(' and ')[0]}\n...\n```")
-    user = task_message(task, backend).split("model_new.py holds")[0] + f"Write model_new.py and {ext}."
+    note = library_note(task, backend)
+    user = task_message(task, backend).split("model_new.py holds")[0] + (note.lstrip() + " " if note else "") + \
+        f"Write model_new.py and {ext}."
     return [{"role": "system", "content": sys_text}, {"role": "user", "content": user}]
 
 
@@ -440,7 +461,7 @@ def run_episodes(policy, tasks, backend="auto", max_turns=None, max_context=None
             raise env.UsageError(f"task {i} has no 'code'")
         safe = re.sub(r"[^\w.-]", "_", str(task.get("task_id", i)))[:40]
         ws = root / f"{stamp}-{i:04d}-{safe}"
-        env.new_workspace(ws, task["code"], backend)
+        new_workspace(ws, task, backend)
         ep = _new_episode(i, task, ws)
         ep["_code"] = task["code"]
         eps.append(ep)
@@ -628,7 +649,7 @@ def score_files(files: dict, task: dict, backend="auto", stage="profile", worksp
         tmp = tempfile.mkdtemp(prefix="single-")
         workspace = Path(tmp) / "ws"
     try:
-        ws = env.new_workspace(workspace, task["code"], backend).resolve()
+        ws = new_workspace(workspace, task, backend).resolve()
         for path, content in files.items():
             try:
                 p = confine(ws, path)

@@ -404,21 +404,42 @@ def model_new(code: str, steps: list[dict], backend: str) -> str:
 
 
 # The op library: every op that PyTorch spells as a function call (torch.X / F.X) is a function op_X of the same
-# name in one fixed header, written before the kernel; arithmetic (x + 0.5, x * self.w0) stays inline. A kernel's
-# chain is then one pair of lines per op, a copy of Model.forward's line and its call:
+# name in one fixed header that a workspace of this family starts with (provided_files; agent.py writes it beside
+# env.py's scaffold); arithmetic (x + 0.5, x * self.w0) stays inline. A kernel's chain is then one pair of lines per
+# op, a copy of Model.forward's line and its C:
 #     // x = F.leaky_relu(x, 0.1)
 #     v = op_leaky_relu(v, 0.1f);
 # Why: a small model copies text from its context far better than it recalls a C expression per op (the embedded
-# model, trained on 16 demonstrations, wrote the right op names with other ops' math: docs/curriculum.md).
+# model, trained on 16 demonstrations, wrote the right op names with other ops' math: docs/curriculum.md), and a
+# header the policy had to write itself would be 1,300 tokens to recall in every episode.
 LIBRARY = [name for name, spec in OPS.items() if not spec["torch"].startswith("x ")]
 assert not any("param" in OPS[n] for n in LIBRARY), "a library function takes scalars only (_line passes no {p})"
 HEADER_PATH = {"cuda": "kernels/lib.cuh", "cpu": "kernels/lib.h"}
 
 
+def provided_files(code: str, backend: str) -> dict:
+    """What a workspace of a task of this family starts with besides env.py's scaffold (path -> text): the op
+    library. {} for a task outside the family."""
+    try:
+        if not parse(code):  # (a forward that only returns: no chain of the family)
+            return {}
+    except (ValueError, SyntaxError):
+        return {}
+    return {HEADER_PATH[backend]: header(backend)}
+
+
+def provided_note(backend: str) -> str:
+    """The task message's line about the op library (agent.task_message, for a task of this family)."""
+    fns = ", ".join(f"op_{n}({_signature(n).replace('float ', '')})" for n in LIBRARY)
+    return (f"{HEADER_PATH[backend]} (provided) defines {fns}: PyTorch's op of that name on one value "
+            f"(F.gelu(x, approximate='tanh'): op_gelu_tanh)"
+            + ("; and warp_sum, warp_max, block_sum, block_max (every thread gets the result)." if backend == "cuda" else "."))
+
+
 def solution_files(code: str, backend: str, variant: str = "", block: int = 256) -> dict:
-    """Every file of a solution of the task `code` (workspace path -> text): binding, op library, kernel, model_new.py."""
+    """The files a solution of the task `code` writes (workspace path -> text): binding, kernel, model_new.py."""
     steps = parse(code)
-    return {"kernels/binding.cpp": binding(backend), HEADER_PATH[backend]: header(backend),
+    return {"kernels/binding.cpp": binding(backend),
             f"kernels/op.{'cu' if backend == 'cuda' else 'cpp'}": kernel_source(steps, backend, variant, block),
             "model_new.py": model_new(code, steps, backend)}
 

@@ -14,10 +14,10 @@ far, and it answers with token ids of the student's tokenizer, text in exactly t
 trained on like the student's own (loss on the teacher's tokens, never on the observations).
 
 ScriptedTeacher solves any task of the elementwise family (elementwise.py): it reads the chain from the task's
-code, writes the fixed binding, the fixed op library (elementwise.header), a fused kernel that calls it and
-model_new.py, compiles, profiles (a profile checks before it times: no verify first), then tries its
-other planned variants (naive / grid-stride / float4 / block sizes; block- or warp-per-row / two kernels for
-reductions; OpenMP flat / by rows / with a row buffer on CPU) and keeps the fastest. The plan (which variants,
+code, writes the fixed binding, a fused kernel that calls the op library the workspace starts with
+(elementwise.provided_files) and model_new.py, compiles, profiles (a profile checks before it times: no verify
+first), then tries its other planned variants (naive / grid-stride / float4 / block sizes; block- or warp-per-row /
+two kernels for reductions; OpenMP flat / by rows / with a row buffer on CPU) and keeps the fastest. The plan (which variants,
 in which order) is drawn per episode, so demonstrations differ in speed and RL has something left to find.
 Its memory of an episode is the conversation itself (recorded per token prefix): each turn replays the script
 on the observations so far, and the plan is read back from its own first turn.
@@ -147,13 +147,10 @@ def script(code: str, backend: str, plan: list):
     how = ("one reduction over the last dimension, so one fused kernel works row by row: statistics first, then "
            "every element" if red else "no reduction, so one fused kernel reads x once and writes y once")
     yield call(f"The reference computes {chain} on x of shape ({', '.join(f'{n}={v}' for n, v in shape)}): {how}. "
-               f"Layout: a fixed binding (kernels/binding.cpp: checks, raw pointers, one call of launch), the op library "
-               f"({E.HEADER_PATH[backend]}), and the chain in {op_path}: per op, its Model.forward line and its C. "
-               f"Variants to try, in order: {plan_text(plan, backend)}.",
+               f"Layout: a fixed binding (kernels/binding.cpp: checks, raw pointers, one call of launch) and the chain in "
+               f"{op_path}, which includes the provided op library ({E.HEADER_PATH[backend]}): per op, its Model.forward "
+               f"line and its C. Variants to try, in order: {plan_text(plan, backend)}.",
                "write_file", path="kernels/binding.cpp", content=E.binding(backend))
-    yield call("The op library: one function per PyTorch op of the family, of the op's name (F.silu -> op_silu)"
-               f"{', and sums and maxima across a warp or a block' if backend == 'cuda' else ''}; the same for every task.",
-               "write_file", path=E.HEADER_PATH[backend], content=E.header(backend))
     best, current = None, None  # best: (ms, name, source, numbers)
     for i, (v, block) in enumerate(plan):
         name = f"{v}/{block}" if backend == "cuda" else v

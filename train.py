@@ -138,8 +138,8 @@ class Config:
     teacher_model: str | None = None
     # rollouts
     tasks_per_step: int = 16  # prompts per rank per step
-    max_new_tokens: int = 1536  # per model turn (the teacher's longest CUDA turn is ~1,330 tokens)
-    max_turns: int = 12  # the teacher's episodes take 7-10 turns (12 with two retries of a failed reference)
+    max_new_tokens: int = 1536  # per model turn (the teacher's longest CUDA turn is ~1,040 tokens)
+    max_turns: int = 12  # the teacher's episodes take 6-9 turns (11 with two retries of a failed reference)
     max_context: int = 8192  # SmolLM2's trained context; a longer demonstration is cut (its files are written early)
     temperature: float = 1.0
     # stage lengths

@@ -50,7 +50,7 @@ for t in range(args.tasks):
     ws = work / f"task{t}"
     (ws / "kernels").mkdir(parents=True)
     (ws / "model.py").write_text(c["code"])
-    for path, text in E.solution_files(c["code"], backend, variant).items():
+    for path, text in {**E.provided_files(c["code"], backend), **E.solution_files(c["code"], backend, variant)}.items():
         (ws / path).write_text(text)
     n = math.prod(c["shape"])
     print(f"  task {t}: {' -> '.join(c['ops'])}, shape {tuple(c['shape'])}, estimated eager {c['est_ms']:.2f} ms", flush=True)

@@ -119,7 +119,7 @@ def kernel_figures(c, variant) -> tuple[float, float]:
     """The teacher's kernel, in a process of its own: CPython keeps the first extension module it loads under a name,
     so a second cuda_extension in this process would run the first one's code."""
     ns, model, sets = task_inputs(c)
-    files = E.solution_files(c["code"], backend, variant)
+    files = {**E.provided_files(c["code"], backend), **E.solution_files(c["code"], backend, variant)}
     b = env.build({k: x for k, x in files.items() if k != "model_new.py"}, backend)
     if not b.ok:
         raise SystemExit(f"teacher_speed.py: the {variant} kernel of {c['ops']} did not build:\n{b.log[-2000:]}")
@@ -155,7 +155,7 @@ for t, c in enumerate(tasks):
         if r.returncode != 0:
             raise SystemExit(f"teacher_speed.py: measuring the {v} kernel of {c['ops']} failed:\n{r.stderr[-3000:]}")
         kernel = tuple(json.loads(r.stdout.strip().splitlines()[-1]))
-        files = E.solution_files(c["code"], backend, v)
+        files = {**E.provided_files(c["code"], backend), **E.solution_files(c["code"], backend, v)}
         ws = work / f"t{t}-{v}"
         env.new_workspace(ws, c["code"], backend)
         for path, text in files.items():

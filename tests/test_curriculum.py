@@ -116,7 +116,7 @@ def test_teacher_reads_the_conversation_from_tokens(tok):
     got_code, history = pol._state(prompt2)
     assert got_code.strip() == code.strip() and history == [(tok.decode(out[:-1]), obs)]
     name, args, _ = agent.parse_tool_call(tok.decode(pol.generate([prompt2], 4096)[0]))
-    assert (name, args["path"]) == ("write_file", "kernels/lib.h") and "op_relu(float v)" in args["content"]
+    assert (name, args["path"]) == ("write_file", "kernels/op.cpp") and '#include "lib.h"' in args["content"]
     cut = pol.generate([prompt2], 50)[0]  # over budget: cut like a model's output, no stop token
     assert len(cut) == 50 and cut[-1] != pol.stop[0]
     other = agent.episode_prompt({"task_id": "x", "code": code.replace("return x", "x = torch.cumsum(x, 1)\n        return x")},
@@ -183,6 +183,21 @@ def test_every_op_statement_computes_what_its_pytorch_line_does(tmp_path):
     assert "op_" in E._line(ops["gelu_tanh"]) and "op_" not in E._line(ops["mul_param"])
 
 
+def test_a_task_of_the_family_starts_with_the_op_library(tasks, tmp_path):
+    """agent.py's workspaces (episodes and single-turn answers alike) of a task of the elementwise family hold the op
+    library and its prompts name it; a task outside the family (examples/relu.py: a bare return) gets neither."""
+    relu = {"task_id": "relu", "code": (ROOT / "examples" / "relu.py").read_text()}
+    for backend, lib in (("cpu", "kernels/lib.h"), ("cuda", "kernels/lib.cuh")):
+        ws = agent.new_workspace(tmp_path / f"fam-{backend}", tasks[0], backend)
+        assert (ws / lib).read_text() == E.header(backend) and (ws / "model.py").read_text() == tasks[0]["code"]
+        assert f"{lib} (provided) defines op_relu(v), op_leaky_relu(v, a)," in agent.task_message(tasks[0], backend)
+        assert f"{lib} (provided)" in agent.single_turn_messages(tasks[0], backend)[1]["content"]
+        other = agent.new_workspace(tmp_path / f"relu-{backend}", relu, backend)
+        assert list((other / "kernels").iterdir()) == []
+        assert "(provided)" not in agent.task_message(relu, backend)
+        assert "(provided)" not in agent.single_turn_messages(relu, backend)[1]["content"]
+
+
 def test_every_cpu_variant_is_correct(tasks):
     """Every CPU kernel variant of each task kind passes env.py's 5 checks (the binding is built once: cached)."""
     for t in tasks:
@@ -206,7 +221,7 @@ def test_teacher_demonstrations_score_reward_and_are_token_exact(tasks, tok, tmp
     stop = pol.stop[0]
     for ep in eps:
         tools = [t["tool"] for t in ep["turns"]]
-        assert tools[:6] == ["write_file"] * 4 + ["compile", "profile"]
+        assert tools[:5] == ["write_file"] * 3 + ["compile", "profile"]
         assert tools[-1] == "finish" and ep["finished"] and ep["malformed_calls"] == 0
         assert sum(ep["loss_mask"]) == sum(t["end"] - t["start"] for t in ep["turns"])
         for t in ep["turns"]:  # the model's tokens are the tool-call text the loop parsed, ending with the stop token
@@ -238,9 +253,9 @@ def test_teacher_script_keeps_the_fastest_variant():
             break
         o = obs["profile"].pop(0) if name == "profile" else obs.get(name, "wrote")
         text = gen.send(o)
-    assert [c[0] for c in calls] == ["write_file"] * 4 + ["compile", "profile", "write_file", "profile", "write_file",
+    assert [c[0] for c in calls] == ["write_file"] * 3 + ["compile", "profile", "write_file", "profile", "write_file",
                                                           "finish"]
-    assert calls[-2][1]["content"] == calls[2][1]["content"] and "Variant flat" in calls[-2][1]["content"]
+    assert calls[-2][1]["content"] == calls[1][1]["content"] and "Variant flat" in calls[-2][1]["content"]
     assert "flat is correct, 1 ms (2.0x eager" in text
 
 
@@ -288,9 +303,9 @@ def test_cli_agent_teacher_url_on_loopback_server(tasks, tok, tmp_path):
         srv.shutdown()
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout.strip().splitlines()[-1])
-    assert summary["reward"] >= 1 and summary["turns"] == 6 and summary["malformed_calls"] == 0, r.stdout[-3000:]
+    assert summary["reward"] >= 1 and summary["turns"] == 5 and summary["malformed_calls"] == 0, r.stdout[-3000:]
     req = FakeOpenAI.requests
-    assert len(req) == 6 and "<tool_response>\nwrote kernels/binding.cpp" in req[1]["body"]["messages"][-1]["content"]
+    assert len(req) == 5 and "<tool_response>\nwrote kernels/binding.cpp" in req[1]["body"]["messages"][-1]["content"]
     ep = agent.load_episodes(tmp_path / "run" / "trajectories.jsonl")[0]
     first = tok.decode(ep["tokens"][ep["turns"][0]["start"]:ep["turns"][0]["end"]])
     assert json.loads(first.split("<tool_call>")[1].split("</tool_call>")[0])["arguments"]["content"] == files["kernels/binding.cpp"]

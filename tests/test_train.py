@@ -538,10 +538,10 @@ def test_sft_with_teacher_url_on_loopback_server(tmp_path, elem_dataset):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "sft: fake at http://127.0.0.1:" in r.stdout and "demonstrations 1" in r.stdout, r.stdout[-3000:]
     bodies = [json.dumps(q["body"]) for q in FakeOpenAI.requests]
-    assert len(bodies) == 6 and all(json.dumps(held["code"])[1:-1] not in b for b in bodies)
+    assert len(bodies) == 5 and all(json.dumps(held["code"])[1:-1] not in b for b in bodies)
     assert json.dumps(task["code"])[1:-1] in bodies[0]
     demo = json.loads((rd / "demos.jsonl").read_text().splitlines()[0])
-    assert demo["task_id"] == "train/00000" and demo["reward"] >= 1 and demo["n_turns"] == 6
+    assert demo["task_id"] == "train/00000" and demo["reward"] >= 1 and demo["n_turns"] == 5
     rows = [json.loads(x) for x in (rd / "stages.jsonl").read_text().splitlines()]
     assert [x["stage"] for x in rows] == ["base", "sft"] and "demonstrations 1 of 1" in rows[1]["note"]
 
