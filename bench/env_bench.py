@@ -46,10 +46,9 @@ if args.workers < 0 or args.verdicts < 0:
 work = Path(tempfile.mkdtemp(prefix="env-bench-"))
 os.environ["CUDA_AGENT_CACHE"] = args.cache or str(work / "cache")  # by default a cold cache: nothing built before
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # the in-process timer, threaded as env.CHILD_ENV threads children
-import torch  # noqa: E402
 
 import env  # noqa: E402
-from workspaces import matmul_ws  # noqa: E402  (bench/)
+from workspaces import event_ms, matmul_ws  # noqa: E402  (bench/)
 
 backend = env.resolve_backend(args.backend)
 cuda = backend == "cuda"
@@ -167,25 +166,6 @@ def task_model(code):
     ns = {}
     exec(compile(code, "task", "exec"), ns)
     return ns["Model"](*ns["get_init_inputs"]()).to(dev).eval(), [x.to(dev) for x in ns["get_inputs"]()], ns
-
-
-def event_ms(model, inputs, runs=100):
-    """KernelBench's timer: CUDA events recorded on the stream around each run, median ms. The device's time for the
-    kernels of one run, without launching them from the host or learning that they ended; not what the reward uses
-    (README, "What a runtime is")."""
-    with torch.no_grad():
-        for _ in range(5):
-            model(*inputs)
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(runs):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            model(*inputs)
-            b.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b))
-    return sorted(ts)[len(ts) // 2]
 
 
 eager_1, x_1, ns = task_model(relu_1)

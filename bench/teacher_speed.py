@@ -21,7 +21,6 @@ import json
 import math
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,6 +49,7 @@ import torch  # noqa: E402
 
 import elementwise as E  # noqa: E402
 import env  # noqa: E402
+from workspaces import event_ms  # noqa: E402  (bench/)
 
 backend = env.resolve_backend(args.backend)
 cuda = backend == "cuda"
@@ -81,27 +81,10 @@ def load_extension(so_path: Path):
     return mod
 
 
-def event_ms(fn, inputs) -> float:
-    """Median of CUDA-event times around one run (after 3 warm-up runs)."""
-    with torch.no_grad():
-        for _ in range(3):
-            fn(*inputs)
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(args.runs):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn(*inputs)
-            b.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
-
-
 def measure(fn, sets) -> tuple[float, float]:
     """(events ms or nan, host ms) of fn on the task's input sets."""
     host, _ = env.time_callable(fn, sets, n_timed=args.runs, min_s=0.2, warmup=2)
-    return (event_ms(fn, sets[0]) if cuda else math.nan), host
+    return (event_ms(fn, sets[0], runs=args.runs, warmup=3) if cuda else math.nan), host
 
 
 def task_inputs(c):

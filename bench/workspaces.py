@@ -1,5 +1,6 @@
-"""The verdict task the env benches share: a naive matmul (tests/env_cases), ~1 ms on the H200 (1024^3 fp32) and
-256x512x256 on the CPU backend, with its kernel sources and a ModelNew that calls it."""
+"""What the env benches share: their verdict task, a naive matmul (tests/env_cases), ~1 ms on the H200 (1024^3 fp32)
+and 256x512x256 on the CPU backend, with its kernel sources and a ModelNew that calls it; and KernelBench's timer."""
+import statistics
 from pathlib import Path
 
 CASES = Path(__file__).resolve().parents[1] / "tests" / "env_cases"
@@ -19,3 +20,23 @@ def matmul_ws(ws: Path, cuda: bool) -> Path:
         (ws / "kernels" / "ops.cpp").write_text((CASES / "ops.cpp").read_text())
     (ws / "model_new.py").write_text(MODEL_NEW)
     return ws
+
+
+def event_ms(fn, inputs, runs: int = 100, warmup: int = 5) -> float:
+    """KernelBench's timer: CUDA events recorded on the stream around each run, median ms. The device's time for the
+    kernels of one run, without launching them from the host or learning that they ended; not what the reward uses
+    (README, "What a runtime is")."""
+    import torch
+    with torch.no_grad():
+        for _ in range(warmup):
+            fn(*inputs)
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(runs):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn(*inputs)
+            b.record()
+            torch.cuda.synchronize()
+            ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
