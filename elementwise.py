@@ -14,9 +14,9 @@ What this module holds, top to bottom:
   2. compose_one(): sample a chain, pick a shape in the eager-time window, reject degenerate tasks, render the
      KernelBench-format module; synth.py runs its own filters on the result (--family elementwise);
   3. parse(): the chain back from a task's code (what the teacher reads);
-  4. emitters: the fixed binding, the fixed op library (one function per op: the kernel's chain is a copy of
-     Model.forward, a line and its call per op), the kernel source (CUDA .cu or C++/OpenMP .cpp) in several
-     variants, and model_new.py. teacher.py writes these through the agent's tools.
+  4. emitters: the op library a workspace of this family starts with (one function per op, so that a kernel's
+     chain is a copy of Model.forward, a line and its C per op), the fixed binding, the kernel source (CUDA .cu or
+     C++/OpenMP .cpp) in several variants, and model_new.py; teacher.py writes the last three through the tools.
 
 Degenerate tasks are dropped at composition, because they would reward a wrong kernel at atol = rtol = 1e-2:
 a task whose output a constant (zeros included) matches on more than 3/4 of the elements (softmax over
@@ -431,9 +431,9 @@ def provided_files(code: str, backend: str) -> dict:
 def provided_note(backend: str) -> str:
     """The task message's line about the op library (agent.task_message, for a task of this family)."""
     fns = ", ".join(f"op_{n}({_signature(n).replace('float ', '')})" for n in LIBRARY)
+    reductions = "; and warp_sum, warp_max, block_sum, block_max (every thread gets the result)"
     return (f"{HEADER_PATH[backend]} (provided) defines {fns}: PyTorch's op of that name on one value "
-            f"(F.gelu(x, approximate='tanh'): op_gelu_tanh)"
-            + ("; and warp_sum, warp_max, block_sum, block_max (every thread gets the result)." if backend == "cuda" else "."))
+            f"(F.gelu(x, approximate='tanh'): op_gelu_tanh){reductions if backend == 'cuda' else ''}.")
 
 
 def solution_files(code: str, backend: str, variant: str = "", block: int = 256) -> dict:
@@ -540,7 +540,7 @@ def kernel_source(steps: list[dict], backend: str, variant: str = "", block: int
     stats = spec["stats"]
     out = _c(spec.get("out") or spec["result"], red)
     keeps = "out" in spec
-    note = f"x = {torch_line(red)}"  # the reduction's line of Model.forward, above its statistics
+    note = f"x = {torch_line(red)}"  # the reduction's line of Model.forward: above its statistics and its result
     if cuda:
         return src + _cuda_rows(variant, block, stats, out, keeps, plist, args, unpack, launch_sig, note)
     return src + _cpu_rows(variant, stats, out, keeps, args, unpack, launch_sig, note)
