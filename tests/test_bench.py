@@ -371,3 +371,12 @@ def test_teacher_speed_times_the_kernel_three_ways():
     host = [float(x) for x in rows[0][4].split(" / ")]  # kernel / eager / compile, this process's clock
     verdict = [float(x) for x in rows[0][5].split(" / ")]
     assert all(x > 0 for x in host + verdict) and rows[0][3] == "- / - / -", out  # no CUDA events on the CPU
+
+
+def test_ipc_probe_says_when_there_is_nothing_to_probe():
+    """bench/ipc_probe.py (run_h200.sh ipc) needs a GPU: here it says so and exits 0; a bad argument is one line."""
+    if __import__("torch").cuda.is_available():
+        pytest.skip("a GPU: the probe runs for real (run_h200.sh ipc)")
+    assert "no CUDA GPU here" in bench("ipc_probe.py", "--gib", "0.01")
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "ipc_probe.py"), "--gib", "0"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--gib must be > 0" in r.stderr
