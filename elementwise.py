@@ -517,15 +517,18 @@ def kernel_source(steps: list[dict], backend: str, variant: str = "", block: int
                     f"  int64_t n = rows * cols;\n  fused<<<(n + {block - 1}) / {block}, {block}, 0, (cudaStream_t)stream>>>(x, y{args}, n, cols);\n}}\n")
         elif variant == "grid_stride":
             src += (f"\n__global__ void fused(const float* __restrict__ x, float* __restrict__ y{plist}, int64_t n, int64_t cols) {{\n"
-                    "  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)\n"
-                    f"    y[i] = pre(x[i], i % cols{args});\n}}\n\n" + launch_sig + unpack + GRID.format(block=block, n="rows * cols") +
+                    + _stride(1) +
+                    "  for (; i < n; i += stride) {\n"
+                    f"    y[i] = pre(x[i], d{args});\n" + NEXT_D +
+                    "  }\n}\n\n" + launch_sig + unpack + GRID.format(block=block, n="rows * cols") +
                     f"  fused<<<grid, {block}, 0, (cudaStream_t)stream>>>(x, y{args}, rows * cols, cols);\n}}\n")
         elif variant == "vec4":  # cols % 4 == 0 (every DIM of the family): 4 consecutive values share one row
             src += (f"\n__global__ void fused(const float4* __restrict__ x, float4* __restrict__ y{plist}, int64_t n4, int64_t cols) {{\n"
-                    "  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n4; i += (int64_t)gridDim.x * blockDim.x) {\n"
-                    "    float4 v = x[i];\n    int64_t d = (i * 4) % cols;\n"
+                    + _stride(4) +
+                    "  for (; i < n4; i += stride) {\n    float4 v = x[i];\n"
                     f"    v.x = pre(v.x, d{args});\n    v.y = pre(v.y, d + 1{args});\n"
-                    f"    v.z = pre(v.z, d + 2{args});\n    v.w = pre(v.w, d + 3{args});\n    y[i] = v;\n  }}\n}}\n\n" + launch_sig + unpack +
+                    f"    v.z = pre(v.z, d + 2{args});\n    v.w = pre(v.w, d + 3{args});\n    y[i] = v;\n" + NEXT_D +
+                    "  }\n}\n\n" + launch_sig + unpack +
                     GRID.format(block=block, n="rows * cols / 4") +
                     f"  fused<<<grid, {block}, 0, (cudaStream_t)stream>>>((const float4*)x, (float4*)y{args}, rows * cols / 4, cols);\n}}\n")
         elif variant == "flat":
@@ -546,6 +549,16 @@ def kernel_source(steps: list[dict], backend: str, variant: str = "", block: int
     return src + _cpu_rows(variant, stats, out, keeps, args, unpack, launch_sig, note)
 
 
+# Grid-stride loops carry the feature index d (the column of element i) from one step to the next: a 64-bit `%` per
+# element is a software division on a GPU, tens of instructions for one element of a memory-bound loop. (Unused
+# when the chain has no per-feature parameter: the compiler drops it.) per: elements per index (4 for float4).
+def _stride(per: int) -> str:
+    times = "" if per == 1 else f" * {per}"
+    return ("  int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;\n"
+            f"  int64_t d = i{times} % cols, step = stride{times} % cols;  // the column of element i, and its step\n")
+
+
+NEXT_D = "    d += step;\n    if (d >= cols) d -= cols;\n"
 GRID = ("  int64_t blocks = ({n} + {block} - 1) / {block};\n"
         "  int grid = (int)(blocks < 132 * 8 ? blocks : 132 * 8);  // a few waves of blocks over the SMs\n")
 # The CUDA header's second half: reductions across the threads of a warp (shuffles) or of a block (shuffles, then one
