@@ -105,6 +105,7 @@ def library_note(task: dict, backend: str) -> str:
 
 
 def task_message(task: dict, backend: str) -> str:
+    backend = env.resolve_backend(backend)
     where = "a CUDA GPU (write kernels/*.cu + a binding .cpp)" if backend == "cuda" else \
         "the CPU backend (write one kernels/*.cpp with OpenMP; .cu files are ignored)"
     return (f"Task {task.get('task_id', '')}: make ModelNew faster than torch.compile on {where}. "
@@ -154,6 +155,7 @@ def episode_prompt(task: dict, tokenizer, backend: str) -> list:
 
 
 def single_turn_messages(task: dict, backend: str = "cuda") -> list:
+    backend = env.resolve_backend(backend)
     ext = "kernels/op.cu and kernels/binding.cpp" if backend == "cuda" else "kernels/op.cpp"
     sys_text = SKILL.strip() + ("\n\n# Answer format\nNo tools in this mode: answer with complete files, each in a fenced "
                                 "block whose first line names it, e.g.\n```python\n# file: model_new.py\n...\n```\n"

@@ -287,15 +287,19 @@ PATTERNS = [(name, _pattern(spec["torch"])) for name, spec in {**OPS, **REDUCTIO
 
 
 def parse(code: str) -> list[dict]:
-    """The steps of a task of this family, from Model.forward (one `x = ...` line per op). ValueError otherwise."""
+    """The steps of a task of this family, from Model.forward: one `x = ...` line per op, then `return x`.
+    ValueError for anything else (a forward that returns another expression computes more than its steps)."""
     tree = ast.parse(code)
     model = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Model"), None)
     fwd = next((f for f in (model.body if model else []) if isinstance(f, ast.FunctionDef) and f.name == "forward"), None)
     if fwd is None:
         raise ValueError("no Model.forward")
-    steps = []
+    steps, returned = [], False
     for stmt in fwd.body:
         if isinstance(stmt, ast.Return):
+            if stmt.value is None or ast.unparse(stmt.value) != "x":
+                raise ValueError(f"forward returns {ast.unparse(stmt.value) if stmt.value else 'nothing'}, not x")
+            returned = True
             break
         if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
             continue  # a docstring
@@ -310,6 +314,8 @@ def parse(code: str) -> list[dict]:
                 break
         else:
             raise ValueError(f"not an op of the elementwise family: {text}")
+    if not steps or not returned:
+        raise ValueError("no chain of steps ending in `return x`")
     if sum(st["op"] in REDUCTIONS for st in steps) > 1:
         raise ValueError("more than one reduction")
     return steps
@@ -421,8 +427,7 @@ def provided_files(code: str, backend: str) -> dict:
     """What a workspace of a task of this family starts with besides env.py's scaffold (path -> text): the op
     library. {} for a task outside the family."""
     try:
-        if not parse(code):  # (a forward that only returns: no chain of the family)
-            return {}
+        parse(code)
     except (ValueError, SyntaxError):
         return {}
     return {HEADER_PATH[backend]: header(backend)}

@@ -54,6 +54,7 @@ import torch
 from tqdm import tqdm
 
 import agent
+import elementwise
 import env
 from reward import beats, summarize
 from tasks import KERNELBENCH_HUB, load_bench_dir, load_hub, load_split, parse_levels
@@ -332,11 +333,14 @@ def convert_load_inline(code: str, backend: str) -> tuple[str, dict, list]:
 
 
 def prepare_workspace(task: dict, sol: Path, ws: Path, backend: str) -> list:
-    """A fresh workspace at ws with the bench's model.py and the solution's files. Returns notes."""
+    """A fresh workspace at ws with the bench's model.py, what a task of the elementwise curriculum starts with (its op
+    library, as agent.new_workspace gives a policy), and the solution's files over them. Returns notes."""
     if ws.exists():
         shutil.rmtree(ws)  # a half-written workspace of an interrupted run
     (ws / "kernels").mkdir(parents=True)
     (ws / "model.py").write_text(task["code"])
+    for rel, text in elementwise.provided_files(task["code"], backend).items():
+        (ws / rel).write_text(text)
     notes = []
     if sol.is_dir():
         for f in [*sol.iterdir(), *((sol / "kernels").iterdir() if (sol / "kernels").is_dir() else [])]:

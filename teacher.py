@@ -131,7 +131,9 @@ def parse_plan(text: str) -> list:
 
 def choose_plan(code: str, backend: str, rng: random.Random) -> list:
     red = E.split(E.parse(code))[1] is not None
-    names = E.VARIANTS_FOR[(backend, red)]
+    dim = re.search(r"^DIM = (\d+)$", code, re.M)
+    # float4 needs rows of a multiple of 4 values (every composed task's DIM; not every task parse() accepts)
+    names = [v for v in E.VARIANTS_FOR[(backend, red)] if v != "vec4" or (dim and int(dim.group(1)) % 4 == 0)]
     picked = rng.sample(names, rng.choice([1, 2]))
     return [(v, rng.choice(E.BLOCKS) if backend == "cuda" else 0) for v in picked]
 

@@ -19,6 +19,7 @@ import argparse
 import ctypes
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -38,8 +39,9 @@ torch.cuda.synchronize()
 cuda = ctypes.CDLL("libcuda.so.1")
 handle = (ctypes.c_char * 64)()
 err = cuda.cuIpcGetMemHandle(handle, ctypes.c_uint64(x.data_ptr()))
-with open(os.path.join(run, "handle.json"), "w") as f:
+with open(os.path.join(run, "handle.json.tmp"), "w") as f:  # (renamed when whole: the parent reads it at once)
     json.dump({"err": err, "handle": bytes(handle).hex(), "bytes": x.numel() * 4}, f)
+os.replace(os.path.join(run, "handle.json.tmp"), os.path.join(run, "handle.json"))
 deadline = time.time() + 120
 while not os.path.exists(os.path.join(run, "done")) and time.time() < deadline:
     time.sleep(0.01)
@@ -113,19 +115,21 @@ def main():
             t.join()
             res = done.get("r")
             if row["result"] != "ok" and res is not None:
-                row["child"] = (getattr(res, "stderr", "") or "")[-300:].strip().replace("\n", " | ")
+                row["child"] = (getattr(res, "stderr", "") or "")[-300:].strip().replace("\n", " / ").replace("|", "/")
+            shutil.rmtree(run, ignore_errors=True)
             rows.append(row)
             print(json.dumps(row), flush=True)
     print(f"\n## CUDA IPC from a child to the parent, {args.gib:g} GiB (torch {torch.__version__}, "
           f"{torch.cuda.get_device_name()})\n")
-    print("| child | repeat | export / open / copy (CUresult) | open s | copy s | GB/s | bytes the same |")
-    print("|---|---|---|---|---|---|---|")
+    print("GB/s: the bytes copied per second (each is read and written once on the device); CUresult 0 is success\n")
+    print("| child | repeat | result | export / open / copy (CUresult) | open s | copy s | GB/s | the child's last words |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
-        gbs = f"{n / row['copy_s'] / 1e9:.0f}" if row.get("copy_s") else "-"
+        gbs = f"{n / row['copy_s'] / 1e9:.0f}" if row["result"] == "ok" else "-"
         codes = " / ".join(str(row.get(k, "-")) for k in ("export", "open", "copy_err"))
         fmt = lambda k: f"{row[k]:.4f}" if k in row else "-"
-        print(f"| {row['where']} | {row['repeat']} | {codes} | {fmt('open_s')} | {fmt('copy_s')} | {gbs} | "
-              f"{row.get('same', '-')} |" + (f" {row['child']}" if row.get("child") else ""))
+        print(f"| {row['where']} | {row['repeat']} | {row['result']} | {codes} | {fmt('open_s')} | {fmt('copy_s')} | "
+              f"{gbs} | {row.get('child', '')} |")
     return 0
 
 

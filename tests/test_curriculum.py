@@ -101,6 +101,12 @@ def test_parse_rejects_tasks_outside_the_family():
     code = E.compose_one(0, 0, "cpu", CPU_WINDOW)["code"]
     with pytest.raises(ValueError, match="not an op of the elementwise family"):
         E.parse(code.replace("        return x", "        x = torch.cumsum(x, 1)\n        return x"))
+    with pytest.raises(ValueError, match="forward returns torch.relu"):  # more than its steps (KernelBench level 2)
+        E.parse(code.replace("        return x", "        return torch.relu(x)"))
+    with pytest.raises(ValueError, match="forward returns torch.relu"):  # examples/relu.py: all in its return
+        E.parse((ROOT / "examples" / "relu.py").read_text())
+    with pytest.raises(ValueError, match="no chain of steps"):  # the identity
+        E.parse("class Model:\n    def forward(self, x):\n        return x\n")
 
 
 def test_teacher_reads_the_conversation_from_tokens(tok):
@@ -350,6 +356,19 @@ def test_every_cuda_variant_compiles_with_nvcc(tmp_path):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         for cmd, r in zip(jobs, pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True), jobs)):
             assert r.returncode == 0, (cmd[-3], r.stderr[-2000:])
+
+
+@pytest.mark.gpu
+def test_grid_stride_kernels_carry_the_column_where_the_stride_is_not_a_multiple_of_the_row():
+    """grid_stride and vec4 carry each thread's column from step to step. Every composed DIM is a power of two that
+    divides the capped grid's stride (the carry never moves); 100 columns over 819,200 values make it move."""
+    steps = [{"op": "silu"}, {"op": "mul_param", "p": "w1"}, {"op": "add_param", "p": "w2"}]
+    code = E.render(steps, (8192, 100))
+    task = {"task_id": "carry", "code": code, "ops": [s["op"] for s in steps]}
+    for v in ("grid_stride", "vec4"):
+        for block in E.BLOCKS:
+            vd = agent.score_files(E.solution_files(code, "cuda", v, block), task, "cuda", stage="verify")
+            assert vd.correct and not vd.violations, (v, block, vd.summary())
 
 
 @pytest.mark.gpu

@@ -224,6 +224,25 @@ def test_resume_skips_done_tasks(run_a):
 
 
 @pytest.mark.slow
+def test_a_solution_workspace_of_the_curriculum_holds_its_op_library(tmp_path):
+    """--solutions: a task of the elementwise curriculum's workspace starts with the op library, as an episode's does,
+    so a solution written for the prompt (binding, kernel, model_new.py) builds; the solution's own files win."""
+    import elementwise
+    code = next(c for i in range(50) if "drop" not in (c := elementwise.compose_one(i, 0, "cpu", (0.1, 10.0))))["code"]
+    sol = tmp_path / "sol"
+    for rel, text in {**elementwise.solution_files(code, "cpu"), "kernels/lib.h": "// mine\n"}.items():
+        (sol / rel).parent.mkdir(parents=True, exist_ok=True)
+        (sol / rel).write_text(text)
+    evaluate.prepare_workspace({"code": code}, sol, tmp_path / "ws", "cpu")
+    assert (tmp_path / "ws" / "kernels" / "lib.h").read_text() == "// mine\n"
+    (sol / "kernels" / "lib.h").unlink()
+    evaluate.prepare_workspace({"code": code}, sol, tmp_path / "ws", "cpu")
+    assert (tmp_path / "ws" / "kernels" / "lib.h").read_text() == elementwise.header("cpu")
+    relu = (ROOT / "examples" / "relu.py").read_text()
+    evaluate.prepare_workspace({"code": relu}, sol, tmp_path / "ws2", "cpu")
+    assert not (tmp_path / "ws2" / "kernels" / "lib.h").exists()
+
+
 def test_wrong_and_cheating_solutions_all_fail(tmp_path):
     r = cli("--solutions", FIX / "solutions_bad", "--bench-dir", BENCH, "--backend", "cpu", "--out", tmp_path / "b", "--json")
     o = last_json(r)
