@@ -376,6 +376,11 @@ def _c(template: str, st: dict) -> str:
     return template.format(**{k: (c_float(v) if isinstance(v, float) else v) for k, v in st.items() if k != "op"})
 
 
+def keeps_shape(red: dict | None) -> bool:
+    """Whether the output has x's shape: no reduction, or one that keeps the last dimension (softmax, the norms)."""
+    return red is None or "out" in REDUCTIONS[red["op"]]
+
+
 def split(steps: list[dict]):
     """(ops before the reduction, the reduction step or None, ops after it)."""
     i = next((i for i, st in enumerate(steps) if st["op"] in REDUCTIONS), None)
@@ -393,7 +398,7 @@ def model_new(code: str, steps: list[dict], backend: str) -> str:
         if isinstance(node, ast.Call) and ast.unparse(node.func) == "nn.Parameter":  # parameter is per feature
             node.args = [ast.parse("torch.empty(dim)", mode="eval").body]
     _, red, _ = split(steps)
-    keeps = red is None or "out" in REDUCTIONS[red["op"]]
+    keeps = keeps_shape(red)
     n_stats = len(REDUCTIONS[red["op"]]["stats"]) if red else 0
     out = "torch.empty_like(x)" if keeps else "torch.empty(x.shape[:-1], dtype=x.dtype, device=x.device)"
     scratch = f"torch.empty(x.numel() // x.shape[-1] * {n_stats}, device=x.device)" if n_stats else \

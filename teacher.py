@@ -17,8 +17,9 @@ ScriptedTeacher solves any task of the elementwise family (elementwise.py): it r
 code, writes the fixed binding, a fused kernel that calls the op library the workspace starts with
 (elementwise.provided_files) and model_new.py, compiles, profiles (a profile checks before it times: no verify
 first), then tries its other planned variants (naive / grid-stride / float4 / block sizes; block- or warp-per-row /
-two kernels for reductions; OpenMP flat / by rows / with a row buffer on CPU) and keeps the fastest. The plan (which variants,
-in which order) is drawn per episode, so demonstrations differ in speed and RL has something left to find.
+two kernels for reductions; OpenMP flat / by rows / with a row buffer on CPU) and keeps the fastest. The plan
+(which variants, in which order) is drawn per episode, so demonstrations differ in speed and RL has something left
+to find.
 Its memory of an episode is the conversation itself (recorded per token prefix): each turn replays the script
 on the observations so far, and the plan is read back from its own first turn.
 
@@ -162,8 +163,7 @@ def script(code: str, backend: str, plan: list):
         current = src
         if i == 0:
             ps = E.params(steps)
-            keeps = red is None or "out" in E.REDUCTIONS[red["op"]]
-            y_shape = "x's shape" if keeps else f"one value per row ({E.torch_line(red)} removes the last dimension)"
+            y_shape = "x's shape" if E.keeps_shape(red) else f"one value per row ({E.torch_line(red)} removes the last dimension)"
             yield call(f"model_new.py keeps Model's constructor and passes {', '.join(ps) if ps else 'no parameters'} to "
                        f"the kernel; it allocates y of {y_shape}{' and per-row statistics' if red else ''}.",
                        "write_file", path="model_new.py", content=E.model_new(code, steps, backend))
