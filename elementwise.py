@@ -648,9 +648,10 @@ def _cuda_rows(variant, block, stats, out, keeps, plist, args, unpack, launch_si
     if keeps:
         second = (f"__global__ void apply(const float* __restrict__ x, float* __restrict__ y, const float* __restrict__ stats{plist}, "
                   "int64_t n, int64_t cols) {\n"
-                  "  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {\n"
-                  "    int64_t row = i / cols, c = i % cols;\n" + load +
-                  f"    float v = pre(x[i], c{args});\n    // {note}\n    v = {out};\n    y[i] = post(v, c{args});\n  }}\n}}\n")
+                  + _stride(1) + "  int64_t row = i / cols, rows_step = stride / cols;  // the row of element i, and its step\n"
+                  "  for (; i < n; i += stride) {\n" + load +
+                  f"    float v = pre(x[i], d{args});\n    // {note}\n    v = {out};\n    y[i] = post(v, d{args});\n"
+                  "    d += step;\n    row += rows_step;\n    if (d >= cols) {\n      d -= cols;\n      ++row;\n    }\n  }\n}\n")
         n = "rows * cols"
     else:
         second = (f"__global__ void apply(const float* __restrict__ x, float* __restrict__ y, const float* __restrict__ stats{plist}, "

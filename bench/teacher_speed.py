@@ -20,6 +20,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -39,6 +40,8 @@ p.add_argument("--variants", type=int, default=3, help="kernel variants per task
 p.add_argument("--window", type=float, nargs=2, default=(0.3, 3.0), metavar=("LO", "HI"),
                help="eager-time window the tasks are sized for, ms (train.py's default preset: 0.3 3)")
 p.add_argument("--runs", type=int, default=20, help="timed runs per in-process measurement")
+p.add_argument("--fast-math", action="store_true",
+               help="CUDA: each variant again with the hardware's approximate exp, log, tanh and division (VARIANT+fast)")
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--kernel-of", nargs=2, metavar=("TASK", "VARIANT"), help=argparse.SUPPRESS)  # (a child: see below)
 args = p.parse_args()
@@ -98,11 +101,33 @@ def task_inputs(c):
     return ns, model, sets
 
 
+# The same kernels on the special function units: the library's and the reductions' expf / logf / tanhf / log1pf and
+# divisions by a non-constant become __expf / __logf / __fdividef (a few ulp, far inside atol = rtol = 1e-2). Is the
+# fused kernel compute-bound on the accurate math (torch.compile's Triton code divides and exponentiates approximately)?
+FAST = [(r"\blog1pf\(expf\(v\)\)", "__logf(1.f + __expf(v))"), (r"\bexpf\(", "__expf("), (r"\blogf\(", "__logf("),
+        (r"\btanhf\(", "fast_tanh("), (r"([\w.]+) / \(1\.f \+ __expf\(-v\)\)", r"__fdividef(\1, 1.f + __expf(-v))"),
+        (r"__expf\(v - m\) / s\b", "__fdividef(__expf(v - m), s)")]
+FAST_TANH = ("__device__ __forceinline__ float fast_tanh(float v) { return 1.f - __fdividef(2.f, 1.f + __expf(2.f * v)); }\n")
+
+
+def files_of(c, variant: str) -> dict:
+    """The workspace files of one variant ("block_row", or "block_row+fast": FAST applied to the CUDA sources)."""
+    base, fast = variant.removesuffix("+fast"), variant.endswith("+fast")
+    files = {**E.provided_files(c["code"], backend), **E.solution_files(c["code"], backend, base)}
+    if fast:
+        for path in [p for p in files if p.endswith((".cu", ".cuh")) and p != "kernels/binding.cpp"]:
+            text = files[path]
+            for rx, to in FAST:
+                text = re.sub(rx, to, text)
+            files[path] = text.replace('#include <math.h>\n', '#include <math.h>\n' + FAST_TANH) if path.endswith(".cuh") else text
+    return files
+
+
 def kernel_figures(c, variant) -> tuple[float, float]:
     """The teacher's kernel, in a process of its own: CPython keeps the first extension module it loads under a name,
     so a second cuda_extension in this process would run the first one's code."""
     ns, model, sets = task_inputs(c)
-    files = {**E.provided_files(c["code"], backend), **E.solution_files(c["code"], backend, variant)}
+    files = files_of(c, variant)
     b = env.build({k: x for k, x in files.items() if k != "model_new.py"}, backend)
     if not b.ok:
         raise SystemExit(f"teacher_speed.py: the {variant} kernel of {c['ops']} did not build:\n{b.log[-2000:]}")
@@ -132,14 +157,15 @@ for t, c in enumerate(tasks):
     eager = measure(model, sets)
     compiled = measure(torch.compile(model), sets)
     variants = E.VARIANTS_FOR[(backend, E.split(steps)[1] is not None)][:args.variants]
+    variants += [v + "+fast" for v in variants] if args.fast_math and cuda else []
     for v in variants:
         r = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--kernel-of", str(t), v], capture_output=True,
                            text=True, env=dict(os.environ, CUDA_AGENT_CACHE=str(env.CACHE_DIR)))
         if r.returncode != 0:
             raise SystemExit(f"teacher_speed.py: measuring the {v} kernel of {c['ops']} failed:\n{r.stderr[-3000:]}")
         kernel = tuple(json.loads(r.stdout.strip().splitlines()[-1]))
-        files = {**E.provided_files(c["code"], backend), **E.solution_files(c["code"], backend, v)}
-        ws = work / f"t{t}-{v}"
+        files = files_of(c, v)
+        ws = work / f"t{t}-{v.replace('+', '-')}"
         env.new_workspace(ws, c["code"], backend)
         for path, text in files.items():
             (ws / path).write_text(text)

@@ -360,15 +360,18 @@ def test_every_cuda_variant_compiles_with_nvcc(tmp_path):
 
 @pytest.mark.gpu
 def test_grid_stride_kernels_carry_the_column_where_the_stride_is_not_a_multiple_of_the_row():
-    """grid_stride and vec4 carry each thread's column from step to step. Every composed DIM is a power of two that
-    divides the capped grid's stride (the carry never moves); 100 columns over 819,200 values make it move."""
-    steps = [{"op": "silu"}, {"op": "mul_param", "p": "w1"}, {"op": "add_param", "p": "w2"}]
-    code = E.render(steps, (8192, 100))
-    task = {"task_id": "carry", "code": code, "ops": [s["op"] for s in steps]}
-    for v in ("grid_stride", "vec4"):
-        for block in E.BLOCKS:
-            vd = agent.score_files(E.solution_files(code, "cuda", v, block), task, "cuda", stage="verify")
-            assert vd.correct and not vd.violations, (v, block, vd.summary())
+    """grid_stride, vec4 and two_kernels' second kernel carry each thread's column (and row) from step to step. Every
+    composed DIM is a power of two that divides the capped grid's stride (the carry never moves); 100 columns over
+    819,200 values make it move."""
+    chains = {("grid_stride", "vec4"): [{"op": "silu"}, {"op": "mul_param", "p": "w1"}, {"op": "add_param", "p": "w2"}],
+              ("two_kernels",): [{"op": "mul_param", "p": "w1"}, {"op": "softmax"}, {"op": "add_param", "p": "w2"}]}
+    for variants, steps in chains.items():
+        code = E.render(steps, (8192, 100))
+        task = {"task_id": "carry", "code": code, "ops": [s["op"] for s in steps]}
+        for v in variants:
+            for block in E.BLOCKS:
+                vd = agent.score_files(E.solution_files(code, "cuda", v, block), task, "cuda", stage="verify")
+                assert vd.correct and not vd.violations, (v, block, vd.summary())
 
 
 @pytest.mark.gpu
