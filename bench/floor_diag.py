@@ -8,7 +8,7 @@ Each row drives one sandboxed child (env.Child, the real harness) through the ru
 one thing at a time: which function runs (eager in the reference child, the candidate's extension
 tests/env_cases/ops.cpp or cuda/ops.cu, a forward that computes nothing), the task (relu_scale at 1 element
 and at 64x4096, the tests' matmul; matmul1k on cuda), the output's size, the reply pipe's
-size (protocol.PIPE_BYTES), and the OpenMP settings the child gets (protocol.CHILD_ENV: the harness's, or libgomp's default wait policy). Prints a table.
+size (protocol.PIPE_BYTES), who polls for messages instead of sleeping (protocol.spin), and the OpenMP settings the child gets (protocol.CHILD_ENV: the harness's, or libgomp's default wait policy). Prints a table.
 """
 import argparse
 import os
@@ -62,8 +62,9 @@ def task(batch, dim):
     return RELU.replace("BATCH = 64", f"BATCH = {batch}").replace("DIM = 4096", f"DIM = {dim}")
 
 
-def drive(mode, model_new, extra, model, pipe_bytes):
-    """Medians (ms) of the parent's clock around "run", around "sample", and both (the verdict's figure)."""
+def drive(mode, model_new, extra, model, pipe_bytes, polls=(protocol.CHILD_SPIN_S, None)):
+    """Medians (ms) of the parent's clock around "run", around "sample", and both (the verdict's figure).
+    polls: (seconds the child polls for a command, seconds this process polls for a reply: None = as timed_runs)."""
     cfg = env.Config(backend=backend)
     run = Path(tempfile.mkdtemp(dir=env.CACHE_DIR))
     (run / "ext").mkdir()
@@ -76,8 +77,10 @@ def drive(mode, model_new, extra, model, pipe_bytes):
         (run / "model_new.py").write_text(model_new)
         shutil.copy(b.so_path, run / "ext" / "cuda_extension.so")
         spec.update(model_new=str(run / "model_new.py"), ext_dir=str(run / "ext"), cand_dir=str(run))
-    protocol.CHILD_ENV, protocol.PIPE_BYTES = extra, pipe_bytes  # (read by protocol.Child) this row's settings, for this child only
+    # (read by protocol.Child) this row's settings, for this child only
+    protocol.CHILD_ENV, protocol.PIPE_BYTES, protocol.CHILD_SPIN_S = extra, pipe_bytes, polls[0]
     child = env.Child(spec, run, backend, cfg)
+    child.spin_s = child.timed_spin_s if polls[1] is None else polls[1]
     try:
         if mode == "reference":
             n = child.answer()[0]["timed_sets"]
@@ -103,23 +106,31 @@ def drive(mode, model_new, extra, model, pipe_bytes):
         med = statistics.median
         return med(t_run), med(t_sample), med([a + s for a, s in zip(t_run, t_sample)]), min(a + s for a, s in zip(t_run, t_sample))
     finally:
-        protocol.CHILD_ENV, protocol.PIPE_BYTES = HARNESS, PIPE
+        protocol.CHILD_ENV, protocol.PIPE_BYTES, protocol.CHILD_SPIN_S = HARNESS, PIPE, SPIN
+        child.spin_s = 0.0
         child.close()
         shutil.rmtree(run, ignore_errors=True)
 
 
-HARNESS, PIPE = dict(protocol.CHILD_ENV), protocol.PIPE_BYTES  # what env.Child gives every child
+HARNESS, PIPE, SPIN = dict(protocol.CHILD_ENV), protocol.PIPE_BYTES, protocol.CHILD_SPIN_S  # what env.Child gives every child
+ASLEEP, BOTH_POLL = (0.0, 0.0), (SPIN, 0.05)  # nobody polls (every message wakes a sleeper); both sides poll
 DEFAULT_WAIT = {k: v for k, v in HARNESS.items() if k != "OMP_WAIT_POLICY"}  # libgomp's default: spin, then sleep
 ONE, BIG = task(1, 1), task(64, 4096)  # 1 element; 262144 elements (the sample: 65536 floats, 256 KiB)
 ROWS = [  # (name, child, model_new, child env, task, reply pipe bytes)
     ("eager (reference child)", "reference", None, HARNESS, ONE, PIPE),
+    ("eager, nobody polls (sleeping reads on both sides)", "reference", None, HARNESS, ONE, PIPE, ASLEEP),
+    ("eager, this process polls too (the CUDA backend's setting)", "reference", None, HARNESS, ONE, PIPE, BOTH_POLL),
     ("candidate, forward computes nothing (monitor only)", "candidate", NOTHING, HARNESS, ONE, PIPE),
     ("candidate, relu_scale kernel", "candidate", KERNEL, HARNESS, ONE, PIPE),
+    ("candidate relu_scale, nobody polls", "candidate", KERNEL, HARNESS, ONE, PIPE, ASLEEP),
+    ("candidate relu_scale, this process polls too", "candidate", KERNEL, HARNESS, ONE, PIPE, BOTH_POLL),
     ("candidate relu_scale, OMP_NUM_THREADS=1 (no thread team)", "candidate", KERNEL, dict(HARNESS, OMP_NUM_THREADS="1"), ONE, PIPE),
     ("eager, libgomp default wait policy", "reference", None, DEFAULT_WAIT, ONE, PIPE),
     ("candidate relu_scale, libgomp default wait policy", "candidate", KERNEL, DEFAULT_WAIT, ONE, PIPE),
     ("64x4096: eager", "reference", None, HARNESS, BIG, PIPE),
     ("64x4096: candidate relu_scale", "candidate", KERNEL, HARNESS, BIG, PIPE),
+    ("64x4096: eager, this process polls too", "reference", None, HARNESS, BIG, PIPE, BOTH_POLL),
+    ("64x4096: candidate relu_scale, this process polls too", "candidate", KERNEL, HARNESS, BIG, PIPE, BOTH_POLL),
     ("64x4096: candidate relu_scale, 64 KiB pipe", "candidate", KERNEL, HARNESS, BIG, 1 << 16),
     ("matmul: eager", "reference", None, HARNESS, MM, PIPE),
     ("matmul: candidate, forward computes nothing (returns a)", "candidate", MATMUL_NOTHING, HARNESS, MM, PIPE),

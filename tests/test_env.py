@@ -1412,6 +1412,34 @@ def test_red_team_fast_runs_never_repeat_an_input_set(monkeypatch):
     assert len(timed_loads) == len(set(timed_loads)), f"{len(timed_loads)} timed runs over {len(set(timed_loads))} input sets"
 
 
+def test_timed_exchanges_poll_for_replies_and_only_they(monkeypatch):
+    """While timed_runs drives a child, the parent polls for its replies (a sleeping reader's wake-up would be on the
+    clock); before and after, it sleeps (other verdicts' threads share this process). A child polls for commands."""
+    seen = []
+
+    class Polled:
+        timed_spin_s, spin_s = 0.05, 0.0
+
+        def ask(self, obj, reuse=False):
+            seen.append((obj["op"], self.spin_s))
+            return {}, []
+
+    child = Polled()
+    env.timed_runs(child, list(range(30)), env.Config())
+    assert seen and all(s == 0.05 for _, s in seen) and {"load", "run", "sample"} <= {op for op, _ in seen}, seen
+    assert child.spin_s == 0.0
+    r, w = os.pipe()
+    try:
+        t0 = time.perf_counter()
+        assert protocol.spin(r, 0.01) is False and time.perf_counter() - t0 >= 0.01  # nothing came: gave up
+        os.write(w, b"x")
+        assert protocol.spin(r, 10.0) is True  # (returns at once: it polls, it does not wait out the 10 s)
+    finally:
+        os.close(r)
+        os.close(w)
+    assert protocol.PARENT_SPIN_S["cpu"] == 0.0  # on the CPU a polling parent takes a core from the kernel
+
+
 def test_red_team_workspace_key_reads_no_link(tmp_path):
     """agent.workspace_key (in the trainer, unsandboxed) read every source through links that bash can make:
     a link to /proc/kcore or to a huge host file hangs the trainer; a link to a host file reads it as root."""
