@@ -41,7 +41,11 @@ from ops import MEM_CAP, ROOFLINE, grow_batch
 
 # ----------------------------------------------------------------------------------------------
 # 1. The op table. {a}, {b}: scalar constants (sampled from "consts"); {p}: a per-feature parameter of DIM values.
-# torch: the line of Model.forward (x in, x out); c: the same math in C on float v (d: the feature index).
+# torch: the line of Model.forward (x in, x out); c: the same math in C on float v (d: the feature index); cu: the
+# CUDA library's, where it differs: the special function units' __expf / __logf / __fdividef and a tanh made of them
+# (a few ulp, far inside atol = rtol = 1e-2), and a product for a division by 6. A fused chain is compute-bound on the
+# accurate functions: tanh -> softplus -> mul -> add_param -> silu is 145 PTX instructions an element with them, 55
+# without (nvcc -O3, sm_90), where an H200 streams an element (8 bytes at 4.8 TB/s) in the time of ~56 (33 T/s).
 # cpu_ns: single-thread eager ns per element, roughly (measured at 1 MB; sizing only: synth.py's filter measures).
 # ----------------------------------------------------------------------------------------------
 OPS = {
@@ -49,17 +53,23 @@ OPS = {
     "leaky_relu":  dict(torch="F.leaky_relu(x, {a})", c="(v > 0.f ? v : {a} * v)", consts=[(0.01,), (0.1,), (0.2,)], cpu_ns=0.25),
     "gelu":        dict(torch="F.gelu(x)", c="0.5f * v * (1.f + erff(v * 0.70710678f))", cpu_ns=1.5),
     "gelu_tanh":   dict(torch="F.gelu(x, approximate='tanh')",
-                        c="0.5f * v * (1.f + tanhf(0.79788456f * (v + 0.044715f * v * v * v)))", cpu_ns=2),
-    "silu":        dict(torch="F.silu(x)", c="v / (1.f + expf(-v))", cpu_ns=2),
-    "sigmoid":     dict(torch="torch.sigmoid(x)", c="1.f / (1.f + expf(-v))", cpu_ns=1),
-    "tanh":        dict(torch="torch.tanh(x)", c="tanhf(v)", cpu_ns=2),
-    "softplus":    dict(torch="F.softplus(x)", c="(v > 20.f ? v : log1pf(expf(v)))", cpu_ns=3),
-    "elu":         dict(torch="F.elu(x, {a})", c="(v > 0.f ? v : {a} * expm1f(v))", consts=[(0.5,), (1.0,)], cpu_ns=2),
+                        c="0.5f * v * (1.f + tanhf(0.79788456f * (v + 0.044715f * v * v * v)))",
+                        cu="0.5f * v * (1.f + tanh_fast(0.79788456f * (v + 0.044715f * v * v * v)))", cpu_ns=2),
+    "silu":        dict(torch="F.silu(x)", c="v / (1.f + expf(-v))", cu="__fdividef(v, 1.f + __expf(-v))", cpu_ns=2),
+    "sigmoid":     dict(torch="torch.sigmoid(x)", c="1.f / (1.f + expf(-v))", cu="__fdividef(1.f, 1.f + __expf(-v))", cpu_ns=1),
+    "tanh":        dict(torch="torch.tanh(x)", c="tanhf(v)", cu="tanh_fast(v)", cpu_ns=2),
+    "softplus":    dict(torch="F.softplus(x)", c="(v > 20.f ? v : log1pf(expf(v)))",
+                        cu="(v > 20.f ? v : __logf(1.f + __expf(v)))", cpu_ns=3),
+    "elu":         dict(torch="F.elu(x, {a})", c="(v > 0.f ? v : {a} * expm1f(v))",
+                        cu="(v > 0.f ? v : {a} * (__expf(v) - 1.f))", consts=[(0.5,), (1.0,)], cpu_ns=2),
     "hardtanh":    dict(torch="F.hardtanh(x, {a}, {b})", c="fminf(fmaxf(v, {a}), {b})",
                         consts=[(-1.0, 1.0), (-0.5, 2.0), (-2.0, 0.5)], cpu_ns=0.25),
-    "hardsigmoid": dict(torch="F.hardsigmoid(x)", c="fminf(fmaxf(v / 6.f + 0.5f, 0.f), 1.f)", cpu_ns=0.25),
-    "hardswish":   dict(torch="F.hardswish(x)", c="v * fminf(fmaxf(v + 3.f, 0.f), 6.f) / 6.f", cpu_ns=0.25),
-    "mish":        dict(torch="F.mish(x)", c="v * tanhf(v > 20.f ? v : log1pf(expf(v)))", cpu_ns=6),
+    "hardsigmoid": dict(torch="F.hardsigmoid(x)", c="fminf(fmaxf(v / 6.f + 0.5f, 0.f), 1.f)",
+                        cu="fminf(fmaxf(v * 0.16666667f + 0.5f, 0.f), 1.f)", cpu_ns=0.25),
+    "hardswish":   dict(torch="F.hardswish(x)", c="v * fminf(fmaxf(v + 3.f, 0.f), 6.f) / 6.f",
+                        cu="v * fminf(fmaxf(v + 3.f, 0.f), 6.f) * 0.16666667f", cpu_ns=0.25),
+    "mish":        dict(torch="F.mish(x)", c="v * tanhf(v > 20.f ? v : log1pf(expf(v)))",
+                        cu="v * tanh_fast(v > 20.f ? v : __logf(1.f + __expf(v)))", cpu_ns=6),
     "add":         dict(torch="x + {a}", c="v + {a}", consts=[(0.5,), (1.0,), (2.0,)], cpu_ns=0.25),
     "sub":         dict(torch="x - {a}", c="v - {a}", consts=[(0.5,), (1.0,), (0.25,)], cpu_ns=0.25),
     "mul":         dict(torch="x * {a}", c="v * {a}", consts=[(0.5,), (2.0,), (-1.5,), (3.0,)], cpu_ns=0.25),
@@ -68,7 +78,7 @@ OPS = {
     "clamp":       dict(torch="torch.clamp(x, {a}, {b})", c="fminf(fmaxf(v, {a}), {b})",
                         consts=[(-1.0, 1.0), (0.0, 2.0), (-0.5, 0.5)], cpu_ns=0.25),
     "abs":         dict(torch="torch.abs(x)", c="fabsf(v)", cpu_ns=0.25),
-    "exp":         dict(torch="torch.exp(x)", c="expf(v)", cpu_ns=1),
+    "exp":         dict(torch="torch.exp(x)", c="expf(v)", cu="__expf(v)", cpu_ns=1),
     # per-feature parameters (init: the nn.Parameter's initial value; DIM is the constructor's `dim`)
     "add_param":   dict(torch="x + self.{p}", c="v + {p}[d]", param="torch.randn(dim)", cpu_ns=0.25),
     "sub_param":   dict(torch="x - self.{p}", c="v - {p}[d]", param="torch.randn(dim)", cpu_ns=0.25),
@@ -462,11 +472,28 @@ def header(backend: str) -> str:
     """kernels/lib.cuh (CUDA: the library, then sums and maxima across a warp or a block) or kernels/lib.h (C++)."""
     cuda = backend == "cuda"
     qual = "__device__ __forceinline__" if cuda else "static inline"
-    fns = "".join(f"{qual} float op_{n}({_signature(n)}) {{ return {OPS[n]['c'].format(a='a', b='b')}; }}\n"
+    fns = "".join(f"{qual} float op_{n}({_signature(n)}) {{ return {_math(n, backend).format(a='a', b='b')}; }}\n"
                   for n in LIBRARY)
     return (f"// {HEADER_PATH[backend]}: op_X(v, ...) computes PyTorch's X (F.gelu(x, approximate='tanh'): op_gelu_tanh)"
             f"{'; reductions across threads below' if cuda else ''}. The same text for every task.\n"
-            "#pragma once\n#include <math.h>\n\n" + fns + (REDUCE_FUNCTIONS if cuda else ""))
+            "#pragma once\n#include <math.h>\n\n" + (TANH_FAST if cuda else "") + fns + (REDUCE_FUNCTIONS if cuda else ""))
+
+
+def _math(name: str, backend: str) -> str:
+    return OPS[name].get("cu", OPS[name]["c"]) if backend == "cuda" else OPS[name]["c"]
+
+
+TANH_FAST = ("// tanh(v) = 1 - 2 / (1 + e^(2v)) on the special function units (tanhf: ~20 instructions more)\n"
+             "__device__ __forceinline__ float tanh_fast(float v) { return 1.f - __fdividef(2.f, 1.f + __expf(2.f * v)); }\n\n")
+# The reductions' math on the GPU, likewise: exp and log of the special function units, a reciprocal square root.
+CUDA_MATH = [(r"\bexpf\(v - m\) / s$", "__fdividef(__expf(v - m), s)"), (r"\bexpf\(", "__expf("), (r"\blogf\(", "__logf("),
+             (r" / sqrtf\(", " * rsqrtf(")]
+
+
+def cuda_math(expr: str) -> str:
+    for rx, to in CUDA_MATH:
+        expr = re.sub(rx, to, expr)
+    return expr
 
 
 def _line(st: dict) -> str:
@@ -550,8 +577,9 @@ def kernel_source(steps: list[dict], backend: str, variant: str = "", block: int
                     f"    for (int64_t c = 0; c < cols; ++c) yr[c] = pre(xr[c], c{args});\n  }}\n}}\n")
         return src
     spec = REDUCTIONS[red["op"]]
-    stats = spec["stats"]
+    stats = spec["stats"] if not cuda else [(n, kind, cuda_math(term), cuda_math(fin)) for n, kind, term, fin in spec["stats"]]
     out = _c(spec.get("out") or spec["result"], red)
+    out = cuda_math(out) if cuda else out
     keeps = "out" in spec
     note = f"x = {torch_line(red)}"  # the reduction's line of Model.forward: above its statistics and its result
     if cuda:

@@ -190,8 +190,9 @@ big-verdict)
   ;;
 teacher-speed)
   # issue 16: the teacher's kernels against eager and torch.compile at the default preset's 0.3-3 ms, timed three
-  # ways (CUDA events, this process's clock, the verdict): is a slow demonstration the kernel or the harness?
-  step ${TEACHER_SPEED_LIMIT:-400} teacher_speed python3 bench/teacher_speed.py --backend cuda --tasks 4
+  # ways (CUDA events, this process's clock, the verdict): is a slow demonstration the kernel or the harness? Each
+  # variant also on the accurate math (VARIANT+accurate): is a fused chain compute-bound on it?
+  step ${TEACHER_SPEED_LIMIT:-400} teacher_speed python3 bench/teacher_speed.py --backend cuda --tasks 4 --accurate-math
   ;;
 ipc)
   # issue 17: can a sandboxed child hand its output to the parent on the device (CUDA IPC)? 1 GiB, plain and sandboxed

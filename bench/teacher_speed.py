@@ -1,7 +1,7 @@
 """Why the teacher's fused kernels time slower than eager: the kernel, the Python around it, or the harness.
 
     python bench/teacher_speed.py --backend cpu --tasks 1 --variants 1   # anywhere (a smoke run: minutes)
-    python bench/teacher_speed.py --backend cuda --tasks 4               # on the H200 (run_h200.sh teacher-speed)
+    python bench/teacher_speed.py --backend cuda --tasks 4 --accurate-math  # on the H200 (run_h200.sh teacher-speed)
 
 On the H200 the teacher's demonstrations timed at 0.6-0.9x eager (geomean 0.74x, docs/results.md), where one fused
 pass over a chain of 2-5 ops should beat eager's pass per op and match torch.compile's. This bench takes tasks of
@@ -12,7 +12,8 @@ variant the teacher writes, measures the same forward three ways, side by side:
   verdict env.evaluate(stage="profile"): the reward's clock, through sandboxed children and pipes.
 for the teacher's kernel (ModelNew over the built extension, loaded here: our own code, trusted), eager and
 torch.compile. Events minus host is the launch and Python around the kernels; host minus verdict the harness.
-On the CPU there are no events: the host and verdict columns only.
+On the CPU there are no events: the host and verdict columns only. --accurate-math adds each CUDA variant again on
+the accurate math functions (VARIANT+accurate), against the op library's special-function-unit math.
 """
 import argparse
 import importlib.machinery
@@ -20,7 +21,6 @@ import importlib.util
 import json
 import math
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -40,8 +40,8 @@ p.add_argument("--variants", type=int, default=3, help="kernel variants per task
 p.add_argument("--window", type=float, nargs=2, default=(0.3, 3.0), metavar=("LO", "HI"),
                help="eager-time window the tasks are sized for, ms (train.py's default preset: 0.3 3)")
 p.add_argument("--runs", type=int, default=20, help="timed runs per in-process measurement")
-p.add_argument("--fast-math", action="store_true",
-               help="CUDA: each variant again with the hardware's approximate exp, log, tanh and division (VARIANT+fast)")
+p.add_argument("--accurate-math", action="store_true",
+               help="CUDA: each variant again with accurate exp, log, tanh and division (VARIANT+accurate)")
 p.add_argument("--seed", type=int, default=0)
 p.add_argument("--kernel-of", nargs=2, metavar=("TASK", "VARIANT"), help=argparse.SUPPRESS)  # (a child: see below)
 args = p.parse_args()
@@ -101,25 +101,25 @@ def task_inputs(c):
     return ns, model, sets
 
 
-# The same kernels on the special function units: the library's and the reductions' expf / logf / tanhf / log1pf and
-# divisions by a non-constant become __expf / __logf / __fdividef (a few ulp, far inside atol = rtol = 1e-2). Is the
-# fused kernel compute-bound on the accurate math (torch.compile's Triton code divides and exponentiates approximately)?
-FAST = [(r"\blog1pf\(expf\(v\)\)", "__logf(1.f + __expf(v))"), (r"\bexpf\(", "__expf("), (r"\blogf\(", "__logf("),
-        (r"\btanhf\(", "fast_tanh("), (r"([\w.]+) / \(1\.f \+ __expf\(-v\)\)", r"__fdividef(\1, 1.f + __expf(-v))"),
-        (r"__expf\(v - m\) / s\b", "__fdividef(__expf(v - m), s)")]
-FAST_TANH = ("__device__ __forceinline__ float fast_tanh(float v) { return 1.f - __fdividef(2.f, 1.f + __expf(2.f * v)); }\n")
+# The same kernels on the accurate math (--accurate-math): the CUDA library's op_X with the C functions of the CPU's
+# (expf, log1pf, tanhf, IEEE division), and the reductions' without elementwise.cuda_math. Is the fused kernel
+# compute-bound on the accurate functions, as the PTX instruction counts say (elementwise.OPS)?
+def accurate(path: str, text: str) -> str:
+    if path.endswith(".cuh"):
+        for n in E.LIBRARY:
+            text = text.replace(f"{{ return {E._math(n, 'cuda').format(a='a', b='b')}; }}",
+                                f"{{ return {E.OPS[n]['c'].format(a='a', b='b')}; }}")
+        return text
+    text = text.replace("__fdividef(__expf(v - m), s)", "expf(v - m) / s").replace(" * rsqrtf(", " / sqrtf(")
+    return text.replace("__expf(", "expf(").replace("__logf(", "logf(")
 
 
 def files_of(c, variant: str) -> dict:
-    """The workspace files of one variant ("block_row", or "block_row+fast": FAST applied to the CUDA sources)."""
-    base, fast = variant.removesuffix("+fast"), variant.endswith("+fast")
+    """The workspace files of one variant ("block_row", or "block_row+accurate")."""
+    base = variant.removesuffix("+accurate")
     files = {**E.provided_files(c["code"], backend), **E.solution_files(c["code"], backend, base)}
-    if fast:
-        for path in [p for p in files if p.endswith((".cu", ".cuh")) and p != "kernels/binding.cpp"]:
-            text = files[path]
-            for rx, to in FAST:
-                text = re.sub(rx, to, text)
-            files[path] = text.replace('#include <math.h>\n', '#include <math.h>\n' + FAST_TANH) if path.endswith(".cuh") else text
+    if variant != base:
+        files = {p: accurate(p, t) if p.endswith((".cu", ".cuh")) else t for p, t in files.items()}
     return files
 
 
@@ -157,7 +157,7 @@ for t, c in enumerate(tasks):
     eager = measure(model, sets)
     compiled = measure(torch.compile(model), sets)
     variants = E.VARIANTS_FOR[(backend, E.split(steps)[1] is not None)][:args.variants]
-    variants += [v + "+fast" for v in variants] if args.fast_math and cuda else []
+    variants += [v + "+accurate" for v in variants] if args.accurate_math and cuda else []
     for v in variants:
         r = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--kernel-of", str(t), v], capture_output=True,
                            text=True, env=dict(os.environ, CUDA_AGENT_CACHE=str(env.CACHE_DIR)))

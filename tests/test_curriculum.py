@@ -189,6 +189,42 @@ def test_every_op_statement_computes_what_its_pytorch_line_does(tmp_path):
     assert "op_" in E._line(ops["gelu_tanh"]) and "op_" not in E._line(ops["mul_param"])
 
 
+# The CUDA library's functions on the host: its device intrinsics replaced by their accurate functions, so that what is
+# checked is each formula (tanh made of exponentials, a product for a division), not the hardware's few ulp.
+HOST_INTRINSICS = """#define __device__
+#define __forceinline__ inline
+#define __expf expf
+#define __logf logf
+#define __fdividef(a, b) ((a) / (b))
+#include <math.h>
+"""
+
+
+def test_the_cuda_library_computes_what_the_pytorch_lines_do(tmp_path):
+    """kernels/lib.cuh's op_X, on the host (HOST_INTRINSICS), match PyTorch around every kink; the reductions' GPU
+    math (cuda_math) is the same function as their C math."""
+    lib_text = E.header("cuda").replace(E.REDUCE_FUNCTIONS, "")
+    fns = "".join(f'extern "C" void f_{n}(const float* x, float* y, int n) {{\n  for (int d = 0; d < n; ++d) '
+                  f"y[d] = op_{n}({', '.join(['x[d]'] + [E.c_float(a) for a in E.OPS[n].get('consts', [()])[0]])});\n}}\n"
+                  for n in E.LIBRARY)
+    (tmp_path / "ops.cpp").write_text(HOST_INTRINSICS + lib_text.replace("#include <math.h>", "") + fns)
+    r = subprocess.run(["g++", "-O2", "-shared", "-fPIC", "-o", str(tmp_path / "ops.so"), str(tmp_path / "ops.cpp")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lib = ctypes.CDLL(str(tmp_path / "ops.so"))
+    x = torch.cat([torch.linspace(-25, 25, 2001), torch.randn(999), torch.tensor([-100.0, 100.0, 0.0])])
+    for n in E.LIBRARY:
+        st = {"op": n, **dict(zip("ab", E.OPS[n].get("consts", [()])[0]))}
+        y = torch.empty_like(x)
+        getattr(lib, f"f_{n}")(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(y.data_ptr()), ctypes.c_int(x.numel()))
+        ref = eval(E.torch_line(st), {"torch": torch, "F": torch.nn.functional, "x": x})
+        torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5, equal_nan=False, msg=lambda m: f"op_{n}: {m}")
+    for spec in E.REDUCTIONS.values():
+        for expr in [spec.get("out") or spec["result"]] + [t for _, _, t, _ in spec["stats"]]:
+            host = E.cuda_math(expr).replace("__fdividef(__expf(v - m), s)", "expf(v - m) / s").replace("__", "")
+            assert host.replace(" * rsqrtf(", " / sqrtf(") == expr, (expr, E.cuda_math(expr))
+
+
 def test_a_task_of_the_family_starts_with_the_op_library(tasks, tmp_path):
     """agent.py's workspaces (episodes and single-turn answers alike) of a task of the elementwise family hold the op
     library and its prompts name it; a task outside the family (examples/relu.py: a bare return) gets neither."""
