@@ -281,6 +281,23 @@ def is_demonstration(ep: dict) -> bool:
     return ep["reward"] >= 1 and ep["finished"] and ep["malformed_calls"] == 0
 
 
+def single_turn_demo(ep: dict, task: dict, tokenizer, backend: str, stop: int) -> dict:
+    """A demonstration in the single-turn format (train.py's warm-up, evaluate.py --mode single): the files its episode
+    wrote, each as last written, in fenced blocks whose first line names them (tools.parse_single_turn), after
+    agent.single_turn_prompt; the answer and `stop` are the model's tokens. Without it the warm-up's prompt is one the
+    student never saw: after sft on tool calls alone its answers held no files (reward -1 at every step)."""
+    files = {}
+    for t in ep["turns"]:
+        if t["tool"] == "write_file":
+            files[t["args"]["path"]] = t["args"]["content"]
+    text = "".join(f"```{'python' if path.endswith('.py') else 'cpp'}\n{'#' if path.endswith('.py') else '//'} file: "
+                   f"{path}\n{content.rstrip()}\n```\n" for path, content in files.items())
+    prompt = agent.single_turn_prompt(task, tokenizer, backend)
+    answer = agent.encode(tokenizer, text) + [stop]
+    return {"task_id": ep["task_id"], "tokens": prompt + answer, "loss_mask": [0] * len(prompt) + [1] * len(answer),
+            "text": text, "files": files, "reward": ep["reward"], "end_reason": "single_turn"}
+
+
 def make_demos(policy, tasks: list[dict], backend: str, out_dir, samples: int = 1, **run_kw) -> tuple[list, list]:
     """Runs `samples` teacher episodes per task; writes every episode to OUT/trajectories.jsonl (agent.py's
     format) and the demonstrations (is_demonstration) to OUT/demos.jsonl. Returns (demos, all episodes)."""

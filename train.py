@@ -24,7 +24,9 @@ The algorithm, as differences from named baselines
           start: a teacher (teacher.py: a scripted solver of the elementwise family, or any OpenAI-compatible
           model) works the TRAINING tasks through the same ReAct tools, env.py scores every episode, and only
           those at reward >= 1 become demonstrations (RUN/demos.jsonl, reused on a rerun). Plain SFT on them:
-          next-token loss on the teacher's tokens only (loss_mask), never on prompts or tool output.
+          next-token loss on the teacher's tokens only (loss_mask), never on prompts or tool output. Each
+          demonstration also goes in once more as a single-turn answer (its files, fenced) to the warm-up's prompt:
+          the warm-up samples in a format the student has seen (--set sft_single_turn=false: tool calls only).
   warmup  PPO as in the paper's single-turn warm-up (actor + critic, token-level GAE with gamma = 1, value
           clipping, token-mean loss) with DAPO's asymmetric clip (eps_low 0.2, eps_high 0.28) and two changes
           from VC-PPO / VAPO: decoupled lambdas (actor advantages lambda 0.95, critic targets lambda 1, i.e.
@@ -132,8 +134,9 @@ class Config:
     sft_tasks: int = 64  # training tasks the teacher works (0: all)
     sft_samples: int = 1  # teacher episodes per task (each draws its own plan of kernel variants)
     sft_epochs: int = 8  # the teacher's fixed texts (binding, header) must be reproduced token for token: many steps
+    sft_single_turn: bool = True  # every demonstration also in the warm-up's single-turn format (teacher.single_turn_demo)
     sft_lr: float = 5e-4  # LoRA on a 135M model; the paper's stages use lower rates on a 230B model
-    sft_batch: int = 4  # demonstrations per optimizer step (64 demonstrations: 16 steps per epoch)
+    sft_batch: int = 4  # sequences per optimizer step (64 demonstrations and their single-turn copies: 32 steps an epoch)
     teacher_url: str | None = None  # an OpenAI-compatible /v1 endpoint writes the demonstrations instead
     teacher_model: str | None = None
     # rollouts
@@ -337,8 +340,11 @@ def stage_sft(ctx: Ctx, resume: bool):
     if start is None:
         return
     demos, n_eps = teacher_demos(ctx)
-    data = fit_context(shard(demos, ctx.rank, ctx.world), cfg.max_context)
-    n_mb = max(1, math.ceil(len(demos) / max(1, cfg.sft_batch)))
+    by_id = {t["task_id"]: t for t in ctx.teacher_tasks} if cfg.sft_single_turn else {}
+    single = [teacher.single_turn_demo(d, by_id[d["task_id"]], ctx.policy.tokenizer, ctx.backend, ctx.policy.stop[0])
+              for d in demos if d["task_id"] in by_id]
+    data = fit_context(shard(demos + single, ctx.rank, ctx.world), cfg.max_context)
+    n_mb = max(1, math.ceil(len(demos + single) / max(1, cfg.sft_batch)))
     if not demos:
         ctx.say("sft: no demonstrations to imitate; the actor stays the base model (the scripted teacher solves the "
                 "elementwise family only: --set family=elementwise, or --teacher-url)")
@@ -347,12 +353,13 @@ def stage_sft(ctx: Ctx, resume: bool):
     for epoch in range(start, cfg.sft_epochs if demos else start):
         t0 = time.time()
         loss = sft_epoch(ctx.pm, opts["actor"], data, n_mb, cfg, ctx.device, epoch, stream=2)
-        log_step(ctx, "sft", epoch, cfg.sft_epochs, {"loss": loss, "demos": len(demos), "lr": opts["actor"][1].get_last_lr()[0]},
+        log_step(ctx, "sft", epoch, cfg.sft_epochs, {"loss": loss, "demos": len(demos), "single_turn": len(single),
+                                                     "lr": opts["actor"][1].get_last_lr()[0]},
                  time.time() - t0, (time.time() - t_begin) / (epoch + 1 - start) * (cfg.sft_epochs - epoch - 1))
         save_checkpoint(ctx, "sft", epoch, opts, done=epoch + 1 == cfg.sft_epochs)
     if not latest(ctx.run_dir / "sft") or not latest(ctx.run_dir / "sft")["done"]:  # nothing trained: still a checkpoint
         save_checkpoint(ctx, "sft", max(start, cfg.sft_epochs - 1), opts, done=True)
-    log_event(ctx, {"event": "stage_end", "stage": "sft", "demos": len(demos), "episodes": n_eps,
+    log_event(ctx, {"event": "stage_end", "stage": "sft", "demos": len(demos), "single_turn": len(single), "episodes": n_eps,
                     "tasks": len(ctx.teacher_tasks)})
 
 

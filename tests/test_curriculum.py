@@ -21,6 +21,7 @@ import build
 import elementwise as E
 import env
 import teacher
+import tools
 from tasks import read_dataset
 from test_agent import FakeOpenAI, structured, tiny_tokenizer
 
@@ -238,6 +239,26 @@ def test_a_task_of_the_family_starts_with_the_op_library(tasks, tmp_path):
         assert list((other / "kernels").iterdir()) == []
         assert "(provided)" not in agent.task_message(relu, backend)
         assert "(provided)" not in agent.single_turn_messages(relu, backend)[1]["content"]
+
+
+def test_a_demonstration_in_the_single_turn_format_is_its_solution(tasks, tok):
+    """teacher.single_turn_demo: the warm-up's prompt, then the files the episode wrote last (earlier writes of a path
+    are replaced) as a single-turn answer that tools.parse_single_turn reads back exactly and env.py scores correct;
+    the answer and its stop token are the only model tokens."""
+    t = tasks[0]
+    files = E.solution_files(t["code"], "cpu")
+    turns = [{"tool": "write_file", "args": {"path": "kernels/op.cpp", "content": "// a first draft\n"}}]
+    turns += [{"tool": "write_file", "args": {"path": p, "content": c}} for p, c in files.items()]
+    turns += [{"tool": "compile", "args": {}}, {"tool": "finish", "args": {}}]
+    ep = {"task_id": t["task_id"], "turns": turns, "reward": 1}
+    demo = teacher.single_turn_demo(ep, t, tok, "cpu", stop=7)
+    prompt = agent.single_turn_prompt(t, tok, "cpu")
+    n = len(demo["tokens"]) - len(prompt)
+    assert demo["tokens"][:len(prompt)] == prompt and demo["loss_mask"] == [0] * len(prompt) + [1] * n
+    assert demo["tokens"][-1] == 7 and tok.decode(demo["tokens"][len(prompt):-1]) == demo["text"]
+    assert tools.parse_single_turn(demo["text"]) == files
+    verdict = agent.score_files(tools.parse_single_turn(demo["text"]), t, "cpu", stage="verify")
+    assert verdict.correct, verdict.summary()
 
 
 def test_every_cpu_variant_is_correct(tasks):
