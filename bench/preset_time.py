@@ -21,7 +21,7 @@ is not counted). Each phase's seconds are scaled by the ratio of its size in the
                    cost about the same for more tasks: a lower bound), tool calls and scoring by eval tasks
 Shape: when the preset's batch, turns or context differ from the run's (e.g. the paper preset from a default
 run), rollout and update phases are also scaled by tokens: per episode, min(max_context, max_turns x
-max_new_tokens) (one turn in the warm-up), and per step, tasks per step x that. Rough: a bigger batch costs
+max_new_tokens) (warmup_new_tokens in the warm-up), and per step, tasks per step x that. Rough: a bigger batch costs
 a decode step little more, a longer context costs attention more than linearly. For a real figure run the
 short run with the preset's shape. Not included: dataset synthesis and model loading before the first
 evaluation (the "start" record's setup_s; synth.py reports its own tasks/hour).
@@ -51,7 +51,9 @@ def preset(name: str) -> dict:
 
 def episode_tokens(c: dict, multi_turn: bool = True) -> int:
     """The tokens an episode can reach under config c (a random model reaches them; a trained one stops earlier)."""
-    return min(c["max_context"], c["max_new_tokens"] * (c["max_turns"] if multi_turn else 1))
+    if not multi_turn:  # the warm-up's one answer (runs from before warmup_new_tokens had max_new_tokens)
+        return min(c["max_context"], c.get("warmup_new_tokens", c["max_new_tokens"]))
+    return min(c["max_context"], c["max_new_tokens"] * c["max_turns"])
 
 
 def peak(recs: list, kind: str = "peak_gb") -> float | None:
