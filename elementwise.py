@@ -54,10 +54,10 @@ OPS = {
     "gelu":        dict(torch="F.gelu(x)", c="0.5f * v * (1.f + erff(v * 0.70710678f))", cpu_ns=1.5),
     "gelu_tanh":   dict(torch="F.gelu(x, approximate='tanh')",
                         c="0.5f * v * (1.f + tanhf(0.79788456f * (v + 0.044715f * v * v * v)))",
-                        cu="0.5f * v * (1.f + tanh_fast(0.79788456f * (v + 0.044715f * v * v * v)))", cpu_ns=2),
+                        cu="0.5f * v * (1.f + lib_fast_tanh(0.79788456f * (v + 0.044715f * v * v * v)))", cpu_ns=2),
     "silu":        dict(torch="F.silu(x)", c="v / (1.f + expf(-v))", cu="__fdividef(v, 1.f + __expf(-v))", cpu_ns=2),
     "sigmoid":     dict(torch="torch.sigmoid(x)", c="1.f / (1.f + expf(-v))", cu="__fdividef(1.f, 1.f + __expf(-v))", cpu_ns=1),
-    "tanh":        dict(torch="torch.tanh(x)", c="tanhf(v)", cu="tanh_fast(v)", cpu_ns=2),
+    "tanh":        dict(torch="torch.tanh(x)", c="tanhf(v)", cu="lib_fast_tanh(v)", cpu_ns=2),
     "softplus":    dict(torch="F.softplus(x)", c="(v > 20.f ? v : log1pf(expf(v)))",
                         cu="(v > 20.f ? v : __logf(1.f + __expf(v)))", cpu_ns=3),
     "elu":         dict(torch="F.elu(x, {a})", c="(v > 0.f ? v : {a} * expm1f(v))",
@@ -69,7 +69,7 @@ OPS = {
     "hardswish":   dict(torch="F.hardswish(x)", c="v * fminf(fmaxf(v + 3.f, 0.f), 6.f) / 6.f",
                         cu="v * fminf(fmaxf(v + 3.f, 0.f), 6.f) * 0.16666667f", cpu_ns=0.25),
     "mish":        dict(torch="F.mish(x)", c="v * tanhf(v > 20.f ? v : log1pf(expf(v)))",
-                        cu="v * tanh_fast(v > 20.f ? v : __logf(1.f + __expf(v)))", cpu_ns=6),
+                        cu="v * lib_fast_tanh(v > 20.f ? v : __logf(1.f + __expf(v)))", cpu_ns=6),
     "add":         dict(torch="x + {a}", c="v + {a}", consts=[(0.5,), (1.0,), (2.0,)], cpu_ns=0.25),
     "sub":         dict(torch="x - {a}", c="v - {a}", consts=[(0.5,), (1.0,), (0.25,)], cpu_ns=0.25),
     "mul":         dict(torch="x * {a}", c="v * {a}", consts=[(0.5,), (2.0,), (-1.5,), (3.0,)], cpu_ns=0.25),
@@ -484,7 +484,7 @@ def _math(name: str, backend: str) -> str:
 
 
 TANH_FAST = ("// tanh(v) = 1 - 2 / (1 + e^(2v)) on the special function units (tanhf: ~20 instructions more)\n"
-             "__device__ __forceinline__ float tanh_fast(float v) { return 1.f - __fdividef(2.f, 1.f + __expf(2.f * v)); }\n\n")
+             "__device__ __forceinline__ float lib_fast_tanh(float v) { return 1.f - __fdividef(2.f, 1.f + __expf(2.f * v)); }\n\n")
 # The reductions' math on the GPU, likewise: exp and log of the special function units, a reciprocal square root.
 CUDA_MATH = [(r"\bexpf\(v - m\) / s$", "__fdividef(__expf(v - m), s)"), (r"\bexpf\(", "__expf("), (r"\blogf\(", "__logf("),
              (r" / sqrtf\(", " * rsqrtf(")]
@@ -677,8 +677,8 @@ def _cuda_rows(variant, block, stats, out, keeps, plist, args, unpack, launch_si
         second = (f"__global__ void apply(const float* __restrict__ x, float* __restrict__ y, const float* __restrict__ stats{plist}, "
                   "int64_t n, int64_t cols) {\n"
                   + _stride(1) + "  int64_t row = i / cols, rows_step = stride / cols;  // the row of element i, and its step\n"
-                  "  for (; i < n; i += stride) {\n" + load +
-                  f"    float v = pre(x[i], d{args});\n    // {note}\n    v = {out};\n    y[i] = post(v, d{args});\n"
+                  "  for (; i < n; i += stride) {\n    const int64_t c = d;  // (the formulas' name for the column)\n" + load +
+                  f"    float v = pre(x[i], c{args});\n    // {note}\n    v = {out};\n    y[i] = post(v, c{args});\n"
                   "    d += step;\n    row += rows_step;\n    if (d >= cols) {\n      d -= cols;\n      ++row;\n    }\n  }\n}\n")
         n = "rows * cols"
     else:

@@ -93,8 +93,9 @@ def spin(fd: int, seconds: float) -> bool:
     """Polls fd for up to `seconds` without sleeping; True once it is readable (or at its end)."""
     if seconds <= 0:
         return False
-    end = time.perf_counter() + seconds
-    while not select.select([fd], [], [], 0)[0]:
+    p, end = select.poll(), time.perf_counter() + seconds  # (poll: select refuses descriptors from 1024 on)
+    p.register(fd, select.POLLIN)
+    while not p.poll(0):
         if time.perf_counter() > end:
             return False
     return True

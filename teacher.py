@@ -41,6 +41,7 @@ from pathlib import Path
 import agent
 import elementwise as E
 import env
+import tools
 from tasks import load_problem, load_split
 
 MARK = "<<OBSERVATION>>"
@@ -281,17 +282,30 @@ def is_demonstration(ep: dict) -> bool:
     return ep["reward"] >= 1 and ep["finished"] and ep["malformed_calls"] == 0
 
 
-def single_turn_demo(ep: dict, task: dict, tokenizer, backend: str, stop: int) -> dict:
+def single_turn_demo(ep: dict, task: dict, tokenizer, backend: str, stop: int) -> dict | None:
     """A demonstration in the single-turn format (train.py's warm-up, evaluate.py --mode single): the files its episode
-    wrote, each as last written, in fenced blocks whose first line names them (tools.parse_single_turn), after
-    agent.single_turn_prompt; the answer and `stop` are the model's tokens. Without it the warm-up's prompt is one the
-    student never saw: after sft on tool calls alone its answers held no files (reward -1 at every step)."""
+    wrote, as they ended (its accepted write_file and edit_file calls replayed in order), in fenced blocks whose first
+    line names them (tools.parse_single_turn), after agent.single_turn_prompt; the answer and `stop` are the model's
+    tokens. Without it the warm-up's prompt is one the student never saw: after sft on tool calls alone its answers
+    held no files (reward -1 at every step). None where the files cannot be known from the calls (a bash command may
+    have changed them) or would not read back as written (a path the answer format does not take)."""
     files = {}
     for t in ep["turns"]:
+        args = t.get("args") or {}
+        if t["tool"] == "bash":
+            return None
+        if not t.get("ok", True) or t["tool"] not in ("write_file", "edit_file"):
+            continue
         if t["tool"] == "write_file":
-            files[t["args"]["path"]] = t["args"]["content"]
+            files[args["path"]] = args["content"]
+        elif args["path"] in files:
+            files[args["path"]] = files[args["path"]].replace(args["old"], args["new"], 1)
+        else:
+            return None  # an edit of a file the episode did not write (a provided one)
     text = "".join(f"```{'python' if path.endswith('.py') else 'cpp'}\n{'#' if path.endswith('.py') else '//'} file: "
                    f"{path}\n{content.rstrip()}\n```\n" for path, content in files.items())
+    if not files or tools.parse_single_turn(text) != {p: c.rstrip() + "\n" for p, c in files.items()}:
+        return None
     prompt = agent.single_turn_prompt(task, tokenizer, backend)
     answer = agent.encode(tokenizer, text) + [stop]
     return {"task_id": ep["task_id"], "tokens": prompt + answer, "loss_mask": [0] * len(prompt) + [1] * len(answer),

@@ -341,9 +341,13 @@ def stage_sft(ctx: Ctx, resume: bool):
     if start is None:
         return
     demos, n_eps = teacher_demos(ctx)
-    by_id = {t["task_id"]: t for t in ctx.teacher_tasks} if cfg.sft_single_turn else {}
+    by_id = {t["task_id"]: t for t in ctx.train}
     single = [teacher.single_turn_demo(d, by_id[d["task_id"]], ctx.policy.tokenizer, ctx.backend, ctx.policy.stop[0])
-              for d in demos if d["task_id"] in by_id]
+              for d in (demos if cfg.sft_single_turn else []) if d["task_id"] in by_id]
+    single = [d for d in single if d is not None]
+    if cfg.sft_single_turn and len(single) < len(demos):
+        ctx.say(f"sft: {len(demos) - len(single)} of {len(demos)} demonstrations have no single-turn copy (a task not in "
+                "this run's training split, a bash call, or files the answer format cannot name)")
     data = fit_context(shard(demos + single, ctx.rank, ctx.world), cfg.max_context)
     n_mb = max(1, math.ceil(len(demos + single) / max(1, cfg.sft_batch)))
     if not demos:

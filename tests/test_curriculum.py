@@ -242,15 +242,22 @@ def test_a_task_of_the_family_starts_with_the_op_library(tasks, tmp_path):
 
 
 def test_a_demonstration_in_the_single_turn_format_is_its_solution(tasks, tok):
-    """teacher.single_turn_demo: the warm-up's prompt, then the files the episode wrote last (earlier writes of a path
-    are replaced) as a single-turn answer that tools.parse_single_turn reads back exactly and env.py scores correct;
-    the answer and its stop token are the only model tokens."""
+    """teacher.single_turn_demo: the warm-up's prompt, then the files as the episode left them (its accepted writes and
+    edits replayed; a refused write is not a file) as a single-turn answer that tools.parse_single_turn reads back
+    exactly and env.py scores correct; the answer and its stop token are the only model tokens. An episode that ran
+    bash (files the calls do not show) has none."""
     t = tasks[0]
     files = E.solution_files(t["code"], "cpu")
-    turns = [{"tool": "write_file", "args": {"path": "kernels/op.cpp", "content": "// a first draft\n"}}]
-    turns += [{"tool": "write_file", "args": {"path": p, "content": c}} for p, c in files.items()]
-    turns += [{"tool": "compile", "args": {}}, {"tool": "finish", "args": {}}]
+    draft = files["kernels/op.cpp"].replace("v = ", "v = BROKEN + ", 1)
+    write = lambda p, c, ok=True: {"tool": "write_file", "args": {"path": p, "content": c}, "ok": ok}
+    turns = [write("model.py", "import os\n", ok=False)] + [write(p, draft if p.endswith("op.cpp") else c) for p, c in files.items()]
+    turns += [{"tool": "compile", "args": {}, "ok": True},
+              {"tool": "edit_file", "args": {"path": "kernels/op.cpp", "old": "v = BROKEN + ", "new": "v = "}, "ok": True},
+              {"tool": "edit_file", "args": {"path": "kernels/op.cpp", "old": "absent", "new": "x"}, "ok": False},
+              {"tool": "finish", "args": {}, "ok": True}]
     ep = {"task_id": t["task_id"], "turns": turns, "reward": 1}
+    assert teacher.single_turn_demo({**ep, "turns": turns + [{"tool": "bash", "args": {"command": "ls"}, "ok": True}]},
+                                    t, tok, "cpu", stop=7) is None
     demo = teacher.single_turn_demo(ep, t, tok, "cpu", stop=7)
     prompt = agent.single_turn_prompt(t, tok, "cpu")
     n = len(demo["tokens"]) - len(prompt)
@@ -397,7 +404,8 @@ def test_cli_synth_family_errors_are_one_line(tmp_path):
 @pytest.mark.slow
 def test_every_cuda_variant_compiles_with_nvcc(tmp_path):
     """No GPU here: nvcc (env.py's command line) compiles every CUDA kernel variant, at every block size, of three
-    tasks. The CUDA binding needs a CUDA build of torch's headers, so it is built by the gpu test only."""
+    tasks, and every reduction (with parameters before and after it, its own affine ones too) in every variant. The
+    CUDA binding needs a CUDA build of torch's headers, so it is built by the gpu test only."""
     nvcc = build.toolchain("cuda")["nvcc"]
     if shutil.which(nvcc[0]) is None:
         pytest.skip("no nvcc")
@@ -410,6 +418,13 @@ def test_every_cuda_variant_compiles_with_nvcc(tmp_path):
                 src = tmp_path / f"t{c['index']}_{v}_{block}.cu"
                 src.write_text(E.kernel_source(steps, "cuda", v, block))
                 jobs.append([*nvcc, "-c", str(src), "-o", str(src.with_suffix(".o"))])
+    for red in E.REDUCTIONS:
+        steps = [{"op": "mul_param", "p": "w1"}, {"op": red, **{k: f"{k}1" for k in "go" if f"{{{k}}}" in str(E.REDUCTIONS[red])}}]
+        steps += [{"op": "add_param", "p": "w2"}] if E.keeps_shape(steps[1]) else []
+        for v in E.VARIANTS_FOR[("cuda", True)]:
+            src = tmp_path / f"{red}_{v}.cu"
+            src.write_text(E.kernel_source(steps, "cuda", v))
+            jobs.append([*nvcc, "-c", str(src), "-o", str(src.with_suffix(".o"))])
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         for cmd, r in zip(jobs, pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True), jobs)):
             assert r.returncode == 0, (cmd[-3], r.stderr[-2000:])

@@ -1433,10 +1433,17 @@ def test_timed_exchanges_poll_for_replies_and_only_they(monkeypatch):
         t0 = time.perf_counter()
         assert protocol.spin(r, 0.01) is False and time.perf_counter() - t0 >= 0.01  # nothing came: gave up
         os.write(w, b"x")
-        assert protocol.spin(r, 10.0) is True  # (returns at once: it polls, it does not wait out the 10 s)
+        t0 = time.perf_counter()
+        assert protocol.spin(r, 10.0) is True and time.perf_counter() - t0 < 1  # at once: it does not wait out the 10 s
+        os.read(r, 1)
+        os.close(w)
+        w = None
+        t0 = time.perf_counter()
+        assert protocol.spin(r, 10.0) is True and time.perf_counter() - t0 < 1  # the other side's end: at once too
     finally:
         os.close(r)
-        os.close(w)
+        if w is not None:
+            os.close(w)
     assert protocol.PARENT_SPIN_S["cpu"] == 0.0  # on the CPU a polling parent takes a core from the kernel
 
 
