@@ -111,8 +111,8 @@ What it does NOT protect against (be honest; RL will look)
     its input (x.t() for a task that transposes and copies) would do no work at all (reward 3, tried).
   - the time includes two pipe round trips and the sample's copy: for tiny kernels the reward sees host
     overhead (bench/env_bench.py states this floor; bench/floor_diag.py splits it). Both sides poll for the timed
-    messages instead of sleeping (the parent only on the GPU backend: on the CPU it would take a core from the kernel),
-    so no scheduler wake-up is on the clock's path. It is the same for the
+    messages instead of sleeping (the parent for a run's reply only on the GPU backend: on the CPU it would take a
+    core from the kernel), so few scheduler wake-ups are on the clock's path. It is the same for the
     candidate and both baselines, except the candidate's dispatch monitor (tens of microseconds a run).
   - a forked child shares the fork server's memory copy-on-write: the imported modules, and what the server read,
     the paths and environments of the children it forked (other verdicts' run folders by name, never their

@@ -82,11 +82,13 @@ def _write_all(fd: int, view: memoryview):
 # the other side writes: tens of microseconds on 2 idle cores, more on a big host whose idle cores sit in deep sleep
 # states, twice per timed run (the run's reply and the sample's) and once more on the child's side for each command.
 # Polling instead takes no wake-up. A child polls for CHILD_SPIN_S after each reply (in a timed section the next
-# command follows within microseconds), then sleeps; the parent polls for a timed exchange's reply only, and only
-# where the work runs on a GPU (PARENT_SPIN_S): on the CPU backend a polling parent would take a core from the
-# candidate's OpenMP team. bench/floor_diag.py measures the floor with and without.
+# command follows within microseconds), then sleeps. The parent polls for a timed exchange's reply only: for a run's
+# only where the work runs on a GPU (PARENT_SPIN_S: on the CPU backend a polling parent would take a core from the
+# candidate's OpenMP team while it runs), for a sample's on every backend (SAMPLE_SPIN_S: the run is over, the reply
+# is a copy away). bench/floor_diag.py measures the floor with and without.
 CHILD_SPIN_S = 0.002
 PARENT_SPIN_S = {"cuda": 0.05, "cpu": 0.0}  # per backend; a longer run than this is waited for asleep
+SAMPLE_SPIN_S = 0.002
 
 
 def spin(fd: int, seconds: float) -> bool:
@@ -587,7 +589,8 @@ def timed_runs(child: Child, seeds: list, cfg, check=None, audit=None) -> list: 
     With `audit`, n_audits more runs are made, and which of them are audits is drawn after each run has returned:
     audit(k) checks that run's whole output, and its time is not counted. A kernel that skips work on some timed
     runs, in a pattern the sample could miss, cannot know which runs are read in full. Milliseconds per run.
-    The parent polls for the replies (PARENT_SPIN_S) while it drives the runs: one timed section per device at a time."""
+    The parent polls for the runs' replies (PARENT_SPIN_S) and the samples' (SAMPLE_SPIN_S) while it drives the runs:
+    one timed section per device at a time."""
     child.spin_s = getattr(child, "timed_spin_s", 0.0)  # (a stand-in for a Child may not say)
     try:
         return _timed_runs(child, seeds, cfg, check, audit)
@@ -612,8 +615,10 @@ def _timed_runs(child: Child, seeds: list, cfg, check, audit) -> list:
             audit(k)
             continue
         offset = secrets.randbelow(1 << 30)  # drawn after the run returned
+        run_spin, child.spin_s = child.spin_s, max(child.spin_s, SAMPLE_SPIN_S)
         obj, blobs = child.ask({"op": "sample", "offset": offset})
         times.append((_clock() - t0) * 1e3)
+        child.spin_s = run_spin
         if check is not None:
             check(k, unpack(obj, blobs), offset)
     return times

@@ -62,9 +62,11 @@ def task(batch, dim):
     return RELU.replace("BATCH = 64", f"BATCH = {batch}").replace("DIM = 4096", f"DIM = {dim}")
 
 
-def drive(mode, model_new, extra, model, pipe_bytes, polls=(protocol.CHILD_SPIN_S, None)):
+def drive(mode, model_new, extra, model, pipe_bytes, polls=(protocol.CHILD_SPIN_S, None, protocol.SAMPLE_SPIN_S)):
     """Medians (ms) of the parent's clock around "run", around "sample", and both (the verdict's figure).
-    polls: (seconds the child polls for a command, seconds this process polls for a reply: None = as timed_runs)."""
+    polls: seconds the child polls for a command, this process for a run's reply (None: as timed_runs) and for a
+    sample's."""
+    sample_spin = polls[2]
     cfg = env.Config(backend=backend)
     run = Path(tempfile.mkdtemp(dir=env.CACHE_DIR))
     (run / "ext").mkdir()
@@ -99,7 +101,9 @@ def drive(mode, model_new, extra, model, pipe_bytes, polls=(protocol.CHILD_SPIN_
             t0 = protocol._clock()
             child.ask({"op": "run"})
             t1 = protocol._clock()
+            run_spin, child.spin_s = child.spin_s, max(child.spin_s, sample_spin)
             child.ask({"op": "sample", "offset": secrets.randbelow(1 << 30)})
+            child.spin_s = run_spin
             t2 = protocol._clock()
             t_run.append((t1 - t0) * 1e3)
             t_sample.append((t2 - t1) * 1e3)
@@ -113,7 +117,7 @@ def drive(mode, model_new, extra, model, pipe_bytes, polls=(protocol.CHILD_SPIN_
 
 
 HARNESS, PIPE, SPIN = dict(protocol.CHILD_ENV), protocol.PIPE_BYTES, protocol.CHILD_SPIN_S  # what env.Child gives every child
-ASLEEP, BOTH_POLL = (0.0, 0.0), (SPIN, 0.05)  # nobody polls (every message wakes a sleeper); both sides poll
+ASLEEP, BOTH_POLL = (0.0, 0.0, 0.0), (SPIN, 0.05, 0.05)  # nobody polls (every message wakes a sleeper); both sides poll
 DEFAULT_WAIT = {k: v for k, v in HARNESS.items() if k != "OMP_WAIT_POLICY"}  # libgomp's default: spin, then sleep
 ONE, BIG = task(1, 1), task(64, 4096)  # 1 element; 262144 elements (the sample: 65536 floats, 256 KiB)
 ROWS = [  # (name, child, model_new, child env, task, reply pipe bytes)

@@ -216,11 +216,12 @@ def test_big_model_report_of_a_run_that_ran_out_of_memory(tmp_path):
     assert line("run-big-7b", "sft training").split()[-5:] == ["71.0", "(80)", "10.0", "10m40s", "21m20s"], out
     assert line("run-big-7b", "ppo") is None and line("run-big-7b", "critic") is None, out
     assert line("run-big-7b", "stopped in critic: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 18.56 GiB."), out
-    # 2 steps of 15 s: x 10 (default); paper: x 50 steps and x 32 x 4096 / (16 x 1536) tokens per step
-    assert line("run-big-1.5b", "warmup (per step)").split()[-5:] == ["61.0", "(70)", "30.0", "2m30s", "1h06m"], out
+    # 2 steps of 15 s: x 10 (default); paper: x 50 steps and x 32 x 4096 / (16 x 2048) tokens per step (the warm-up's
+    # answer: warmup_new_tokens)
+    assert line("run-big-1.5b", "warmup (per step)").split()[-5:] == ["61.0", "(70)", "30.0", "2m30s", "50m00s"], out
     assert line("run-big-1.5b", "ppo step") == ("run-big-1.5b ppo step (30, 30 s): generate 20.0 s | tools+scoring 2.0 s | update 8.0 s | "
                                                  "rollout 4,800 tok/s | update 15,000 tok/s | peak GB rollout 50.0, update 90.0"), out
-    assert line("run-big-1.5b", "total").split()[-4:] == ["90.0", "276.0", "38m42s", "20h33m"], out
+    assert line("run-big-1.5b", "total").split()[-4:] == ["90.0", "276.0", "38m42s", "20h16m"], out  # (the warm-up 16 min less)
     assert line("run-big-1.5b", "complete") and line("x", "no metrics.jsonl in"), out
     assert line("cut", "stopped in critic: KeyboardInterrupt (SIGINT: run_h200.sh's time limit; the same part again"), out
 

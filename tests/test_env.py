@@ -1428,6 +1428,11 @@ def test_timed_exchanges_poll_for_replies_and_only_they(monkeypatch):
     env.timed_runs(child, list(range(30)), env.Config())
     assert seen and all(s == 0.05 for _, s in seen) and {"load", "run", "sample"} <= {op for op, _ in seen}, seen
     assert child.spin_s == 0.0
+    seen.clear()
+    child.timed_spin_s = 0.0  # the CPU backend: a run's reply is waited for asleep, a sample's polled for
+    env.timed_runs(child, list(range(30)), env.Config())
+    assert {(op, s) for op, s in seen} == {("load", 0.0), ("run", 0.0), ("sample", protocol.SAMPLE_SPIN_S)}, seen
+    assert child.spin_s == 0.0
     r, w = os.pipe()
     try:
         t0 = time.perf_counter()
