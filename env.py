@@ -112,7 +112,10 @@ What it does NOT protect against (be honest; RL will look)
   - the time includes two pipe round trips and the sample's copy: for tiny kernels the reward sees host
     overhead (bench/env_bench.py states this floor; bench/floor_diag.py splits it). Both sides poll for the timed
     messages instead of sleeping (the parent for a run's reply only on the GPU backend: on the CPU it would take a
-    core from the kernel), so few scheduler wake-ups are on the clock's path. It is the same for the
+    core from the kernel), so few scheduler wake-ups are on the clock's path. The clock's thread shares its
+    interpreter with the caller's other threads (train.py's tool calls): one busy in Python delays noticing a reply
+    by up to the interpreter's switch interval (5 ms), for candidates and baselines alike but not at the same moments;
+    the baselines' spread check re-times noisy ones, a candidate's runs are not re-timed. It is the same for the
     candidate and both baselines, except the candidate's dispatch monitor (tens of microseconds a run).
   - a forked child shares the fork server's memory copy-on-write: the imported modules, and what the server read,
     the paths and environments of the children it forked (other verdicts' run folders by name, never their
