@@ -184,16 +184,17 @@ PRESETS = {
     # CI on a 2-core CPU: a 2-layer random model, 16-token turns, 2 tasks per step, a couple of steps; the teacher
     # works one training task (its build is cached after the first run), one held-out task.
     "tiny": dict(model="tiny-random", synth_tasks=4, eval_tasks=1, sft_tasks=1, sft_epochs=2, sft_batch=1, sft_lr=1e-3,
-                 tasks_per_step=2, max_new_tokens=16, warmup_new_tokens=16, max_turns=2, max_context=4096, warmup_steps=2, rft_tasks=2,
-                 rft_epochs=1, critic_epochs=1, ppo_steps=2, lora_r=4, lora_alpha=8, minibatches=1, micro_batch=2,
-                 actor_lr=1e-3, critic_lr=1e-3, rft_lr=1e-3, lr_warmup=0),
+                 tasks_per_step=2, max_new_tokens=16, warmup_new_tokens=16, max_turns=2, max_context=4096,
+                 warmup_steps=2, rft_tasks=2, rft_epochs=1, critic_epochs=1, ppo_steps=2, lora_r=4, lora_alpha=8,
+                 minibatches=1, micro_batch=2, actor_lr=1e-3, critic_lr=1e-3, rft_lr=1e-3, lr_warmup=0),
     # A machine without a GPU (what `--stage all` picks there unless --preset is given): the embedded 135M model,
     # 2 tasks per step, short turns. It shows that the stages run end to end, not that they learn.
     # TODO: not yet "minutes": each update is a forward/backward of 135M over thousands of tokens, which took
     # 12 min (warm-up step) and 23 min (critic epoch) on a shared 2-core machine at load 10-70 (docs/recipe.md).
     "cpu": dict(synth_tasks=6, eval_tasks=2, sft_tasks=2, sft_epochs=1, sft_batch=2, tasks_per_step=2, max_new_tokens=48,
-                warmup_new_tokens=48, max_turns=2, max_context=8192, warmup_steps=1, rft_tasks=2, rft_epochs=1, critic_epochs=1,
-                critic_patience=1, ppo_steps=1, lora_r=4, lora_alpha=8, minibatches=1, micro_batch=1, lr_warmup=0),
+                warmup_new_tokens=48, max_turns=2, max_context=8192, warmup_steps=1, rft_tasks=2, rft_epochs=1,
+                critic_epochs=1, critic_patience=1, ppo_steps=1, lora_r=4, lora_alpha=8, minibatches=1, micro_batch=1,
+                lr_warmup=0),
     # One H200 with the embedded 135M model: 64 training tasks for the teacher, 32 held out, sized for 0.3-3 ms in
     # eager (0.5-2.4 ms measured): at synth.py's 1-100 ms a verdict moves GB-sized outputs (~50 s), and the
     # teacher's first 8 episodes took over 7 minutes; at this window 16 took 4 min 22 s (docs/results.md).
@@ -202,9 +203,10 @@ PRESETS = {
     # 150 PPO steps) with batch, context and turns scaled to one 8-GPU node (paper: batch 1024, 128k
     # context, 150 turns), on the paper's task mix (the scripted teacher solves none of it: --teacher-url).
     "paper": dict(synth_tasks=6000, family="paper", eval_tasks=250, sft_tasks=512, sft_epochs=2, sft_lr=5e-5,
-                  sft_batch=32, tasks_per_step=32, max_new_tokens=4096, warmup_new_tokens=4096, max_turns=50, max_context=32768,
-                  warmup_steps=50, rft_tasks=512, rft_epochs=2, critic_epochs=30, ppo_steps=150, lora_r=64,
-                  lora_alpha=128, actor_lr=3e-6, critic_lr=6e-6, rft_lr=1e-5, lr_warmup=5, minibatches=4, micro_batch=1),
+                  sft_batch=32, tasks_per_step=32, max_new_tokens=4096, warmup_new_tokens=4096, max_turns=50,
+                  max_context=32768, warmup_steps=50, rft_tasks=512, rft_epochs=2, critic_epochs=30, ppo_steps=150,
+                  lora_r=64, lora_alpha=128, actor_lr=3e-6, critic_lr=6e-6, rft_lr=1e-5, lr_warmup=5, minibatches=4,
+                  micro_batch=1),
 }
 
 
