@@ -496,6 +496,16 @@ def cuda_math(expr: str) -> str:
     return expr
 
 
+def accurate_math(text: str) -> str:
+    """The inverse: kernels/lib.cuh or a CUDA kernel with libm's functions and IEEE division in place of the special
+    function units (bench/teacher_speed.py --accurate-math times both; a test checks that it inverts cuda_math)."""
+    for n in LIBRARY:
+        text = text.replace(f"{{ return {_math(n, 'cuda').format(a='a', b='b')}; }}",
+                            f"{{ return {OPS[n]['c'].format(a='a', b='b')}; }}")
+    text = text.replace("__fdividef(__expf(v - m), s)", "expf(v - m) / s").replace(" * rsqrtf(", " / sqrtf(")
+    return text.replace("__expf(", "expf(").replace("__logf(", "logf(")
+
+
 def _line(st: dict) -> str:
     """The C statement of one op: a call of the library, or the arithmetic inline."""
     if st["op"] in LIBRARY:

@@ -48,6 +48,7 @@ os.environ["CUDA_AGENT_CACHE"] = args.cache or str(work / "cache")  # by default
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # the in-process timer, threaded as env.CHILD_ENV threads children
 
 import env  # noqa: E402
+env.torch.set_num_threads(env.CHILD_THREADS)  # (and as many threads)
 from workspaces import event_ms, matmul_ws  # noqa: E402  (bench/)
 
 backend = env.resolve_backend(args.backend)

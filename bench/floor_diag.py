@@ -26,6 +26,7 @@ os.environ.setdefault("CUDA_AGENT_CACHE", str(work / "cache"))
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # the in-process timer, threaded as env.CHILD_ENV threads children
 import env  # noqa: E402
 import protocol  # noqa: E402
+env.torch.set_num_threads(protocol.CHILD_THREADS)  # (and as many threads)
 
 p = argparse.ArgumentParser()
 p.add_argument("--backend", default="cpu")

@@ -52,6 +52,7 @@ import torch  # noqa: E402
 
 import elementwise as E  # noqa: E402
 import env  # noqa: E402
+env.torch.set_num_threads(env.CHILD_THREADS)  # (and as many threads)
 from workspaces import event_ms  # noqa: E402  (bench/)
 
 backend = env.resolve_backend(args.backend)
@@ -104,22 +105,12 @@ def task_inputs(c):
 # The same kernels on the accurate math (--accurate-math): the CUDA library's op_X with the C functions of the CPU's
 # (expf, log1pf, tanhf, IEEE division), and the reductions' without elementwise.cuda_math. Is the fused kernel
 # compute-bound on the accurate functions, as the PTX instruction counts say (elementwise.OPS)?
-def accurate(path: str, text: str) -> str:
-    if path.endswith(".cuh"):
-        for n in E.LIBRARY:
-            text = text.replace(f"{{ return {E._math(n, 'cuda').format(a='a', b='b')}; }}",
-                                f"{{ return {E.OPS[n]['c'].format(a='a', b='b')}; }}")
-        return text
-    text = text.replace("__fdividef(__expf(v - m), s)", "expf(v - m) / s").replace(" * rsqrtf(", " / sqrtf(")
-    return text.replace("__expf(", "expf(").replace("__logf(", "logf(")
-
-
 def files_of(c, variant: str) -> dict:
     """The workspace files of one variant ("block_row", or "block_row+accurate")."""
     base = variant.removesuffix("+accurate")
     files = {**E.provided_files(c["code"], backend), **E.solution_files(c["code"], backend, base)}
     if variant != base:
-        files = {p: accurate(p, t) if p.endswith((".cu", ".cuh")) else t for p, t in files.items()}
+        files = {p: E.accurate_math(t) if p.endswith((".cu", ".cuh")) else t for p, t in files.items()}
     return files
 
 
