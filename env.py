@@ -132,9 +132,11 @@ What it does NOT protect against (be honest; RL will look)
     its time limit); a child's stdout and stderr go to files of up to 1 GiB each.
   - the parent's clock runs in the trainer's interpreter: CPU-bound Python in another of its threads makes each
     exchange of a timed run wait for the GIL (up to the 5 ms switch interval), and inflates what is timed meanwhile,
-    a baseline too, which is then cached. The policy's own input reaches the trainer's threads only through the scan
-    of model_new.py, which is linear and bounded by the file's 256 KiB (~2 s at worst; a quadratic scan gave a 25x
-    baseline). A timing process of its own would close this; not built.
+    a baseline too, which is then cached (a pure-Python loop beside a verdict: a 0.6 ms baseline timed 21 ms; train.py
+    generates in its main thread while tool calls are judged in others). The policy's own input reaches the trainer's
+    threads only through the scan of model_new.py, which is linear and bounded by the file's 256 KiB (~2 s at worst;
+    a quadratic scan gave a 25x baseline). A timing process of its own, or a reply read to its last byte by native
+    code that holds no GIL, would close this; not built (tests/test_redteam.py keeps it as an expected failure).
   - load from outside the policy's processes (other users of the machine) while a baseline is timed: a
     uniformly loaded machine gives a slow baseline with a small spread, and it is cached.
   - the device's state left by earlier work: a candidate (this verdict's checks on a task's first profile, or

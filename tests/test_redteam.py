@@ -127,10 +127,11 @@ def test_redteam_the_python_scan_is_not_quadratic():
     assert took < 2.0, f"42 KB of model_new.py took {took:.1f} s of CPU to scan (1 MiB: ~25x that, in the trainer's GIL)"
 
 
-def test_redteam_a_scan_in_another_thread_does_not_inflate_a_baseline(tmp_path):
+def _baselines_beside(tmp_path, target, args=()):
+    """The slowdown of a new task's baselines (eager and torch.compile) timed while `target` runs in another thread
+    of this process, against the same baselines timed before it started."""
     import os
     import threading
-    import scan
     from test_env import RELU
 
     def verdict(name):
@@ -138,14 +139,43 @@ def test_redteam_a_scan_in_another_thread_does_not_inflate_a_baseline(tmp_path):
         (ws / "model.py").write_text(RELU + f"\n# baseline nonce {os.urandom(8).hex()}\n")  # baselines measured here
         return env.evaluate(ws, backend="cpu")
     quiet = verdict("quiet")
-    slow = model_new("relu", "x") + ("Y = nn" + ".b" * 250 + "\n") * 1200  # (~80 s of scanning)
-    scanner = threading.Thread(target=scan.check_python, args=(slow,), daemon=True)
-    scanner.start()
+    other = threading.Thread(target=target, args=args, daemon=True)
+    other.start()
     loaded = verdict("loaded")
+    return quiet, loaded, other
+
+
+def test_redteam_a_scan_in_another_thread_does_not_inflate_a_baseline(tmp_path):
+    import scan
+    slow = model_new("relu", "x") + ("Y = nn" + ".b" * 250 + "\n") * 1200  # (~80 s of scanning)
+    quiet, loaded, scanner = _baselines_beside(tmp_path, scan.check_python, (slow,))
     scanner.join()
     assert quiet.eager_ms and loaded.eager_ms, (quiet.summary(), loaded.summary())
     ratio = max(loaded.eager_ms / quiet.eager_ms, loaded.compile_ms / quiet.compile_ms)
     assert ratio < 3, f"baselines timed beside a scan in another thread: {ratio:.1f}x slower ({loaded.summary()})"
+
+
+# Any thread of the trainer that holds the interpreter's lock does the same, not only the scan: train.py generates in
+# its main thread while its tool calls' verdicts time runs in others. The clock is read in Python, after each system
+# call of a timed exchange has got the lock back: a pure-Python loop beside a verdict made a 0.6 ms baseline 21 ms a
+# run (85-92x; the 5 ms switch interval each time), and here a thread that holds the lock 50 ms at a time (a call
+# through ctypes.pydll keeps it; the cores stay free) makes it ~100 ms. Open (env.py's docstring): stamping the reply
+# in native code closes it only where the stamp follows the sample's last byte (docs/results.md, nineteenth session).
+@pytest.mark.xfail(strict=True, reason="open: the parent's clock waits for the trainer's GIL (env.py's docstring)")
+def test_redteam_a_thread_holding_the_interpreter_lock_is_not_timed(tmp_path):
+    import ctypes
+    stop, usleep = [], ctypes.PyDLL(None).usleep
+
+    def hold_the_lock():
+        while not stop:
+            usleep(50_000)
+    try:
+        quiet, loaded, _ = _baselines_beside(tmp_path, hold_the_lock)
+    finally:
+        stop.append(1)
+    assert quiet.eager_ms and loaded.eager_ms, (quiet.summary(), loaded.summary())
+    assert loaded.eager_ms < quiet.eager_ms + 10 and loaded.compile_ms < quiet.compile_ms + 10, \
+        f"the lock's 50 ms holds were timed: {quiet.summary()} | beside them: {loaded.summary()}"
 
 
 # ------------------------------------------------------------------ 6. a thread from OpenMP's old entry points
