@@ -168,8 +168,8 @@ import torch
 
 import scan
 from build import HEADER_EXT, SOURCE_EXT, build, error_excerpt, toolchain_id_light  # noqa: F401  (env.build: step 3)
-from protocol import (CHILD_ENV, CHILD_THREADS, PIPE_BYTES, Child, ChildError, ChildTimeout, ReplyTooLarge, _child_main,  # noqa: F401
-                      median, recv, sample_of, send, spread, timed_runs, unpack)  # steps 4-5 (env.Child, env.timed_runs ...)
+from protocol import (CHILD_ENV, CHILD_THREADS, PIPE_BYTES, Child, ChildError, ChildTimeout, ReplyTooLarge,  # noqa: F401
+                      _child_main, median, recv, sample_of, send, spread, timed_runs, unpack)  # steps 4-5 (env.Child ...)
 from scan import ALLOWED_OPS, IMPORT_OPS, INIT_OPS  # noqa: F401  (env.IMPORT_OPS: what the module may import)
 from reward import MARGIN, reward_for  # noqa: F401  (env.reward_for: the verdict's reward)
 from sandbox import (CACHE_DIR, SandboxResult, candidate_alive, file_lock, gpu_lock_path, isolation, no_candidates,

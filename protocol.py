@@ -452,8 +452,8 @@ def _child_main(spec_path: str):
 # the same threading: one OpenMP thread per core this process may run on (a lent slice of a big host has fewer than
 # os.cpu_count()) but one, which is left to the parent that drives and times the runs and to the trainer's other
 # threads, and idle workers that sleep instead of spinning. A team as wide as the machine shares its cores with the
-# parent: on 2 cores a 1 MiB relu took 0.6 ms in one child and 2.5 ms in the next, whichever core the parent's
-# wake-ups landed on (one thread: 0.56-0.71 ms over 8 verdicts). libgomp's default spins a worker for
+# parent: on 2 cores a 1 MiB relu timed 0.6 ms in one child and 2.5 ms in the next, by the draw (one thread:
+# 0.56-0.71 ms over 8 verdicts). libgomp's default spins a worker for
 # milliseconds after each parallel region: on a shared host such a worker is preempted, and the next barrier waits a
 # scheduler slice for it (a 1-element `omp parallel for` took ~15 ms a run on 2 loaded cores, ~0.2 ms passive;
 # eager's 1-element ops open no parallel region, so the spin fell on the candidate alone).
