@@ -39,14 +39,14 @@ What one verdict does, in order (build.py has step 3, protocol.py the children a
                tensors on the right device.
   5. profile   candidate, eager and torch.compile are timed the same way, by THIS process's clock,
                around one exchange per run: "run" (forward, device-wide sync) then "sample" (copy
-               out[o::step] of every output, o drawn after the run returned). Fresh inputs are copied
+               out[o::step] of every output, o told to the child after the run returned). Fresh inputs are copied
                into the same buffers and the L2 flushed before each run, outside the clock. Every
                sample is compared with the reference, so pointer-keyed caches, work skipped after the
                checks, and work deferred past the run are caught or timed. Two more runs, which ones
-               drawn after each run returned, are read in full and not timed (work skipped in a pattern
-               a sample can miss). Median of 20 runs, each on inputs of its own. One timed section
+               told to the child after each run returned, are read in full and not timed (work skipped
+               in a pattern a sample can miss). Median of 20 runs, each on inputs of its own. One timed section
                per device at a time (a lock this process holds). Every child gets the same threading
-               settings (CHILD_ENV: one OpenMP thread per core, idle workers sleep). Baselines are timed while no
+               settings (CHILD_ENV: one OpenMP thread per core but one, idle workers sleep). Baselines are timed while no
                candidate lives on the device, cached per reference with their spread, and measured
                again (up to 3 times) while noisy.
   6. reward    the paper's milestones: -1 incorrect; 3 if >5% faster than eager AND compile;
@@ -112,11 +112,11 @@ What it does NOT protect against (be honest; RL will look)
   - the time includes two pipe round trips and the sample's copy: for tiny kernels the reward sees host
     overhead (bench/env_bench.py states this floor; bench/floor_diag.py splits it). Both sides poll for the timed
     messages instead of sleeping (the parent for a run's reply only on the GPU backend: on the CPU it would take a
-    core from the kernel), so few scheduler wake-ups are on the clock's path. The clock's thread shares its
-    interpreter with the caller's other threads (train.py's tool calls): one busy in Python delays noticing a reply
-    by up to the interpreter's switch interval (5 ms), for candidates and baselines alike but not at the same moments;
-    the baselines' spread check re-times noisy ones, a candidate's runs are not re-timed. It is the same for the
-    candidate and both baselines, except the candidate's dispatch monitor (tens of microseconds a run).
+    core from the kernel), so few scheduler wake-ups are on the clock's path. A timed run is one call of native code
+    (protocol.timed_pair, through ctypes, which releases the interpreter's lock): from before the run's command is
+    written to after the sample's last byte has arrived, so the caller's other threads (train.py's generation loop,
+    its tool calls) add no wait for the lock to it. It is the same for the candidate and both baselines, except the
+    candidate's dispatch monitor (tens of microseconds a run).
   - a forked child shares the fork server's memory copy-on-write: the imported modules, and what the server read,
     the paths and environments of the children it forked (other verdicts' run folders by name, never their
     content, which the cache's cover hides); and its address-space layout and Python's hash secret, which only an
@@ -130,13 +130,11 @@ What it does NOT protect against (be honest; RL will look)
     the floor that lets rounding noise around zero pass lets zeros pass too.
   - disk: the bash tool writes its workspace on the host's disk (1 GiB per file, any number of files, for
     its time limit); a child's stdout and stderr go to files of up to 1 GiB each.
-  - the parent's clock runs in the trainer's interpreter: CPU-bound Python in another of its threads makes each
-    exchange of a timed run wait for the GIL (up to the 5 ms switch interval), and inflates what is timed meanwhile,
-    a baseline too, which is then cached (a pure-Python loop beside a verdict: a 0.6 ms baseline timed 21 ms; train.py
-    generates in its main thread while tool calls are judged in others). The policy's own input reaches the trainer's
-    threads only through the scan of model_new.py, which is linear and bounded by the file's 256 KiB (~2 s at worst;
-    a quadratic scan gave a 25x baseline). A timing process of its own, or a reply read to its last byte by native
-    code that holds no GIL, would close this; not built (tests/test_redteam.py keeps it as an expected failure).
+  - the trainer's other threads between timed runs: the parent's work around a run (the next "load", reading the
+    checks) waits for the interpreter's lock while they hold it, so the child idles between runs, and its caches and
+    its core's clock may cool (not measured apart). A busy Python thread also takes a core: on 2 cores it leaves the
+    child and the parent one between them. Without a C compiler (/usr/bin/cc) the clock is read in Python and waits
+    for the lock too (said on stderr; baselines are cached apart from the native clock's).
   - load from outside the policy's processes (other users of the machine) while a baseline is timed: a
     uniformly loaded machine gives a slow baseline with a small spread, and it is cached.
   - the device's state left by earlier work: a candidate (this verdict's checks on a task's first profile, or
@@ -166,6 +164,7 @@ from pathlib import Path
 
 import torch
 
+import protocol
 import scan
 from build import HEADER_EXT, SOURCE_EXT, build, error_excerpt, toolchain_id_light  # noqa: F401  (env.build: step 3)
 from protocol import (CHILD_ENV, CHILD_THREADS, PIPE_BYTES, Child, ChildError, ChildTimeout, ReplyTooLarge,  # noqa: F401
@@ -576,7 +575,7 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
     seed0 = rng.randrange(2**31)
     check_seeds = [rng.randrange(2**31) for _ in range(cfg.n_checks)]
     timed_seeds = [rng.randrange(2**31) for _ in range(max(cfg.n_timed, 2) + cfg.n_audits)] if timed else []
-    base_key = hashlib.sha256(f"{ref_code}\0{backend}\0{toolchain_id_light(backend)}\0{cfg.n_timed}\0{sorted(CHILD_ENV.items())}\0pipe-clock-1".encode()).hexdigest()[:24]
+    base_key = hashlib.sha256(f"{ref_code}\0{backend}\0{toolchain_id_light(backend)}\0{cfg.n_timed}\0{sorted(CHILD_ENV.items())}\0pipe-clock-{2 if protocol.native() else 1}".encode()).hexdigest()[:24]
     base_file = CACHE_DIR / "baselines" / f"{base_key}.json"
     cached = json.loads(base_file.read_text()) if base_file.exists() else None
     # Re-measured while noisy, up to 3 times; the least noisy measurement is kept.

@@ -1241,7 +1241,7 @@ def test_replies_cannot_exhaust_the_parent():
                 env.send(w, {"out": 1}, [b"x" * 64])
             else:  # 40 kB of brackets: fits in the pipe, nests far deeper than any decoder allows
                 head = ("[" * 20_000 + "]" * 20_000).encode()
-                os.write(w, len(head).to_bytes(8, "little") + head)
+                os.write(w, len(head).to_bytes(8, "little") + (0).to_bytes(8, "little") + head)
             with pytest.raises(ValueError):
                 env.recv(r, limit=16)
         finally:

@@ -35,18 +35,18 @@ void find_pipes() {  // the child holds two pipes: the parent's commands (opened
 
 void reply(const std::string& obj, const void* blob = nullptr, size_t n = 0) {
     std::string head = "{\"obj\": " + obj + ", \"sizes\": [" + (blob ? std::to_string(n) : std::string()) + "]}";
-    unsigned long long len = head.size();
-    std::fwrite(&len, 8, 1, stderr);
+    unsigned long long len[2] = {head.size(), blob ? n : 0};  // the prefix: header length, blobs' total
+    std::fwrite(len, 16, 1, stderr);
     std::fwrite(head.data(), 1, head.size(), stderr);
     if (blob) std::fwrite(blob, 1, n, stderr);
     std::fflush(stderr);
 }
 
 std::string command() {
-    unsigned long long len = 0;
-    if (std::fread(&len, 8, 1, stdin) != 1 || len > (1 << 20)) return "";
-    std::string head(len, '\0');
-    return std::fread(&head[0], 1, len, stdin) == len ? head : "";
+    unsigned long long len[2] = {0, 0};
+    if (std::fread(len, 16, 1, stdin) != 1 || len[0] > (1 << 20)) return "";
+    std::string head(len[0], '\0');
+    return std::fread(&head[0], 1, len[0], stdin) == len[0] ? head : "";
 }
 
 // Serves the commands that follow this run: "sample" with value(i) at the sampled positions only, "full" with
