@@ -228,7 +228,8 @@ def staged_pieces(v: torch.Tensor):
 
 
 def send(fd: int, obj, blobs=(), re: str | None = None):
-    """One message: 8 bytes of header length, 8 of the blobs' total length, the JSON header, the raw blobs. `re`: the nonce of the command it answers.
+    """One message: 8 bytes of header length, 8 of the blobs' total length, the JSON header, the raw blobs. `re`: the
+    nonce of the command it answers.
     Blobs (bytes, arrays, or uint8 tensors on a GPU, as pack makes them) are written from their own memory: a GB-sized
     output is never copied whole to be sent; one on a GPU is copied out piece by piece through the staging buffer."""
     views = [b if isinstance(b, torch.Tensor) else memoryview(b).cast("B") for b in blobs]
@@ -729,7 +730,7 @@ class Child:
         if ns == -3:
             raise ValueError("malformed message header")
         if ns == -5:
-            raise ReplyTooLarge(lens[1] if lens[0] > 0 else lens[0], cap2 - PREFIX - (1 << 20))
+            raise ReplyTooLarge(lens[1] or lens[0], cap2 - PREFIX - (1 << 20))  # (lens: the sample's, or the run's)
         _raise_error(parse(ctypes.string_at(a1, lens[0]), 0, nonces[0])[0])  # (the run's reply brings no blobs)
         if sample is None:
             return ns / 1e6, None
