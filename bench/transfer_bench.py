@@ -116,7 +116,8 @@ def main():
                         into = torch.empty(n * 4, dtype=torch.uint8, pin_memory=True)
                     else:
                         into = keep
-                    head = json.loads(protocol._read_exact(rep_r, int.from_bytes(protocol._read_exact(rep_r, 8), "little")))
+                    n_head = int.from_bytes(protocol._read_exact(rep_r, protocol.PREFIX)[:8], "little")  # (+ blobs' total)
+                    head = json.loads(protocol._read_exact(rep_r, n_head))
                     mv, got = memoryview(into.numpy()), 0
                     while got < head["sizes"][0]:
                         got += os.readv(rep_r, [mv[got:got + (1 << 24)]])
