@@ -1023,6 +1023,9 @@ res["ppo_grad_norm"] = torch.tensor(st["grad_norm"])
 res["rft"], _ = delta(actor, lambda: rl.sft_epoch(pm, sgd(actor), mine, cfg.minibatches, cfg, "cpu", 0))
 res["critic"], _ = delta(critic, lambda: rl.critic_epoch(pm, head, sgd(critic), mine, cfg, "cpu", 0))
 torch.save(res, f"{out}/rank{rank}.pt")
+if world > 1:  # (a rank that exits with its gloo threads running may abort: "terminate called without an active exception")
+    dist.barrier()
+    dist.destroy_process_group()
 '''
 
 
