@@ -130,12 +130,13 @@ What it does NOT protect against (be honest; RL will look)
     the floor that lets rounding noise around zero pass lets zeros pass too.
   - disk: the bash tool writes its workspace on the host's disk (1 GiB per file, any number of files, for
     its time limit); a child's stdout and stderr go to files of up to 1 GiB each.
-  - the trainer's other threads still slow timed runs from outside their spans: the parent's work between runs (the
-    next "load", the checks) waits for the interpreter's lock while they hold it, and runs timed that way come out
-    slower, for reasons not pinned down (the child idles between runs). On 2 cores, relu 64x4096: eager 0.7 ms quiet,
-    3.3 ms beside a pure-Python loop (21 ms with the clock read in Python), 5.1 ms beside a thread that holds the
-    lock 20 ms at a time; a busy thread also takes a core. Without a C compiler (/usr/bin/cc) the clock is read in
-    Python and waits for the lock too (said on stderr; baselines are cached apart from the native clock's).
+  - the trainer's other threads still slow timed runs a little from outside their spans: the parent's work between
+    runs (the next "load", the checks) waits for the interpreter's lock while they hold it, and a busy thread takes
+    a core. Both pollers yield their core on every empty poll (a pipe's reader is woken on its writer's core, and a
+    child polling on after its reply kept its woken parent waiting). On 2 cores, relu 64x4096: eager 0.6 ms quiet,
+    0.9 ms beside a pure-Python loop (21 ms with the clock read in Python), 0.8 ms beside a thread that holds the
+    lock 20 ms at a time (docs/results.md). Without a C compiler (/usr/bin/cc) the clock is read in Python and
+    waits for the lock too (said on stderr; baselines are cached apart from the native clock's).
   - load from outside the policy's processes (other users of the machine) while a baseline is timed: a
     uniformly loaded machine gives a slow baseline with a small spread, and it is cached.
   - the device's state left by earlier work: a candidate (this verdict's checks on a task's first profile, or
