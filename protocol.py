@@ -661,7 +661,7 @@ class Child:
     cmd_timeout: float | None = None
     spin_s = 0.0  # how long the parent polls for a reply before it sleeps (timed_runs sets it for its exchanges)
     _kept = None  # the memory that replies asked for with reuse=True are read into (grown to the largest)
-    _pair_bufs = None  # timed_run's two reply buffers, made at its first call
+    _pair_bufs = None  # native_timed_run's two reply buffers, made at its first call
 
     def _reuse(self, nbytes: int) -> torch.Tensor:
         if self._kept is None or self._kept.numel() < nbytes:
@@ -703,7 +703,7 @@ class Child:
         _raise_error(obj)
         return obj, blobs
 
-    def timed_run(self, offset: int | None, run_spin_s: float, sample_spin_s: float):
+    def native_timed_run(self, offset: int | None, run_spin_s: float, sample_spin_s: float):
         """One timed run by the native clock (timed_pair): "run", then "sample" at `offset` (None: an audited run, whose
         output the caller reads in full, untimed; the same steps up to the run's reply, so nothing before it tells the
         child which it is). Returns (milliseconds, (obj, blobs) of the sample's reply, or None); None where there is
@@ -815,25 +815,37 @@ def _timed_runs(child: Child, seeds: list, cfg, check, audit) -> list:
         # offset is the command that follows "run"): a uniformly random subset of the runs is audited.
         audited = audits and secrets.randbelow(runs - i) < audits
         offset = secrets.randbelow(1 << 30)
-        timed = child.timed_run(None if audited else offset, child.spin_s, max(child.spin_s, SAMPLE_SPIN_S)) \
-            if hasattr(child, "timed_run") else None  # (a stand-in for a Child has no native clock)
+        timed = timed_run(child, None if audited else offset, child.spin_s, max(child.spin_s, SAMPLE_SPIN_S))
         if audited:
             audits -= 1
-            if timed is None:
-                child.ask({"op": "run"})
             audit(k)
             continue
-        if timed is None:  # the clock read here, in Python
-            t0 = _clock()
-            child.ask({"op": "run"})
-            run_spin, child.spin_s = child.spin_s, max(child.spin_s, SAMPLE_SPIN_S)
-            obj, blobs = child.ask({"op": "sample", "offset": offset})
-            timed = (_clock() - t0) * 1e3, (obj, blobs)
-            child.spin_s = run_spin
         times.append(timed[0])
         if check is not None:
             check(k, unpack(*timed[1]), offset)
     return times
+
+
+def timed_run(child, offset: int | None, run_spin_s: float, sample_spin_s: float):
+    """(milliseconds, the sample's (obj, blobs) or None) of one timed run: Child.native_timed_run's steps, by its
+    native clock; read in Python where there is none (a stand-in for a Child in the tests; a machine without a C
+    compiler, where the trainer's other threads' holds on the interpreter's lock are timed too)."""
+    native_run = getattr(child, "native_timed_run", None)
+    timed = native_run(offset, run_spin_s, sample_spin_s) if native_run is not None else None
+    if timed is not None:
+        return timed
+    spin_s = child.spin_s
+    try:
+        child.spin_s = run_spin_s
+        t0 = _clock()
+        child.ask({"op": "run"})
+        if offset is None:
+            return (_clock() - t0) * 1e3, None
+        child.spin_s = sample_spin_s
+        reply = child.ask({"op": "sample", "offset": offset})
+        return (_clock() - t0) * 1e3, reply
+    finally:
+        child.spin_s = spin_s
 
 
 def median(xs):

@@ -112,7 +112,7 @@ def drive(mode, model_new, extra, model, pipe_bytes, polls=(protocol.CHILD_SPIN_
         native = []  # the verdict's figure: one call of protocol.timed_pair per run (the split above is Python's clock)
         for i in range(args.runs):
             child.ask({"op": "load", "seed": seeds[i % 2]})
-            timed = child.timed_run(secrets.randbelow(1 << 30), child.spin_s, max(child.spin_s, sample_spin))
+            timed = child.native_timed_run(secrets.randbelow(1 << 30), child.spin_s, max(child.spin_s, sample_spin))
             native.append(timed[0] if timed else float("nan"))
         med = statistics.median
         return (med(t_run), med(t_sample), med([a + s for a, s in zip(t_run, t_sample)]),
