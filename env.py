@@ -53,18 +53,20 @@ What one verdict does, in order (build.py has step 3, protocol.py the children a
                2 if >5% faster than eager only; 1 otherwise (correct).
 
 What the sandbox protects against (sandbox.py has the layers)
-  - reading the answers: reference outputs, seeds and sampled positions never exist where the candidate
-    can reach them; its filesystem view hides the cache root (other runs, baselines, references), /tmp and
-    /dev/shm are its own, and the next input arrives only after the previous run's result.
+  - reading the answers: reference outputs and seeds never exist where the candidate can reach them, nor a
+    sample's position before its run has been answered (but see below: a kernel that answers its run itself); its
+    filesystem view hides the cache root (other runs, baselines, references), /tmp and /dev/shm are its own, and
+    the next input arrives only after the previous run's result.
   - forging the verdict: only this process measures time and judges; a child's replies are validated
     field by field (a malformed one is reward -1, never a crash), and each must echo the nonce of the command it
-    answers, which only the harness read: a reply that the kernel writes to the pipe itself is refused.
+    answers: a reply that native code writes to the pipe without reading the harness's memory is refused.
   - reaching the host: fresh PID namespace with its own /proc, read-only mounts (/sys, and /proc but for the
     processes' own entries), a /dev of its own with an allow-list of device nodes, no capabilities,
     no_new_privs, no network; a killed child takes all its descendants with it.
   - crashes, hangs, fork bombs, huge allocations, megabytes of output: a fresh process per verdict, wall
     clock timeouts (loading the candidate its own, load_timeout, and each command after it its own, run_timeout,
-    checked at every read of a reply, so a trickled reply is no way past it: a hang frees the device in seconds),
+    checked at every read of a reply and every write of a command, so a trickled reply or a command pipe the child
+    fills itself is no way past it: a hang frees the device in seconds),
     cgroups or rlimits, truncated logs.
   - reaching harness state: each child is a fresh process, forked (where sandbox.py's fork server works, else
     exec'ed) from a trusted interpreter that this process exec'ed, that imported torch before any candidate existed
@@ -88,15 +90,17 @@ What the sandbox protects against (sandbox.py has the layers)
     no PyTorch operator but allocation and views, so no thread has one to call.
 
 What it does NOT protect against (be honest; RL will look)
-  - native code in the candidate's own process can, in principle, write anything in that process's memory,
-    including the harness's monitor, and the nonce of the command the harness is serving. The scan closes the
-    doors it would need (raw syscalls, I/O functions, signals, mmap, inline assembly in host code, the Python C
-    API and the object model's fields, threads, PyTorch operators in its imports) but not every way to a
-    descriptor (stdio on a FILE whose _fileno it sets reads and writes the pipes): a reply it writes is refused
-    for its nonce, so speaking the protocol takes reading the interpreter's memory. A determined attacker using
-    raw pointer arithmetic on the interpreter's or libc's memory (fixed offsets into a PyObject, a function
-    pointer computed from an allowed one) is not stopped. What it cannot forge: the clock, the sampled
-    positions, the comparison.
+  - native code in the candidate's own process can write anything in that process's memory, including the
+    harness's monitor and the nonce of the command the harness is serving. The scan closes the doors it would need
+    by name (raw syscalls, I/O functions, signals, mmap, inline assembly in host code, the Python C API and the object
+    model's fields, threads, PyTorch operators in its imports), but a module's own relocations hold the addresses of
+    the Python API functions pybind11 imports, and its ELF header is a linker symbol away (__ehdr_start): from there
+    it calls Python as the harness does. Such a kernel reads the nonce of the "run" it serves, answers that run
+    itself while still inside forward, is then told the sample's position and computes only the sampled elements:
+    reward +3 at 1/64 of the work (tests/test_redteam.py, 12: an expected failure). What it cannot forge: the
+    clock and the comparison. TODO: a child must not be told where its output is checked; the parent would read
+    the sampled elements from the child's memory itself once the run's reply is in (process_vm_readv on the CPU,
+    a CUDA IPC or VMM handle of the output on the GPU, whose use across the sandbox's namespaces is not measured).
   - a kernel that tells the audited runs from the sampled ones (by the time between its calls) knows when the
     n_audits are spent: the runs after that are checked by their samples only (and the last one in full).
   - an OpenMP worker still runs the kernel's own code outside the monitor's thread (it may call only the

@@ -77,9 +77,20 @@ def _staging() -> torch.Tensor:
     return _stage[0]
 
 
-def _write_all(fd: int, view: memoryview):
+def _write_all(fd: int, view: memoryview, deadline: float | None = None):
+    """All of view into fd. On a non-blocking descriptor (the parent's end of a command pipe) a full pipe is waited
+    for until `deadline` (time.monotonic()), then PastDeadline: a child that stops reading its commands, or fills
+    its command pipe itself, holds the parent no longer than a child that stops answering."""
     while view:
-        view = view[os.write(fd, view):]
+        try:
+            view = view[os.write(fd, view):]
+        except BlockingIOError:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise PastDeadline("a command could not be written before its deadline") from None
+            p = select.poll()
+            p.register(fd, select.POLLOUT)
+            p.poll(None if left is None else max(1, int(left * 1000)))
 
 
 # Waiting for a message spins before it sleeps. A process asleep in read() or select() is woken by the scheduler when
@@ -126,12 +137,21 @@ TIMED_PAIR_C = r"""
 #include <time.h>
 #include <unistd.h>
 static long long now_ns(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1000000000LL + t.tv_nsec; }
-static int write_all(int fd, const char *p, long long n) {
+/* All n bytes into fd (the parent's end of a command pipe, non-blocking): a full pipe is waited for until the
+   deadline. Returns 0; -1 past the deadline; -4 a write error (the pipe's end). */
+static long long write_all(int fd, const char *p, long long n, long long deadline) {
     while (n > 0) {
         long long k = write(fd, p, n);
+        if (k > 0) { p += k; n -= k; continue; }
         if (k < 0 && errno == EINTR) continue;
-        if (k <= 0) return -1;
-        p += k; n -= k;
+        if (k < 0 && errno == EAGAIN) {
+            long long t = now_ns();
+            if (t > deadline) return -1;
+            struct pollfd q = {fd, POLLOUT, 0};
+            poll(&q, 1, (int)((deadline - t) / 1000000 + 1));
+            continue;
+        }
+        return -4;
     }
     return 0;
 }
@@ -159,27 +179,30 @@ static long long read_msg(int fd, char *buf, long long cap, long long spin_ns, l
                 total = total << 8 | (unsigned char)buf[8 + i];
             }
             if (n == 0 || n >= (1ULL << 20)) return -3;
-            if (total > (1ULL << 40) || 16 + n + total > (unsigned long long)cap) { *need = 16 + n + total; return -5; }
+            if (total > (1ULL << 40) || 16 + n + total > (unsigned long long)cap) {  /* (no sum that wraps) */
+                *need = (long long)(16 + n + (total > (1ULL << 62) ? (1ULL << 62) : total));
+                return -5;
+            }
             want = 16 + (long long)n + (long long)total;
         }
     }
     return got;
 }
 /* A timed run: the run command, its reply (into buf1), the sample command (NULL: none), its reply (into buf2).
-   Returns the ns from before the first write to after the sample's last byte; or a code of read_msg's (-4: a write
-   failed). lens[0], lens[1]: the replies' lengths (or what read_msg put in *need); lens[0] is 0 until the run's
+   Returns the ns from before the first write to after the sample's last byte; or a code of read_msg's or
+   write_all's (each command has timeout_ns to be written and answered). lens[0], lens[1]: the replies' lengths (or what read_msg put in *need); lens[0] is 0 until the run's
    reply has been read. */
 long long timed_pair(int cmd_fd, int rep_fd, const char *run, long long run_len, const char *sample,
                      long long sample_len, char *buf1, long long cap1, char *buf2, long long cap2,
                      long long spin_run, long long spin_sample, long long timeout_ns, long long *lens) {
-    long long t0 = now_ns();
-    if (write_all(cmd_fd, run, run_len)) return -4;
+    long long t0 = now_ns(), w = write_all(cmd_fd, run, run_len, t0 + timeout_ns);
+    if (w) return w;
     long long a = read_msg(rep_fd, buf1, cap1, spin_run, t0 + timeout_ns, &lens[0]);
     if (a < 0) return a;
     lens[0] = a;
     if (!sample) return now_ns() - t0;  /* an audited run: its output is read in full, untimed, by the caller */
     long long t1 = now_ns();
-    if (write_all(cmd_fd, sample, sample_len)) return -4;
+    if ((w = write_all(cmd_fd, sample, sample_len, t1 + timeout_ns))) return w;
     long long b = read_msg(rep_fd, buf2, cap2, spin_sample, t1 + timeout_ns, &lens[1]);
     if (b < 0) return b;
     lens[1] = b;
@@ -230,16 +253,17 @@ def staged_pieces(v: torch.Tensor):
         yield memoryview(stage[:part.numel()].numpy())
 
 
-def send(fd: int, obj, blobs=(), re: str | None = None):
+def send(fd: int, obj, blobs=(), re: str | None = None, deadline: float | None = None):
     """One message: 8 bytes of header length, 8 of the blobs' total length, the JSON header, the raw blobs. `re`: the
-    nonce of the command it answers.
+    nonce of the command it answers; `deadline`: see _write_all.
     Blobs (bytes, arrays, or uint8 tensors on a GPU, as pack makes them) are written from their own memory: a GB-sized
     output is never copied whole to be sent; one on a GPU is copied out piece by piece through the staging buffer."""
     views = [b if isinstance(b, torch.Tensor) else memoryview(b).cast("B") for b in blobs]
-    _write_all(fd, memoryview(_frame(obj, [v.numel() if isinstance(v, torch.Tensor) else v.nbytes for v in views], re)))
+    _write_all(fd, memoryview(_frame(obj, [v.numel() if isinstance(v, torch.Tensor) else v.nbytes for v in views], re)),
+               deadline)
     for v in views:
         if not isinstance(v, torch.Tensor):
-            _write_all(fd, v)
+            _write_all(fd, v, deadline)
             continue
         try:
             for piece in staged_pieces(v):
@@ -620,6 +644,7 @@ class Child:
 
     def __init__(self, spec: dict, run_dir: Path, backend: str, cfg, writable=(), env=None):  # cfg: env.Config
         self.cmd_r, self.cmd_w = os.pipe()
+        os.set_blocking(self.cmd_w, False)  # (our end only: each write waits for room until the command's deadline)
         self.rep_r, self.rep_w = os.pipe()
         with contextlib.suppress(OSError, AttributeError):  # Linux; elsewhere the default size (more round trips)
             fcntl.fcntl(self.rep_w, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
@@ -672,7 +697,8 @@ class Child:
     def ask(self, obj, reuse: bool = False):
         """Sends a command with a fresh nonce and returns the reply that echoes it. Only the harness, which read the
         command, knows the nonce: native code in the child can write to the reply pipe (nothing in-process stops a
-        write to a descriptor), but a message it adds puts every later reply out of step, and is refused.
+        write to a descriptor), and a message it adds without the nonce is refused; code that reads the harness's
+        memory can answer in its place (env.py, "does NOT protect").
         reuse=True: the reply's tensors are read into memory this child keeps for such replies, and are valid only
         until its next reply with reuse=True, and count against reply_limit for its other replies. For whole outputs
         that are judged and dropped (on 2 cores a 1 GiB output read into fresh memory costs about twice as much as
@@ -681,7 +707,11 @@ class Child:
         if "seed" in obj:
             obj = dict(obj, seed=obj["seed"] ^ seed_pad(self.key, nonce))
         try:
-            send(self.cmd_w, dict(obj, nonce=nonce))
+            send(self.cmd_w, dict(obj, nonce=nonce),
+                 deadline=None if self.cmd_timeout is None else time.monotonic() + self.cmd_timeout)
+        except PastDeadline:  # (its command pipe full: it stopped reading, or filled the pipe itself)
+            self._stop()
+            raise ChildTimeout(f"one `{obj.get('op')}` could not be sent within {self.cmd_timeout:g} s") from None
         except OSError as e:  # (BrokenPipeError: the child died after its last reply)
             raise EOFError("the child process ended") from e
         return self.answer(expect=nonce, what=obj.get("op"), reuse=reuse)
@@ -749,8 +779,8 @@ class Child:
     def close(self):
         if self.cmd_w is None:
             return self.result
-        with contextlib.suppress(OSError):
-            send(self.cmd_w, {"op": "exit"})
+        with contextlib.suppress(OSError, PastDeadline):
+            send(self.cmd_w, {"op": "exit"}, deadline=time.monotonic() + 1)
         os.close(self.cmd_w)
         self.cmd_w = None
         self.thread.join(5)

@@ -1,6 +1,7 @@
 """Red-team cases against env.py on the CPU backend: a cheat or a fault per class, each of which must be rejected (or
 handled) for the reason its comment gives. Workspaces are built the way tests/test_env.py builds them (make_ws,
 model_new), with tests/env_cases/ops.cpp as the (cached) kernel source."""
+import os
 import time
 
 import pytest
@@ -330,8 +331,10 @@ def test_a_killed_trainer_leaves_no_candidate_running(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p = subprocess.Popen([sys.executable, "-c", code, root, os.path.join(root, "tests"), str(ws)])
     try:
-        time.sleep(25)  # (the build is cached by the other tests' workspaces: the candidate is spinning by then)
-        before = _spinning()
+        before, t0 = set(), time.monotonic()
+        while not before and time.monotonic() - t0 < 300:  # (a build and a child's start: seconds, more on a loaded machine)
+            time.sleep(1)
+            before = _spinning()
         os.kill(p.pid, signal.SIGKILL)
         p.wait()
         time.sleep(3)
@@ -385,3 +388,120 @@ def test_redteam_any_error_judging_a_reply_is_the_candidates_minus_one(tmp_path,
     monkeypatch.setattr(env, "compare", boom)
     v = env.evaluate(ws, backend="cpu", stage="verify")
     assert v.reward == -1 and "could not be judged (RuntimeError: a corner" in (v.error or ""), v.summary()
+
+
+# ------------------------------------------------------------------ 12. the run answered by the kernel itself
+# A kernel that passes the scan reaches the Python C API through its own module's relocations (pybind11's imports,
+# found from the linker symbol __ehdr_start: no import, no refused token), reads the nonce of the "run" it serves from
+# the harness's frame, answers that run itself while still inside forward, reads the sample's offset that the
+# parent then sends, computes only the sampled 1/64 of the output and answers the sample; the harness's late "ok"
+# is absorbed as an unused trailing blob, so no reply is out of step. Seen: reward +3, 0.85 ms against the honest
+# kernel's 12-14 ms (eager 7.8 ms). Nothing in the child's process is trusted: the positions a timed run is checked
+# at must not be told to it (TODO: the parent reads them from the child's memory; see env.py, "does NOT protect").
+BIG_RELU = '''import torch
+import torch.nn as nn
+
+BATCH, DIM = 1024, 4096  # 4M outputs: a timed run samples 1 in 64
+
+
+class Model(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(dim))
+
+    def forward(self, x):
+        return torch.relu(x * self.scale)
+
+
+def get_inputs():
+    return [torch.randn(BATCH, DIM)]
+
+
+def get_init_inputs():
+    return [DIM]
+'''
+
+
+def _relu_ws(tmp_path, call, source, name="ws"):
+    ws = tmp_path / name
+    (ws / "kernels").mkdir(parents=True)
+    (ws / "model.py").write_text(BIG_RELU)
+    (ws / "model_new.py").write_text(
+        "import torch\nimport torch.nn as nn\nimport cuda_extension\n\n\nclass ModelNew(nn.Module):\n"
+        "    def __init__(self, dim):\n        super().__init__()\n        self.scale = nn.Parameter(torch.empty(dim))\n\n"
+        f"    def forward(self, x):\n        return cuda_extension.{call}(x, self.scale)\n")
+    (ws / "kernels" / "ops.cpp").write_text(source)
+    return ws
+
+
+@pytest.mark.xfail(strict=True, reason="open: a kernel holding the Python C API answers the run itself and learns "
+                   "the sampled positions (env.py, 'does NOT protect')")
+def test_redteam_a_kernel_answering_the_run_itself_does_not_learn_the_sample(tmp_path):
+    src = (CASES / "sample_early.cpp").read_text()
+    honest = env.evaluate(_relu_ws(tmp_path, "relu_full", src, "honest"), backend="cpu")
+    v = env.evaluate(_relu_ws(tmp_path, "relu_sampled", src, "cheat"), backend="cpu")
+    assert honest.reward >= 1 and v.compiled, (honest.summary(), v.log)
+    assert v.reward == -1 or v.runtime_ms > 0.5 * honest.runtime_ms, (
+        f"a kernel computing 1/64 of its output timed {v.runtime_ms:.3g} ms, the honest one {honest.runtime_ms:.3g} ms: "
+        f"{v.summary()}")
+
+
+# ------------------------------------------------------------------ 13. a full command pipe
+# The same kernel's way to the Python API, then: the command pipe reopened for writing through /proc/self/fd and
+# filled, the run answered, and sleep. The parent's next command had no deadline: it blocked in write() until the
+# verdict's wall clock killed the child (43.6 s at run_timeout=3, timeout=40), holding the device meanwhile. Every
+# write to a child is under the command's deadline, as every read is.
+def test_redteam_a_full_command_pipe_is_under_the_command_deadline(tmp_path):
+    ws = _relu_ws(tmp_path, "fill_and_stall", (CASES / "fill_cmd_pipe.cpp").read_text())
+    t0 = time.monotonic()
+    v = env.evaluate(ws, backend="cpu", stage="verify", run_timeout=3, timeout=40)
+    took = time.monotonic() - t0 - v.phases.get("build", 0)
+    assert v.compiled and v.reward == -1, v.summary()
+    assert took < 20, f"a child that filled its command pipe held the parent for {took:.0f} s (run_timeout 3 s)"
+
+
+def test_a_wrapping_prefix_is_refused_with_its_real_size():
+    """A reply prefix whose blobs' total is 2**64 - 1 is refused; the error states a size over the limit (16 + n +
+    total computed in 64 bits read 24 bytes)."""
+    import struct
+
+    import protocol
+    c = object.__new__(protocol.Child)
+    c.cmd_r, c.cmd_w = os.pipe()
+    c.rep_r, c.rep_w = os.pipe()
+    c.reply_limit, c.cmd_timeout = 1 << 20, 2.0
+    try:
+        os.write(c.rep_w, struct.pack("<QQ", 9, 2**64 - 1))
+        with pytest.raises(protocol.ReplyTooLarge) as e:
+            c.native_timed_run(5, 0.0, 0.001)
+        assert e.value.nbytes > 1 << 40, str(e.value)
+    finally:
+        for fd in (c.cmd_r, c.cmd_w, c.rep_r, c.rep_w):
+            os.close(fd)
+
+
+@pytest.mark.parametrize("way", ["native clock", "ask"])
+def test_a_command_to_a_child_whose_pipe_stays_full_ends_at_its_deadline(way):
+    """Both ways the parent writes commands (timed_pair's C, Child.ask's Python) wait for room in a full command pipe
+    only until the command's deadline, then stop the child (ChildTimeout), as a read does."""
+    import protocol
+    c = object.__new__(protocol.Child)
+    c.cmd_r, c.cmd_w = os.pipe()
+    c.rep_r, c.rep_w = os.pipe()
+    os.set_blocking(c.cmd_w, False)  # (as Child.__init__ makes it)
+    c.reply_limit, c.cmd_timeout, c.pgid = 1 << 20, 0.5, None
+    try:
+        with pytest.raises(BlockingIOError):
+            while True:
+                os.write(c.cmd_w, b" " * 4096)
+        t0 = time.monotonic()
+        with pytest.raises(protocol.ChildTimeout):
+            if way == "ask":
+                c.ask({"op": "run"})
+            else:
+                assert protocol.native() is not None, "no C compiler for the native clock"
+                c.native_timed_run(5, 0.0, 0.001)
+        assert time.monotonic() - t0 < 5
+    finally:
+        for fd in (c.cmd_r, c.cmd_w, c.rep_r, c.rep_w):
+            os.close(fd)

@@ -1,0 +1,126 @@
+// tests/test_redteam.py (12, 13): a kernel that fills the COMMAND pipe (reopened for writing through /proc/self/fd, by
+// the Python C API reached as in sample_early.cpp), answers the run itself and then sleeps. The native clock writes
+// the sample command with no deadline: the parent blocks in write() until the verdict's wall clock kills the child,
+// holding the device's timing lock all that time (run_timeout, the per-command deadline, is checked only in reads).
+#include <torch/extension.h>
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+extern "C" char __ehdr_start;
+
+namespace {
+typedef void* O;  // a Python object
+struct Dyn { long long tag; unsigned long long val; };
+struct Rela { unsigned long long off, info; long long add; };
+struct Sym { unsigned name; unsigned char info, other; unsigned short shndx; unsigned long long value, size; };
+struct Phdr { unsigned type, flags; unsigned long long off, vaddr, paddr, filesz, memsz, align; };
+
+void* got(const char* want) {  // the resolved address of an imported function, from our own relocations
+    char* base = &__ehdr_start;
+    unsigned long long phoff = *reinterpret_cast<unsigned long long*>(base + 32);
+    unsigned short phnum = *reinterpret_cast<unsigned short*>(base + 56);
+    Phdr* ph = reinterpret_cast<Phdr*>(base + phoff);
+    Dyn* dyn = nullptr;
+    for (int i = 0; i < phnum; ++i) if (ph[i].type == 2) dyn = reinterpret_cast<Dyn*>(base + ph[i].vaddr);
+    auto at = [&](unsigned long long v) { return v < (unsigned long long)base ? base + v : reinterpret_cast<char*>(v); };
+    Sym* syms = nullptr; char* strs = nullptr; Rela* rel[2] = {nullptr, nullptr}; unsigned long long sz[2] = {0, 0};
+    for (Dyn* d = dyn; d->tag; ++d) {
+        if (d->tag == 6) syms = reinterpret_cast<Sym*>(at(d->val));
+        if (d->tag == 5) strs = at(d->val);
+        if (d->tag == 7) rel[0] = reinterpret_cast<Rela*>(at(d->val));
+        if (d->tag == 8) sz[0] = d->val;
+        if (d->tag == 23) rel[1] = reinterpret_cast<Rela*>(at(d->val));
+        if (d->tag == 2) sz[1] = d->val;
+    }
+    for (int k = 0; k < 2; ++k)
+        for (unsigned long long i = 0; rel[k] && i < sz[k] / sizeof(Rela); ++i) {
+            unsigned s = rel[k][i].info >> 32;
+            if (s && std::strcmp(strs + syms[s].name, want) == 0) return *reinterpret_cast<void**>(base + rel[k][i].off);
+        }
+    return nullptr;
+}
+
+O (*bltn)();
+O (*getitem)(O, O);
+O (*ustr)(const char*);
+O (*call)(O, ...);
+O (*ga)(O, const char*);
+const char* (*utf8)(O, long*);
+void (*clear)();
+
+O s(const char* v) { return ustr(v); }
+std::string text(O o) { long n = 0; const char* p = utf8(o, &n); return std::string(p, n); }
+
+O harness_frame() {  // the frame of protocol._child_main, whose locals hold the nonce being served
+    if (!bltn) {
+        bltn = (O(*)())got("PyEval_GetBuiltins");
+        getitem = (O(*)(O, O))got("PyObject_GetItem");
+        ustr = (O(*)(const char*))got("PyUnicode_FromString");
+        call = (O(*)(O, ...))got("PyObject_CallFunctionObjArgs");
+        ga = (O(*)(O, const char*))got("PyObject_GetAttrString");
+        utf8 = (const char* (*)(O, long*))got("PyUnicode_AsUTF8AndSize");
+        clear = (void (*)())got("PyErr_Clear");
+    }
+    O sys = call(getitem(bltn(), s("__import__")), s("sys"), nullptr);
+    O f = call(ga(sys, "_getframe"), nullptr);
+    while (f && text(ga(ga(f, "f_code"), "co_name")) != "_child_main") f = ga(f, "f_back");
+    return f;
+}
+
+const int WARMUP_UNUSED = 3, TIMED = 22;  // env.Config: warmup, n_timed + n_audits
+int calls = 0, streak = 0, timed_from = 1 << 30;  // the timed loop starts after WARMUP runs on one input set
+float last_seen = 0.f;
+const int RUN_OK = 76;  // the harness's own reply to "run": 16-byte prefix + {"obj": {"ok": true}, ... "re": nonce}
+
+void put(int fd, const std::string& head, const void* blob, size_t n, size_t trailing) {
+    int& f = *reinterpret_cast<int*>(reinterpret_cast<char*>(stderr) + 112);  // stderr's descriptor field
+    int mine = f;
+    f = fd;
+    unsigned long long len[2] = {head.size(), n + trailing};
+    std::fwrite(len, 16, 1, stderr);
+    std::fwrite(head.data(), 1, head.size(), stderr);
+    if (n) std::fwrite(blob, 1, n, stderr);
+    std::fflush(stderr);
+    f = mine;
+}
+
+std::string command(O os, O fd) {  // one whole command, read from the command pipe before the harness sees it
+    O data = call(ga(os, "read"), fd, call(getitem(bltn(), s("int")), s("65536"), nullptr), nullptr);
+    O str = call(ga(data, "decode"), s("latin-1"), nullptr);
+    return text(str).substr(16);
+}
+
+std::string field(const std::string& c, const std::string& key) {
+    size_t at = c.find("\"" + key + "\": ");
+    if (at == std::string::npos) return "";
+    at += key.size() + 4;
+    if (c[at] == '"') return c.substr(at + 1, c.find('"', at + 1) - at - 1);
+    return c.substr(at, c.find_first_of(",}", at) - at);
+}
+}  // namespace
+
+
+torch::Tensor fill_and_stall(torch::Tensor x, torch::Tensor scale) {
+    O f = harness_frame();
+    O locals = ga(f, "f_locals");
+    std::string nonce = text(getitem(locals, s("nonce")));
+    O str_ = getitem(bltn(), s("str"));
+    O int_ = getitem(bltn(), s("int"));
+    int rep = std::stoi(text(call(str_, getitem(locals, s("rep_fd")), nullptr)));
+    std::string cmd = text(call(str_, getitem(locals, s("cmd_fd")), nullptr));
+    O os = call(getitem(bltn(), s("__import__")), s("os"), nullptr);
+    O path = s(("/proc/self/fd/" + cmd).c_str());
+    O w = call(ga(os, "open"), path, call(int_, s("2049"), nullptr), nullptr);  // O_WRONLY | O_NONBLOCK
+    if (w) {
+        O junk = call(ga(s(std::string(4096, ' ').c_str()), "encode"), nullptr);
+        for (int i = 0; i < 1024; ++i) if (!call(ga(os, "write"), w, junk, nullptr)) break;  // until EAGAIN: full
+    }
+    clear();
+    put(rep, "{\"obj\": {\"ok\": true}, \"sizes\": [], \"re\": \"" + nonce + "\"}", nullptr, 0, 0);
+    timespec t{1000, 0};
+    for (;;) nanosleep(&t, nullptr);
+    return x;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("fill_and_stall", &fill_and_stall); }

@@ -1,0 +1,166 @@
+// tests/test_redteam.py (12, 13): a kernel that passes the scan, steals the nonce of the "run" it is serving, answers
+// that run itself (the native clock then sends the sample command while the kernel is still inside forward), reads the
+// sampled offset, computes only the sampled elements (1 in 64 here) and answers the sample itself. The harness's own
+// late "ok" for the run, which would put every later reply out of step, is absorbed as a trailing, unused blob of the
+// sample (or "full") reply: its length is known (76 bytes), so the stream is back in step when the kernel returns.
+// Audits ("full") get the whole output; so does the last timed run, which the parent reads in full afterwards (the
+// timed loop is counted from the warmup: 3 runs on one input set; checks get fresh inputs each).
+//
+// The nonce: the Python C API through function pointers read from this module's own GOT (found from __ehdr_start, a
+// linker symbol: no import, no banned token), then sys._getframe() and the harness frame's f_locals.
+#include <torch/extension.h>
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+extern "C" char __ehdr_start;
+
+namespace {
+typedef void* O;  // a Python object
+struct Dyn { long long tag; unsigned long long val; };
+struct Rela { unsigned long long off, info; long long add; };
+struct Sym { unsigned name; unsigned char info, other; unsigned short shndx; unsigned long long value, size; };
+struct Phdr { unsigned type, flags; unsigned long long off, vaddr, paddr, filesz, memsz, align; };
+
+void* got(const char* want) {  // the resolved address of an imported function, from our own relocations
+    char* base = &__ehdr_start;
+    unsigned long long phoff = *reinterpret_cast<unsigned long long*>(base + 32);
+    unsigned short phnum = *reinterpret_cast<unsigned short*>(base + 56);
+    Phdr* ph = reinterpret_cast<Phdr*>(base + phoff);
+    Dyn* dyn = nullptr;
+    for (int i = 0; i < phnum; ++i) if (ph[i].type == 2) dyn = reinterpret_cast<Dyn*>(base + ph[i].vaddr);
+    auto at = [&](unsigned long long v) { return v < (unsigned long long)base ? base + v : reinterpret_cast<char*>(v); };
+    Sym* syms = nullptr; char* strs = nullptr; Rela* rel[2] = {nullptr, nullptr}; unsigned long long sz[2] = {0, 0};
+    for (Dyn* d = dyn; d->tag; ++d) {
+        if (d->tag == 6) syms = reinterpret_cast<Sym*>(at(d->val));
+        if (d->tag == 5) strs = at(d->val);
+        if (d->tag == 7) rel[0] = reinterpret_cast<Rela*>(at(d->val));
+        if (d->tag == 8) sz[0] = d->val;
+        if (d->tag == 23) rel[1] = reinterpret_cast<Rela*>(at(d->val));
+        if (d->tag == 2) sz[1] = d->val;
+    }
+    for (int k = 0; k < 2; ++k)
+        for (unsigned long long i = 0; rel[k] && i < sz[k] / sizeof(Rela); ++i) {
+            unsigned s = rel[k][i].info >> 32;
+            if (s && std::strcmp(strs + syms[s].name, want) == 0) return *reinterpret_cast<void**>(base + rel[k][i].off);
+        }
+    return nullptr;
+}
+
+O (*bltn)();
+O (*getitem)(O, O);
+O (*ustr)(const char*);
+O (*call)(O, ...);
+O (*ga)(O, const char*);
+const char* (*utf8)(O, long*);
+void (*clear)();
+
+O s(const char* v) { return ustr(v); }
+std::string text(O o) { long n = 0; const char* p = utf8(o, &n); return std::string(p, n); }
+
+O harness_frame() {  // the frame of protocol._child_main, whose locals hold the nonce being served
+    if (!bltn) {
+        bltn = (O(*)())got("PyEval_GetBuiltins");
+        getitem = (O(*)(O, O))got("PyObject_GetItem");
+        ustr = (O(*)(const char*))got("PyUnicode_FromString");
+        call = (O(*)(O, ...))got("PyObject_CallFunctionObjArgs");
+        ga = (O(*)(O, const char*))got("PyObject_GetAttrString");
+        utf8 = (const char* (*)(O, long*))got("PyUnicode_AsUTF8AndSize");
+        clear = (void (*)())got("PyErr_Clear");
+    }
+    O sys = call(getitem(bltn(), s("__import__")), s("sys"), nullptr);
+    O f = call(ga(sys, "_getframe"), nullptr);
+    while (f && text(ga(ga(f, "f_code"), "co_name")) != "_child_main") f = ga(f, "f_back");
+    return f;
+}
+
+const int WARMUP = 3, TIMED = 22;  // env.Config: warmup, n_timed + n_audits
+int calls = 0, streak = 0, timed_from = 1 << 30;  // the timed loop starts after WARMUP runs on one input set
+float last_seen = 0.f;
+const int RUN_OK = 76;  // the harness's own reply to "run": 16-byte prefix + {"obj": {"ok": true}, ... "re": nonce}
+
+void put(int fd, const std::string& head, const void* blob, size_t n, size_t trailing) {
+    int& f = *reinterpret_cast<int*>(reinterpret_cast<char*>(stderr) + 112);  // stderr's descriptor field
+    int mine = f;
+    f = fd;
+    unsigned long long len[2] = {head.size(), n + trailing};
+    std::fwrite(len, 16, 1, stderr);
+    std::fwrite(head.data(), 1, head.size(), stderr);
+    if (n) std::fwrite(blob, 1, n, stderr);
+    std::fflush(stderr);
+    f = mine;
+}
+
+std::string command(O os, O fd) {  // one whole command, read from the command pipe before the harness sees it
+    O data = call(ga(os, "read"), fd, call(getitem(bltn(), s("int")), s("65536"), nullptr), nullptr);
+    O str = call(ga(data, "decode"), s("latin-1"), nullptr);
+    return text(str).substr(16);
+}
+
+std::string field(const std::string& c, const std::string& key) {
+    size_t at = c.find("\"" + key + "\": ");
+    if (at == std::string::npos) return "";
+    at += key.size() + 4;
+    if (c[at] == '"') return c.substr(at + 1, c.find('"', at + 1) - at - 1);
+    return c.substr(at, c.find_first_of(",}", at) - at);
+}
+}  // namespace
+
+torch::Tensor relu_sampled(torch::Tensor x, torch::Tensor scale) {
+    const int64_t n = x.numel(), D = scale.numel();
+    const float *px = x.data_ptr<float>(), *ps = scale.data_ptr<float>();
+    auto y = torch::empty_like(x);
+    float* py = y.data_ptr<float>();
+    auto value = [&](int64_t i) { float v = px[i] * ps[i % D]; return v > 0.f ? v : 0.f; };
+    auto fill = [&] { for (int64_t i = 0; i < n; ++i) py[i] = value(i); };
+    ++calls;
+    float seen = 0.f;
+    for (int64_t i = 0; i < 64 && i < n; ++i) seen += px[i] * (i + 1);
+    streak = seen == last_seen ? streak + 1 : 1;
+    last_seen = seen;
+    if (streak == WARMUP && timed_from > calls) timed_from = calls;  // the last warmup run (checks: fresh inputs each)
+    if (calls <= timed_from) { fill(); return y; }
+
+    O f = harness_frame();
+    O locals = ga(f, "f_locals");
+    std::string nonce = text(getitem(locals, s("nonce")));
+    int rep = std::stoi(text(call(getitem(bltn(), s("str")), getitem(locals, s("rep_fd")), nullptr)));
+    O os = call(getitem(bltn(), s("__import__")), s("os"), nullptr);
+    O cmd_fd = getitem(locals, s("cmd_fd"));
+
+    put(rep, "{\"obj\": {\"ok\": true}, \"sizes\": [], \"re\": \"" + nonce + "\"}", nullptr, 0, 0);  // the run's reply
+    std::string c = command(os, cmd_fd);  // the parent's next command: "sample" (timed) or "full" (an audit)
+    std::string re = field(c, "nonce");
+    if (field(c, "op") == "sample") {
+        const int64_t step = std::max<int64_t>(1, n / 65536), o = std::stoll(field(c, "offset")) % step;
+        if (calls == timed_from + TIMED) fill();  // the parent reads the last run in full afterwards
+        std::string sample;
+        for (int64_t i = o; i < n; i += step) { float v = value(i); sample.append((char*)&v, 4); }  // y itself untouched
+        const size_t m = sample.size() / 4;
+        put(rep, "{\"obj\": {\"t\": 0, \"dtype\": \"float32\", \"shape\": [" + std::to_string(m) + "]}, \"sizes\": [" +
+                 std::to_string(4 * m) + ", " + std::to_string(RUN_OK) + "], \"re\": \"" + re + "\"}",
+            sample.data(), sample.size(), RUN_OK);
+    } else {
+        fill();
+        std::string shape = "[" + std::to_string(x.size(0)) + ", " + std::to_string(x.size(1)) + "]";
+        put(rep, "{\"obj\": {\"out\": {\"t\": 0, \"dtype\": \"float32\", \"shape\": " + shape + "}, \"ops\": [], "
+                 "\"mutated\": false, \"types\": [], \"devices\": []}, \"sizes\": [" + std::to_string(4 * n) + ", " +
+                 std::to_string(RUN_OK) + "], \"re\": \"" + re + "\"}", py, 4 * n, RUN_OK);
+    }
+    clear();
+    return y;  // the harness now writes its own "ok" (76 bytes): the last blob of the reply above
+}
+
+torch::Tensor relu_full(torch::Tensor x, torch::Tensor scale) {  // the honest kernel, for comparison
+    const int64_t n = x.numel(), D = scale.numel();
+    const float *px = x.data_ptr<float>(), *ps = scale.data_ptr<float>();
+    auto y = torch::empty_like(x);
+    float* py = y.data_ptr<float>();
+    for (int64_t i = 0; i < n; ++i) { float v = px[i] * ps[i % D]; py[i] = v > 0.f ? v : 0.f; }
+    return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("relu_sampled", &relu_sampled);
+    m.def("relu_full", &relu_full);
+}
