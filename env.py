@@ -581,7 +581,7 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
     seed0 = rng.randrange(2**31)
     check_seeds = [rng.randrange(2**31) for _ in range(cfg.n_checks)]
     timed_seeds = [rng.randrange(2**31) for _ in range(max(cfg.n_timed, 2) + cfg.n_audits)] if timed else []
-    base_key = hashlib.sha256(f"{ref_code}\0{backend}\0{toolchain_id_light(backend)}\0{cfg.n_timed}\0{sorted(CHILD_ENV.items())}\0pipe-clock-{2 if protocol.native() else 1}".encode()).hexdigest()[:24]
+    base_key = hashlib.sha256(f"{ref_code}\0{backend}\0{toolchain_id_light(backend)}\0{cfg.n_timed}\0{sorted(CHILD_ENV.items())}\0timing-{protocol.TIMING_VERSION}-{'native' if protocol.native() else 'python'}".encode()).hexdigest()[:24]
     base_file = CACHE_DIR / "baselines" / f"{base_key}.json"
     cached = json.loads(base_file.read_text()) if base_file.exists() else None
     # Re-measured while noisy, up to 3 times; the least noisy measurement is kept.

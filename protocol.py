@@ -90,7 +90,7 @@ def _write_all(fd: int, view: memoryview, deadline: float | None = None):
                 raise PastDeadline("a command could not be written before its deadline") from None
             p = select.poll()
             p.register(fd, select.POLLOUT)
-            p.poll(None if left is None else max(1, int(left * 1000)))
+            p.poll(60_000 if left is None else max(1, int(min(left, 60.0) * 1000)))  # (poll takes an int of ms)
 
 
 # Waiting for a message spins before it sleeps. A process asleep in read() or select() is woken by the scheduler when
@@ -144,11 +144,11 @@ static long long write_all(int fd, const char *p, long long n, long long deadlin
         long long k = write(fd, p, n);
         if (k > 0) { p += k; n -= k; continue; }
         if (k < 0 && errno == EINTR) continue;
-        if (k < 0 && errno == EAGAIN) {
-            long long t = now_ns();
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            long long t = now_ns(), wait = (deadline - t) / 1000000 + 1;
             if (t > deadline) return -1;
             struct pollfd q = {fd, POLLOUT, 0};
-            poll(&q, 1, (int)((deadline - t) / 1000000 + 1));
+            poll(&q, 1, (int)(wait < 60000 ? wait : 60000));
             continue;
         }
         return -4;
@@ -165,7 +165,8 @@ static long long read_msg(int fd, char *buf, long long cap, long long spin_ns, l
         long long t = now_ns();
         if (t > deadline) return -1;
         struct pollfd p = {fd, POLLIN, 0};
-        int r = poll(&p, 1, t < spin_end ? 0 : (int)((deadline - t) / 1000000 + 1));
+        long long wait = (deadline - t) / 1000000 + 1;
+        int r = poll(&p, 1, t < spin_end ? 0 : (int)(wait < 60000 ? wait : 60000));
         if (r < 0 && errno != EINTR) return -2;
         if (r <= 0) { if (t < spin_end) sched_yield(); continue; }
         long long k = read(fd, buf + got, want - got);
@@ -332,7 +333,7 @@ def _read_exact(fd: int, n: int, alive=None, into=bytearray, deadline: float | N
 
 
 class PastDeadline(EOFError):
-    """A read that found the deadline passed. Only this is a timeout: the pipe's end is a death, however early."""
+    """A read (or a command's write) that found the deadline passed. Only this is a timeout: the pipe's end is a death, however early."""
 
 
 class ReplyTooLarge(ValueError):
@@ -636,6 +637,9 @@ def _child_main(spec_path: str):
 CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # the cores we may use
 CHILD_THREADS = max(1, CPUS - 1)
 CHILD_ENV = {"OMP_NUM_THREADS": str(CHILD_THREADS), "OMP_WAIT_POLICY": "passive"}
+# Baselines are cached with this in their key: a change to how a timed run is driven or clocked (either side's polling,
+# the clock, the messages) must not compare new candidates' times with baselines timed the old way.
+TIMING_VERSION = 3
 PIPE_BYTES = 1 << 20  # a pipe holds a whole sample (65536 elements of 8 bytes = 512 KiB): one write, one wake-up
 
 
@@ -706,18 +710,20 @@ class Child:
         nonce = secrets.token_hex(8)
         if "seed" in obj:
             obj = dict(obj, seed=obj["seed"] ^ seed_pad(self.key, nonce))
+        deadline = None if self.cmd_timeout is None else time.monotonic() + self.cmd_timeout  # (to write and answer)
         try:
-            send(self.cmd_w, dict(obj, nonce=nonce),
-                 deadline=None if self.cmd_timeout is None else time.monotonic() + self.cmd_timeout)
+            send(self.cmd_w, dict(obj, nonce=nonce), deadline=deadline)
         except PastDeadline:  # (its command pipe full: it stopped reading, or filled the pipe itself)
             self._stop()
             raise ChildTimeout(f"one `{obj.get('op')}` could not be sent within {self.cmd_timeout:g} s") from None
         except OSError as e:  # (BrokenPipeError: the child died after its last reply)
             raise EOFError("the child process ended") from e
-        return self.answer(expect=nonce, what=obj.get("op"), reuse=reuse)
+        return self.answer(expect=nonce, what=obj.get("op"), reuse=reuse, deadline=deadline)
 
-    def answer(self, expect: str | None = None, what: str | None = None, reuse: bool = False):
-        deadline = None if self.cmd_timeout is None else time.monotonic() + self.cmd_timeout
+    def answer(self, expect: str | None = None, what: str | None = None, reuse: bool = False, deadline=None):
+        """The next reply (see ask); `deadline` (time.monotonic()): by default cmd_timeout from now."""
+        if deadline is None and self.cmd_timeout is not None:
+            deadline = time.monotonic() + self.cmd_timeout
         try:
             # reply_limit bounds what the child's replies make us hold at once: the kept memory counts against
             # any other reply (a timed run's sample is read while a judged whole output is kept)

@@ -434,16 +434,15 @@ def _relu_ws(tmp_path, call, source, name="ws"):
     return ws
 
 
-@pytest.mark.xfail(strict=True, reason="open: a kernel holding the Python C API answers the run itself and learns "
-                   "the sampled positions (env.py, 'does NOT protect')")
 def test_redteam_a_kernel_answering_the_run_itself_does_not_learn_the_sample(tmp_path):
     src = (CASES / "sample_early.cpp").read_text()
     honest = env.evaluate(_relu_ws(tmp_path, "relu_full", src, "honest"), backend="cpu")
     v = env.evaluate(_relu_ws(tmp_path, "relu_sampled", src, "cheat"), backend="cpu")
-    assert honest.reward >= 1 and v.compiled, (honest.summary(), v.log)
-    assert v.reward == -1 or v.runtime_ms > 0.5 * honest.runtime_ms, (
-        f"a kernel computing 1/64 of its output timed {v.runtime_ms:.3g} ms, the honest one {honest.runtime_ms:.3g} ms: "
-        f"{v.summary()}")
+    assert honest.reward >= 1 and v.compiled and not v.violations, (honest.summary(), v.summary(), v.log)
+    if v.reward >= 1 and v.runtime_ms < 0.5 * honest.runtime_ms:  # the hole, as it stands: reported, not hidden
+        pytest.xfail(f"open (env.py, 'does NOT protect'): a kernel computing 1/64 of its output timed "
+                     f"{v.runtime_ms:.3g} ms, reward {v.reward}, the honest one {honest.runtime_ms:.3g} ms")
+    assert v.reward == -1, f"closed? then make this a plain test: {v.summary()}"
 
 
 # ------------------------------------------------------------------ 13. a full command pipe
@@ -456,7 +455,7 @@ def test_redteam_a_full_command_pipe_is_under_the_command_deadline(tmp_path):
     t0 = time.monotonic()
     v = env.evaluate(ws, backend="cpu", stage="verify", run_timeout=3, timeout=40)
     took = time.monotonic() - t0 - v.phases.get("build", 0)
-    assert v.compiled and v.reward == -1, v.summary()
+    assert v.compiled and v.reward == -1 and "could not be sent within" in (v.error or ""), v.summary()
     assert took < 20, f"a child that filled its command pipe held the parent for {took:.0f} s (run_timeout 3 s)"
 
 
@@ -470,6 +469,8 @@ def test_a_wrapping_prefix_is_refused_with_its_real_size():
     c.cmd_r, c.cmd_w = os.pipe()
     c.rep_r, c.rep_w = os.pipe()
     c.reply_limit, c.cmd_timeout = 1 << 20, 2.0
+    if protocol.native() is None:
+        pytest.skip("no C compiler: no native clock")
     try:
         os.write(c.rep_w, struct.pack("<QQ", 9, 2**64 - 1))
         with pytest.raises(protocol.ReplyTooLarge) as e:
@@ -499,7 +500,8 @@ def test_a_command_to_a_child_whose_pipe_stays_full_ends_at_its_deadline(way):
             if way == "ask":
                 c.ask({"op": "run"})
             else:
-                assert protocol.native() is not None, "no C compiler for the native clock"
+                if protocol.native() is None:
+                    pytest.skip("no C compiler: no native clock")
                 c.native_timed_run(5, 0.0, 0.001)
         assert time.monotonic() - t0 < 5
     finally:

@@ -1,7 +1,7 @@
-// tests/test_redteam.py (12, 13): a kernel that fills the COMMAND pipe (reopened for writing through /proc/self/fd, by
-// the Python C API reached as in sample_early.cpp), answers the run itself and then sleeps. The native clock writes
-// the sample command with no deadline: the parent blocks in write() until the verdict's wall clock kills the child,
-// holding the device's timing lock all that time (run_timeout, the per-command deadline, is checked only in reads).
+// tests/test_redteam.py (13): a kernel that fills its COMMAND pipe (reopened for writing through /proc/self/fd, by
+// the Python C API reached as in sample_early.cpp), answers the run itself and then sleeps. The parent's next command
+// (in a verify, "full") found the pipe full; with no deadline on writes it blocked until the verdict's wall clock
+// killed the child, holding the device all that time.
 #include <torch/extension.h>
 #include <cstdio>
 #include <cstring>

@@ -1,4 +1,4 @@
-// tests/test_redteam.py (12, 13): a kernel that passes the scan, steals the nonce of the "run" it is serving, answers
+// tests/test_redteam.py (12): a kernel that passes the scan, steals the nonce of the "run" it is serving, answers
 // that run itself (the native clock then sends the sample command while the kernel is still inside forward), reads the
 // sampled offset, computes only the sampled elements (1 in 64 here) and answers the sample itself. The harness's own
 // late "ok" for the run, which would put every later reply out of step, is absorbed as a trailing, unused blob of the
