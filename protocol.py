@@ -191,8 +191,8 @@ static long long read_msg(int fd, char *buf, long long cap, long long spin_ns, l
 }
 /* A timed run: the run command, its reply (into buf1), the sample command (NULL: none), its reply (into buf2).
    Returns the ns from before the first write to after the sample's last byte; or a code of read_msg's or
-   write_all's (each command has timeout_ns to be written and answered). lens[0], lens[1]: the replies' lengths (or what read_msg put in *need); lens[0] is 0 until the run's
-   reply has been read. */
+   write_all's (each command has timeout_ns to be written and answered). lens[0], lens[1]: the replies' lengths (or
+   what read_msg put in *need); lens[0] is 0 until the run's reply has been read. */
 long long timed_pair(int cmd_fd, int rep_fd, const char *run, long long run_len, const char *sample,
                      long long sample_len, char *buf1, long long cap1, char *buf2, long long cap2,
                      long long spin_run, long long spin_sample, long long timeout_ns, long long *lens) {
@@ -333,7 +333,8 @@ def _read_exact(fd: int, n: int, alive=None, into=bytearray, deadline: float | N
 
 
 class PastDeadline(EOFError):
-    """A read (or a command's write) that found the deadline passed. Only this is a timeout: the pipe's end is a death, however early."""
+    """A read (or a command's write) that found the deadline passed. Only this is a timeout: the pipe's end is a
+    death, however early."""
 
 
 class ReplyTooLarge(ValueError):
