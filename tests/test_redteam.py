@@ -398,46 +398,18 @@ def test_redteam_any_error_judging_a_reply_is_the_candidates_minus_one(tmp_path,
 # is absorbed as an unused trailing blob, so no reply is out of step. Seen: reward +3, 0.85 ms against the honest
 # kernel's 12-14 ms (eager 7.8 ms). Nothing in the child's process is trusted: the positions a timed run is checked
 # at must not be told to it (TODO: the parent reads them from the child's memory; see env.py, "does NOT protect").
-BIG_RELU = '''import torch
-import torch.nn as nn
-
-BATCH, DIM = 1024, 4096  # 4M outputs: a timed run samples 1 in 64
-
-
-class Model(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.scale = nn.Parameter(torch.randn(dim))
-
-    def forward(self, x):
-        return torch.relu(x * self.scale)
-
-
-def get_inputs():
-    return [torch.randn(BATCH, DIM)]
-
-
-def get_init_inputs():
-    return [DIM]
-'''
-
-
-def _relu_ws(tmp_path, call, source, name="ws"):
-    ws = tmp_path / name
-    (ws / "kernels").mkdir(parents=True)
-    (ws / "model.py").write_text(BIG_RELU)
-    (ws / "model_new.py").write_text(
-        "import torch\nimport torch.nn as nn\nimport cuda_extension\n\n\nclass ModelNew(nn.Module):\n"
-        "    def __init__(self, dim):\n        super().__init__()\n        self.scale = nn.Parameter(torch.empty(dim))\n\n"
-        f"    def forward(self, x):\n        return cuda_extension.{call}(x, self.scale)\n")
-    (ws / "kernels" / "ops.cpp").write_text(source)
+def _relu_ws(tmp_path, call, name="ws"):
+    """relu on 1024 x 4096 (4M outputs: a timed run samples 1 in 64), the kernels of python_from_kernel.cpp."""
+    from test_env import PROBLEMS
+    ws = make_ws(tmp_path, "relu", model_new("relu", f"cuda_extension.{call}(x, self.scale)"),
+                 {"ops.cpp": (CASES / "python_from_kernel.cpp").read_text()}, name=name)
+    (ws / "model.py").write_text(PROBLEMS["relu"].replace("BATCH = 64", "BATCH = 1024"))
     return ws
 
 
 def test_redteam_a_kernel_answering_the_run_itself_does_not_learn_the_sample(tmp_path):
-    src = (CASES / "sample_early.cpp").read_text()
-    honest = env.evaluate(_relu_ws(tmp_path, "relu_full", src, "honest"), backend="cpu")
-    v = env.evaluate(_relu_ws(tmp_path, "relu_sampled", src, "cheat"), backend="cpu")
+    honest = env.evaluate(_relu_ws(tmp_path, "relu_full", "honest"), backend="cpu")
+    v = env.evaluate(_relu_ws(tmp_path, "relu_sampled", "cheat"), backend="cpu")
     assert honest.reward >= 1 and v.compiled and not v.violations, (honest.summary(), v.summary(), v.log)
     if v.reward >= 1 and v.runtime_ms < 0.5 * honest.runtime_ms:  # the hole, as it stands: reported, not hidden
         pytest.xfail(f"open (env.py, 'does NOT protect'): a kernel computing 1/64 of its output timed "
@@ -451,7 +423,7 @@ def test_redteam_a_kernel_answering_the_run_itself_does_not_learn_the_sample(tmp
 # verdict's wall clock killed the child (43.6 s at run_timeout=3, timeout=40), holding the device meanwhile. Every
 # write to a child is under the command's deadline, as every read is.
 def test_redteam_a_full_command_pipe_is_under_the_command_deadline(tmp_path):
-    ws = _relu_ws(tmp_path, "fill_and_stall", (CASES / "fill_cmd_pipe.cpp").read_text())
+    ws = _relu_ws(tmp_path, "fill_and_stall")
     t0 = time.monotonic()
     v = env.evaluate(ws, backend="cpu", stage="verify", run_timeout=3, timeout=40)
     took = time.monotonic() - t0 - v.phases.get("build", 0)

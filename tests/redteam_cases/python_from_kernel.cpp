@@ -1,10 +1,11 @@
-// tests/test_redteam.py (12): a kernel that passes the scan, steals the nonce of the "run" it is serving, answers
-// that run itself (the native clock then sends the sample command while the kernel is still inside forward), reads the
-// sampled offset, computes only the sampled elements (1 in 64 here) and answers the sample itself. The harness's own
-// late "ok" for the run, which would put every later reply out of step, is absorbed as a trailing, unused blob of the
-// sample (or "full") reply: its length is known (76 bytes), so the stream is back in step when the kernel returns.
-// Audits ("full") get the whole output; so does the last timed run, which the parent reads in full afterwards (the
-// timed loop is counted from the warmup: 3 runs on one input set; checks get fresh inputs each).
+// tests/test_redteam.py (12, 13): kernels that pass the scan and reach the harness's Python.
+// (12) relu_sampled steals the nonce of the "run" it is serving, answers that run itself (the native clock then sends
+// the sample command while the kernel is still inside forward), reads the sampled offset, computes only the sampled
+// elements (1 in 64 here) and answers the sample itself. The harness's own late "ok" for the run, which would put
+// every later reply out of step, is absorbed as a trailing, unused blob of the sample (or "full") reply: its length is
+// known (76 bytes), so the stream is back in step when the kernel returns. Audits ("full") get the whole output; so
+// does the last timed run, which the parent reads in full afterwards (the timed loop is counted from the warmup: 3
+// runs on one input set; checks get fresh inputs each). relu_full is the honest kernel, for comparison.
 //
 // The nonce: the Python C API through function pointers read from this module's own GOT (found from __ehdr_start, a
 // linker symbol: no import, no banned token), then sys._getframe() and the harness frame's f_locals.
@@ -160,7 +161,33 @@ torch::Tensor relu_full(torch::Tensor x, torch::Tensor scale) {  // the honest k
     return y;
 }
 
+// (13) The command pipe, reopened for writing through /proc/self/fd and filled, then the run answered and sleep: the
+// parent's next command (in a verify, "full") finds the pipe full; with no deadline on writes it blocked until the
+// verdict's wall clock killed the child, holding the device all that time.
+torch::Tensor fill_and_stall(torch::Tensor x, torch::Tensor scale) {
+    O f = harness_frame();
+    O locals = ga(f, "f_locals");
+    std::string nonce = text(getitem(locals, s("nonce")));
+    O str_ = getitem(bltn(), s("str"));
+    O int_ = getitem(bltn(), s("int"));
+    int rep = std::stoi(text(call(str_, getitem(locals, s("rep_fd")), nullptr)));
+    std::string cmd = text(call(str_, getitem(locals, s("cmd_fd")), nullptr));
+    O os = call(getitem(bltn(), s("__import__")), s("os"), nullptr);
+    O path = s(("/proc/self/fd/" + cmd).c_str());
+    O w = call(ga(os, "open"), path, call(int_, s("2049"), nullptr), nullptr);  // O_WRONLY | O_NONBLOCK
+    if (w) {
+        O junk = call(ga(s(std::string(4096, ' ').c_str()), "encode"), nullptr);
+        for (int i = 0; i < 1024; ++i) if (!call(ga(os, "write"), w, junk, nullptr)) break;  // until EAGAIN: full
+    }
+    clear();
+    put(rep, "{\"obj\": {\"ok\": true}, \"sizes\": [], \"re\": \"" + nonce + "\"}", nullptr, 0, 0);
+    timespec t{1000, 0};
+    for (;;) nanosleep(&t, nullptr);
+    return x;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("relu_sampled", &relu_sampled);
     m.def("relu_full", &relu_full);
+    m.def("fill_and_stall", &fill_and_stall);
 }
