@@ -13,6 +13,7 @@
 #   bash bench/run_h200.sh teacher-speed OUT  # the teacher's kernels vs eager / torch.compile: events, host clock, verdict
 #   bash bench/run_h200.sh transfer OUT    # one 2 GiB output moved child -> parent: the pipe vs a mapped memory file
 #   bash bench/run_h200.sh ipc OUT         # the same on the device (CUDA IPC): possible across the sandbox? how fast?
+#   bash bench/run_h200.sh sample-read OUT # may the parent read a sandboxed child's memory here (process_vm_readv)? cost
 #   bash bench/run_h200.sh cuda-agent OUT  # CUDA Agent's compile.sh / verification / profiling beside env.py
 #   bash bench/run_h200.sh model OUT       # the embedded model from two carried parts (.gm1, then .gm2: two calls)
 #   bash bench/run_h200.sh learning OUT    # the staged run in small (sft ... ppo, held-out rows); twice to finish
@@ -31,7 +32,7 @@
 #   .kb/KernelBench/level{1,2,3}/   KernelBench problem files (the data part samples 10 per level)
 #   .cuda_agent/agent_workdir/      CUDA Agent's workspace and scripts (a clone of BytedTsinghua-SIA/CUDA-Agent)
 set -u
-PARTS=${1:?usage: run_h200.sh "data|reference|train|default-random|gpu-tests|gpu-tests-all|verdict|big-verdict|teacher-speed|transfer|ipc|cuda-agent|model|learning|rollout|update|big-1.5b|big-7b|big-rollout ..." OUT}
+PARTS=${1:?usage: run_h200.sh "data|reference|train|default-random|gpu-tests|gpu-tests-all|verdict|big-verdict|teacher-speed|transfer|ipc|sample-read|cuda-agent|model|learning|rollout|update|big-1.5b|big-7b|big-rollout ..." OUT}
 OUT=${2:-${OUT:-/tmp/h200}}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUDA_AGENT_CACHE=${CUDA_AGENT_CACHE:-/tmp/cam-cache} TOKENIZERS_PARALLELISM=false
@@ -194,6 +195,11 @@ teacher-speed)
   # variant also on the accurate math (VARIANT+accurate): is a fused chain compute-bound on it?
   step ${TEACHER_SPEED_LIMIT:-400} teacher_speed python3 bench/teacher_speed.py --backend cuda --tasks 4 --accurate-math
   ;;
+sample-read)
+  # the parent's own read of a sandboxed child's memory (the design that keeps sampled positions from the child), on
+  # this host's layers: an unprivileged uid, a user namespace, no_new_privs
+  step 60 sample_read python3 bench/sample_read_probe.py --repeats 30
+  ;;
 ipc)
   # issue 17: can a sandboxed child hand its output to the parent on the device (CUDA IPC)? 1 GiB, plain and sandboxed
   step 200 ipc_probe python3 bench/ipc_probe.py --gib 1 --repeats 2
@@ -211,5 +217,5 @@ verdict)
   step 200 verdict_split python3 bench/verdict_split.py --backend cuda --repeats 8
   step 340 env_bench python3 bench/env_bench.py --backend cuda --no-naive --repeats 6
   ;;
-*) echo "unknown part $PART (data|reference|train|default-random|gpu-tests|gpu-tests-all|verdict|big-verdict|teacher-speed|transfer|ipc|cuda-agent|model|learning|rollout|update|big-1.5b|big-7b|big-rollout)"; exit 2 ;;
+*) echo "unknown part $PART (data|reference|train|default-random|gpu-tests|gpu-tests-all|verdict|big-verdict|teacher-speed|transfer|ipc|sample-read|cuda-agent|model|learning|rollout|update|big-1.5b|big-7b|big-rollout)"; exit 2 ;;
 esac; done

@@ -381,3 +381,12 @@ def test_ipc_probe_says_when_there_is_nothing_to_probe():
     assert "no CUDA GPU here" in bench("ipc_probe.py", "--gib", "0.01")
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "ipc_probe.py"), "--gib", "0"], capture_output=True, text=True)
     assert r.returncode == 2 and "--gib must be > 0" in r.stderr
+
+
+def test_sample_read_probe_reads_a_sandboxed_child():
+    """bench/sample_read_probe.py: the parent's own read of a child's memory, allowed here or said to be refused."""
+    out = bench("sample_read_probe.py", "--repeats", "3")
+    assert "| 1024 |" in out or "refused here" in out, out
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "sample_read_probe.py"), "--repeats", "0"],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "--repeats must be >= 1" in r.stderr
