@@ -137,6 +137,11 @@ TIMED_PAIR_C = r"""
 #include <time.h>
 #include <unistd.h>
 static long long now_ns(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1000000000LL + t.tv_nsec; }
+/* poll()'s timeout until the deadline: whole ms, at most a minute (an int; the callers loop) */
+static int wait_ms(long long deadline, long long t) {
+    long long w = (deadline - t) / 1000000 + 1;
+    return (int)(w < 60000 ? w : 60000);
+}
 /* All n bytes into fd (the parent's end of a command pipe, non-blocking): a full pipe is waited for until the
    deadline. Returns 0; -1 past the deadline; -4 a write error (the pipe's end). */
 static long long write_all(int fd, const char *p, long long n, long long deadline) {
@@ -145,10 +150,10 @@ static long long write_all(int fd, const char *p, long long n, long long deadlin
         if (k > 0) { p += k; n -= k; continue; }
         if (k < 0 && errno == EINTR) continue;
         if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-            long long t = now_ns(), wait = (deadline - t) / 1000000 + 1;
+            long long t = now_ns();
             if (t > deadline) return -1;
             struct pollfd q = {fd, POLLOUT, 0};
-            poll(&q, 1, (int)(wait < 60000 ? wait : 60000));
+            poll(&q, 1, wait_ms(deadline, t));
             continue;
         }
         return -4;
@@ -165,8 +170,7 @@ static long long read_msg(int fd, char *buf, long long cap, long long spin_ns, l
         long long t = now_ns();
         if (t > deadline) return -1;
         struct pollfd p = {fd, POLLIN, 0};
-        long long wait = (deadline - t) / 1000000 + 1;
-        int r = poll(&p, 1, t < spin_end ? 0 : (int)(wait < 60000 ? wait : 60000));
+        int r = poll(&p, 1, t < spin_end ? 0 : wait_ms(deadline, t));
         if (r < 0 && errno != EINTR) return -2;
         if (r <= 0) { if (t < spin_end) sched_yield(); continue; }
         long long k = read(fd, buf + got, want - got);

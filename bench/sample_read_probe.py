@@ -47,7 +47,8 @@ libc.process_vm_readv.restype = ctypes.c_ssize_t
 def leaf(pid: int) -> int:
     """The last process under pid (the fork server's M, or unshare, then the child itself)."""
     while True:
-        kids = [int(k) for t in os.listdir(f"/proc/{pid}/task") for k in open(f"/proc/{pid}/task/{t}/children").read().split()]
+        kids = [int(k) for t in os.listdir(f"/proc/{pid}/task")
+                for k in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
         if not kids:
             return pid
         pid = kids[0]
