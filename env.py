@@ -38,13 +38,15 @@ What one verdict does, in order (build.py has step 3, protocol.py the children a
                operator that computes is a violation; inputs must not be mutated; outputs must be plain
                tensors on the right device.
   5. profile   candidate, eager and torch.compile are timed the same way, by THIS process's clock,
-               around one exchange per run: "run" (forward, device-wide sync) then "sample" (copy
-               out[o::step] of every output, o told to the child after the run returned). Fresh inputs are copied
-               into the same buffers and the L2 flushed before each run, outside the clock. Every
-               sample is compared with the reference, so pointer-keyed caches, work skipped after the
-               checks, and work deferred past the run are caught or timed. Two more runs, which ones
-               told to the child after each run returned, are read in full and not timed (work skipped
-               in a pattern a sample can miss). Median of 20 runs, each on inputs of its own. One timed section
+               around one exchange per run: "run" (forward, outputs made contiguous, device-wide sync; the
+               reply lists each output's address and size), then this process reads 64 elements of each
+               output from the child's memory itself, at positions it drew and never tells (process_vm_readv;
+               where that is not possible, see below, the child is asked for a "sample" out[o::step], o told
+               after the run returned). Fresh inputs are copied into the same buffers and the L2 flushed
+               before each run, outside the clock. Every sample is compared with the reference, so
+               pointer-keyed caches, work skipped after the checks, and work deferred past the run are caught
+               or timed. Two more runs, which ones told to the child after each run returned, are read in
+               full and not timed (work skipped in a pattern a sample can miss). Median of 20 runs, each on inputs of its own. One timed section
                per device at a time (a lock this process holds). Every child gets the same threading
                settings (CHILD_ENV: one OpenMP thread per core but one, idle workers sleep). Baselines are timed while no
                candidate lives on the device, cached per reference with their spread, and measured
@@ -53,8 +55,8 @@ What one verdict does, in order (build.py has step 3, protocol.py the children a
                2 if >5% faster than eager only; 1 otherwise (correct).
 
 What the sandbox protects against (sandbox.py has the layers)
-  - reading the answers: reference outputs and seeds never exist where the candidate can reach them, nor a
-    sample's position before its run has been answered (but see below: a kernel that answers its run itself); its
+  - reading the answers: reference outputs and seeds never exist where the candidate can reach them, nor the
+    positions its timed runs are checked at (they never leave this process; but see below for the GPU); its
     filesystem view hides the cache root (other runs, baselines, references), /tmp and /dev/shm are its own, and
     the next input arrives only after the previous run's result.
   - forging the verdict: only this process measures time and judges; a child's replies are validated
@@ -95,12 +97,15 @@ What it does NOT protect against (be honest; RL will look)
     by name (raw syscalls, I/O functions, signals, mmap, inline assembly in host code, the Python C API and the object
     model's fields, threads, PyTorch operators in its imports), but a module's own relocations hold the addresses of
     the Python API functions pybind11 imports, and its ELF header is a linker symbol away (__ehdr_start): from there
-    it calls Python as the harness does. Such a kernel reads the nonce of the "run" it serves, answers that run
-    itself while still inside forward, is then told the sample's position and computes only the sampled elements:
-    reward +3 at 1/64 of the work (tests/test_redteam.py, 12: an expected failure). What it cannot forge: the
-    clock and the comparison. TODO: a child must not be told where its output is checked; the parent would read
-    the sampled elements from the child's memory itself once the run's reply is in (process_vm_readv on the CPU,
-    a CUDA IPC or VMM handle of the output on the GPU, whose use across the sandbox's namespaces is not measured).
+    it calls Python as the harness does: it can answer any command for the harness. What it cannot forge: the
+    clock, the comparison, and the positions a timed run is checked at, which this process reads from the child's
+    memory itself after the run's reply (tests/test_redteam.py, 12). That needs (protocol.reads()): the CPU
+    backend, a PID namespace and a private /dev, leave for this process to read its children's memory, and
+    vm.unprivileged_userfaultfd = 0 (else a child could serve the pages read as they are read: 12b). Elsewhere
+    (every GPU: the outputs are in device memory) the child is told the sample's position after its run, and
+    such a kernel can compute only the sampled elements: reward +3 at 1/64 of the work, measured on the CPU
+    against that exchange (said once on stderr). TODO: on the GPU, the parent's reads through a CUDA IPC or VMM
+    handle of the output (bench/ipc_probe.py asks whether that crosses the sandbox).
   - a kernel that tells the audited runs from the sampled ones (by the time between its calls) knows when the
     n_audits are spent: the runs after that are checked by their samples only (and the last one in full).
   - an OpenMP worker still runs the kernel's own code outside the monitor's thread (it may call only the
@@ -108,17 +113,19 @@ What it does NOT protect against (be honest; RL will look)
   - a content-keyed output cache when the inputs are so large that fewer distinct input sets than timed
     runs fit in `input_budget_mb`: the sets are then reused in turn.
   - reduced precision inside a kernel that stays within atol/rtol (and the RMS bound) passes, as in the paper.
-  - the time includes reading the sample out of the output in row-major order, so an output that is a view (a
+  - the time includes making each output contiguous in row-major order, so an output that is a view (a
     transposed result) is copied whole inside the timed run, the reference's as much as the candidate's: eager's
     view pays a copy that KernelBench's timer would not charge, and a candidate that writes its result in that order
-    saves it. Gathering only the sampled elements would make a view free, and a candidate that returns a view of
-    its input (x.t() for a task that transposes and copies) would do no work at all (reward 3, tried).
-  - the time includes two pipe round trips and the sample's copy: for tiny kernels the reward sees host
+    saves it. Reading only the sampled elements through the view's strides would make a view free, and a candidate
+    that returns a view of its input (x.t() for a task that transposes and copies) would do no work at all (reward
+    3, tried).
+  - the time includes a pipe round trip and the parent's reads (or two round trips and the sample's copy, where
+    the child is told the sample): for tiny kernels the reward sees host
     overhead (bench/env_bench.py states this floor; bench/floor_diag.py splits it). Both sides poll for the timed
     messages instead of sleeping (the parent for a run's reply only on the GPU backend: on the CPU it would take a
     core from the kernel), so few scheduler wake-ups are on the clock's path. A timed run is one call of native code
     (protocol.timed_pair, through ctypes, which releases the interpreter's lock): from before the run's command is
-    written to after the sample's last byte has arrived, so the caller's other threads (train.py's generation loop,
+    written to after the last sampled element has arrived, so the caller's other threads (train.py's generation loop,
     its tool calls) add no wait for the lock to it. It is the same for the candidate and both baselines, except the
     candidate's dispatch monitor (tens of microseconds a run).
   - a forked child shares the fork server's memory copy-on-write: the imported modules, and what the server read,
@@ -174,7 +181,7 @@ import protocol
 import scan
 from build import HEADER_EXT, SOURCE_EXT, build, error_excerpt, toolchain_id_light  # noqa: F401  (env.build: step 3)
 from protocol import (CHILD_ENV, CHILD_THREADS, PIPE_BYTES, Child, ChildError, ChildTimeout, ReplyTooLarge,  # noqa: F401
-                      _child_main, median, recv, sample_of, send, spread, timed_runs, unpack)  # steps 4-5 (env.Child ...)
+                      _child_main, median, picks_of, recv, sample_of, send, spread, timed_runs, unpack)  # steps 4-5 (env.Child ...)
 from scan import ALLOWED_OPS, IMPORT_OPS, INIT_OPS  # noqa: F401  (env.IMPORT_OPS: what the module may import)
 from reward import MARGIN, reward_for  # noqa: F401  (env.reward_for: the verdict's reward)
 from sandbox import (CACHE_DIR, SandboxResult, candidate_alive, file_lock, gpu_lock_path, isolation, no_candidates,
@@ -581,11 +588,6 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
     seed0 = rng.randrange(2**31)
     check_seeds = [rng.randrange(2**31) for _ in range(cfg.n_checks)]
     timed_seeds = [rng.randrange(2**31) for _ in range(max(cfg.n_timed, 2) + cfg.n_audits)] if timed else []
-    base_key = hashlib.sha256(f"{ref_code}\0{backend}\0{toolchain_id_light(backend)}\0{cfg.n_timed}\0{sorted(CHILD_ENV.items())}\0timing-{protocol.TIMING_VERSION}-{'native' if protocol.native() else 'python'}".encode()).hexdigest()[:24]
-    base_file = CACHE_DIR / "baselines" / f"{base_key}.json"
-    cached = json.loads(base_file.read_text()) if base_file.exists() else None
-    # Re-measured while noisy, up to 3 times; the least noisy measurement is kept.
-    need_baselines = timed and (cached is None or (max(cached["spread"]) > NOISY and cached["attempts"] < 3))
     common = dict(backend=backend, seed0=seed0)
 
     with tempfile.TemporaryDirectory(prefix="run-", dir=CACHE_DIR) as run, contextlib.ExitStack() as stack:
@@ -650,14 +652,24 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
         first = stack.enter_context(contextlib.ExitStack())
         cand = start_candidate(ref_busy.pop_all(), first)
         try:
-            n_sets = ref.answer()[0]["timed_sets"]
+            first_msg = ref.answer()[0]
+            n_sets = first_msg["timed_sets"]
             timed_seeds = timed_seeds[:n_sets]
+            protocol.probe_reads(ref, first_msg.get("probe"))  # (decided once per backend, on trusted code)
             ref_outs = [unpack(*ref.answer()) for _ in check_seeds + timed_seeds]
         except (EOFError, ValueError, KeyError, TypeError, ChildError) as e:
             v.error = f"the reference model.py failed: {e if isinstance(e, ChildError) else ref.why_dead()}"
             return
         ref_checks, ref_timed = ref_outs[:len(check_seeds)], ref_outs[len(check_seeds):]
         lap("reference outputs")
+        timing = (f"timing-{protocol.TIMING_VERSION}-{'native' if protocol.native() else 'python'}-"
+                  f"{'reads' if protocol.reads(backend) else 'sample'}")  # (how the runs are driven, clocked, checked)
+        base_key = hashlib.sha256(f"{ref_code}\0{backend}\0{toolchain_id_light(backend)}\0{cfg.n_timed}\0"
+                                  f"{sorted(CHILD_ENV.items())}\0{timing}".encode()).hexdigest()[:24]
+        base_file = CACHE_DIR / "baselines" / f"{base_key}.json"
+        cached = json.loads(base_file.read_text()) if base_file.exists() else None
+        # Re-measured while noisy, up to 3 times; the least noisy measurement is kept.
+        need_baselines = timed and (cached is None or (max(cached["spread"]) > NOISY and cached["attempts"] < 3))
         ref.close()  # (its device memory is freed before any candidate run)
         if not need_baselines:  # the usual case: one child, checked and timed
             if not drive(cand, checks=True, timed=timed) or not timed:
@@ -740,8 +752,11 @@ def _drive_candidate(v, cand, check_seeds, ref_checks, timed_seeds, ref_timed, c
 
     why = "outputs are wrong when inputs change in place (cached by pointer, or work skipped?)"
 
-    def check(k, sample, offset):  # every timed run's sampled output, against the reference's full output
-        err = compare(sample, sample_of(ref_timed[k], offset), cfg.atol, cfg.rtol, "a timed run")
+    def check(k, values, where):  # every timed run's sampled output, against the reference's full output
+        try:
+            err = compare(values, picks_of(ref_timed[k], where), cfg.atol, cfg.rtol, "a timed run")
+        except ValueError as e:  # (a shape or dtype that is not the reference's)
+            err = f"a timed run: {e}"
         if err:
             raise Rejected(f"{err}: {why}")
 

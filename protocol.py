@@ -12,6 +12,7 @@ any candidate existed; either runs _child_main here.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import hashlib
 import importlib.util
@@ -22,6 +23,7 @@ import random
 import secrets
 import select
 import signal
+import struct
 import sys
 import threading
 import time
@@ -47,17 +49,24 @@ FORK_PRELOAD = ["torch", "torch._dynamo", "protocol"]
 # the run it is about to make. One exchange per run:
 #   parent: "load" (seed)   child: builds that input set once, copies it into the SAME buffers, flushes the L2,
 #                                  synchronises, "ok"
-#   parent: t0, "run"       child: out = fn(*buffers), device-wide sync, "ok"
-#   parent: "sample" (o)    child: copies out[o::step] (every output) and sends it; parent: t1 at its last byte
+#   parent: t0, "run"       child: out = fn(*buffers), made contiguous, device-wide sync, "ok" with each output
+#                                  tensor's address and size
+#   parent: reads READS random elements of each output from the child's memory itself (process_vm_readv); t1
 # Every command carries a fresh nonce that its reply echoes, and a seed travels XORed with seed_pad(key, nonce).
-# The sampled elements are drawn by the parent and told to the child only after the run has returned, and copied
-# inside [t0, t1], so work that is deferred past `run` (lazy pages, late kernels) is timed, and a candidate cannot
-# know which elements it must get right. [t0, t1] is one call of native code (timed_pair), which runs without the
+# The positions are drawn by the parent and never leave it: a kernel that takes its process over (it can reach the
+# interpreter and answer for the harness: env.py, "does NOT protect") still cannot know which elements are checked,
+# so it must compute all of them before the run's reply. The reads are inside [t0, t1]: work deferred past the reply
+# (lazy pages, late kernels) is timed, or read unfinished. Where the parent may not read a child's memory, or the
+# outputs live on a GPU, the third step is the older exchange, whose positions the child is told:
+#   parent: "sample" (o)    child: copies out[o::step] (every output) and sends it; parent: t1 at its last byte
+# reads() says which, once per backend. [t0, t1] is one call of native code (timed_pair), which runs without the
 # interpreter's lock: the trainer's other threads cannot add their turns to it.
-# Check runs ask "full" instead of "sample": every element, plus the input-mutation and type checks.
-# ----------------------------------------------------------------------------------------------
+# Check runs ask "full" after the run instead: every element, plus the input-mutation and type checks.
 _clock = time.perf_counter  # the parent's clock; no candidate code ever runs in the parent
 SAMPLE = 65536  # elements per output compared after a timed run (every element of smaller outputs)
+READS = 64  # elements of each output tensor the parent reads after a timed run: a run that left a fraction f of its
+# output unwritten passes with probability (1 - f) ** 64 (f = 5%: 4%), and there are n_timed runs
+MAX_OUTPUTS = 64  # output tensors a timed run may list (the positions for them are drawn before the run)
 SAMPLE_BYTES = 64 << 20  # what a timed run's sample reply may bring (sample_of keeps up to 2 * SAMPLE - 1 values of
 # each output: 2 MiB of complex128; 32 such outputs)
 
@@ -131,9 +140,11 @@ def spin(fd: int, seconds: float) -> bool:
 # its reply pipe over could send early. The helper is compiled by each process that times (the system's C compiler,
 # ~0.05 s) in a private folder and loaded from there: nothing a candidate can write is loaded into the parent.
 TIMED_PAIR_C = r"""
+#define _GNU_SOURCE
 #include <errno.h>
 #include <poll.h>
 #include <sched.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 static long long now_ns(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1000000000LL + t.tv_nsec; }
@@ -193,18 +204,70 @@ static long long read_msg(int fd, char *buf, long long cap, long long spin_ns, l
     }
     return got;
 }
-/* A timed run: the run command, its reply (into buf1), the sample command (NULL: none), its reply (into buf2).
-   Returns the ns from before the first write to after the sample's last byte; or a code of read_msg's or
-   write_all's (each command has timeout_ns to be written and answered). lens[0], lens[1]: the replies' lengths (or
-   what read_msg put in *need); lens[0] is 0 until the run's reply has been read. */
+/* Reads of the child's memory (process_vm_readv), k random elements of each output the run's reply lists: its blob
+   holds (address, bytes, element size) of each output tensor, as little-endian u64s. Element i of output j is
+   rand[j * k + i] modulo the output's elements; what is read goes to got, in that order. Returns the bytes read;
+   -6 a malformed list (or more outputs than rand covers, or more than got holds); -7 a read refused (*err: errno). */
+static long long read_outputs(int pid, const char *reply, long long len, const unsigned long long *rand, long long nrand,
+                              long long k, char *got, long long got_cap, long long *err) {
+    unsigned long long n = 0, total = 0;
+    for (int i = 7; i >= 0; --i) { n = n << 8 | (unsigned char)reply[i]; total = total << 8 | (unsigned char)reply[8 + i]; }
+    if (16 + n + total != (unsigned long long)len || total % 24) return -6;
+    const unsigned char *t = (const unsigned char *)reply + 16 + n;
+    long long outputs = (long long)(total / 24), at = 0;
+    struct iovec local[256], remote[256];
+    int batch = 0;
+    for (long long j = 0; j < outputs; ++j) {
+        unsigned long long f[3] = {0, 0, 0};
+        for (int q = 0; q < 3; ++q)
+            for (int b = 7; b >= 0; --b) f[q] = f[q] << 8 | t[24 * j + 8 * q + b];
+        unsigned long long addr = f[0], bytes = f[1], size = f[2];
+        if (size == 0 || size > 16 || (size & (size - 1)) || bytes % size) return -6;
+        if (bytes == 0) continue;
+        if ((j + 1) * k > nrand || at + k * (long long)size > got_cap) return -6;
+        for (long long i = 0; i < k; ++i) {
+            local[batch].iov_base = got + at;
+            remote[batch].iov_base = (void *)(addr + (rand[j * k + i] % (bytes / size)) * size);
+            local[batch].iov_len = remote[batch].iov_len = size;
+            at += (long long)size;
+            if (++batch == 256 || (i == k - 1 && j == outputs - 1)) {
+                long long want = 0;
+                for (int q = 0; q < batch; ++q) want += (long long)local[q].iov_len;
+                long long r = process_vm_readv(pid, local, batch, remote, batch, 0);
+                if (r != want) { *err = r < 0 ? errno : 0; return -7; }
+                batch = 0;
+            }
+        }
+    }
+    if (batch) {  /* (the last outputs were empty) */
+        long long want = 0;
+        for (int q = 0; q < batch; ++q) want += (long long)local[q].iov_len;
+        long long r = process_vm_readv(pid, local, batch, remote, batch, 0);
+        if (r != want) { *err = r < 0 ? errno : 0; return -7; }
+    }
+    return at;
+}
+/* A timed run: the run command and its reply (into buf1), then one of: nothing (sample NULL, pid 0: an audited
+   run); the sample command and its reply (into buf2); or (pid > 0) the parent's own reads of the child's outputs
+   (read_outputs, into buf2). Returns the ns from before the first write to after the last byte; or a code of
+   read_msg's, write_all's or read_outputs' (each command has timeout_ns to be written and answered). lens[0],
+   lens[1]: the reply's and the sample's lengths (or what read_msg put in *need; errno after -7); lens[0] is 0 until
+   the run's reply has been read. */
 long long timed_pair(int cmd_fd, int rep_fd, const char *run, long long run_len, const char *sample,
                      long long sample_len, char *buf1, long long cap1, char *buf2, long long cap2,
-                     long long spin_run, long long spin_sample, long long timeout_ns, long long *lens) {
+                     long long spin_run, long long spin_sample, long long timeout_ns, long long *lens,
+                     int pid, const unsigned long long *rand, long long nrand, long long k) {
     long long t0 = now_ns(), w = write_all(cmd_fd, run, run_len, t0 + timeout_ns);
     if (w) return w;
     long long a = read_msg(rep_fd, buf1, cap1, spin_run, t0 + timeout_ns, &lens[0]);
     if (a < 0) return a;
     lens[0] = a;
+    if (pid > 0) {
+        long long b = read_outputs(pid, buf1, a, rand, nrand, k, buf2, cap2, &lens[1]);
+        if (b < 0) return b;
+        lens[1] = b;
+        return now_ns() - t0;
+    }
     if (!sample) return now_ns() - t0;  /* an audited run: its output is read in full, untimed, by the caller */
     long long t1 = now_ns();
     if ((w = write_all(cmd_fd, sample, sample_len, t1 + timeout_ns))) return w;
@@ -222,7 +285,6 @@ def native():
     """The timed_pair helper (ctypes.CDLL: each call releases the interpreter's lock), or None without a compiler."""
     with _native_lock:
         if not _native:
-            import ctypes
             import subprocess
             import tempfile
             lib = None
@@ -243,7 +305,8 @@ def native():
                 ll, p = ctypes.c_longlong, ctypes.c_char_p
                 lib.timed_pair.restype = ll
                 lib.timed_pair.argtypes = [ctypes.c_int, ctypes.c_int, p, ll, p, ll, ctypes.c_void_p, ll,
-                                           ctypes.c_void_p, ll, ll, ll, ll, ctypes.POINTER(ll)]
+                                           ctypes.c_void_p, ll, ll, ll, ll, ctypes.POINTER(ll), ctypes.c_int,
+                                           ctypes.POINTER(ctypes.c_ulonglong), ll, ll]
             _native.append(lib)
         return _native[0]
 
@@ -264,8 +327,11 @@ def send(fd: int, obj, blobs=(), re: str | None = None, deadline: float | None =
     Blobs (bytes, arrays, or uint8 tensors on a GPU, as pack makes them) are written from their own memory: a GB-sized
     output is never copied whole to be sent; one on a GPU is copied out piece by piece through the staging buffer."""
     views = [b if isinstance(b, torch.Tensor) else memoryview(b).cast("B") for b in blobs]
-    _write_all(fd, memoryview(_frame(obj, [v.numel() if isinstance(v, torch.Tensor) else v.nbytes for v in views], re)),
-               deadline)
+    frame = _frame(obj, [v.numel() if isinstance(v, torch.Tensor) else v.nbytes for v in views], re)
+    if all(isinstance(v, memoryview) for v in views) and sum(v.nbytes for v in views) <= ONE_WRITE:
+        # a small message (a run's reply and its list of outputs) in one write: one wake-up of its reader, not two
+        frame, views = b"".join([frame, *views]), []
+    _write_all(fd, memoryview(frame), deadline)
     for v in views:
         if not isinstance(v, torch.Tensor):
             _write_all(fd, v, deadline)
@@ -277,6 +343,7 @@ def send(fd: int, obj, blobs=(), re: str | None = None, deadline: float | None =
             os._exit(3)
 
 
+ONE_WRITE = 1 << 16  # blobs up to this size go out with their message's header, in one write
 PREFIX = 16  # a message's first bytes: its header's length and its blobs' total, so a reader knows its whole size
 
 
@@ -411,6 +478,28 @@ def pack(out, blobs: list):
     raise TypeError(f"outputs must be tensors (or tuples of them), not {type(out).__name__}")
 
 
+def contiguous(out):
+    """`out` with every tensor contiguous (a copy where it is not): its elements are where its address and size say."""
+    if isinstance(out, torch.Tensor):
+        return out.contiguous()
+    if isinstance(out, (tuple, list)):
+        return type(out)(contiguous(o) for o in out)
+    return out
+
+
+def layout(out, table: list):
+    """pack's structure of a contiguous `out` without its bytes; `table` receives each tensor's (address, bytes,
+    element size), which the parent reads its elements by."""
+    if isinstance(out, torch.Tensor):
+        table.append((out.data_ptr(), out.numel() * out.element_size(), out.element_size()))
+        return {"t": len(table) - 1, "dtype": str(out.dtype).removeprefix("torch."), "shape": list(out.shape)}
+    if isinstance(out, (tuple, list)):
+        return {"seq": [layout(o, table) for o in out], "tuple": isinstance(out, tuple)}
+    if out is None or isinstance(out, (bool, int, float)):
+        return {"v": out}
+    raise TypeError(f"outputs must be tensors (or tuples of them), not {type(out).__name__}")
+
+
 def unpack(obj, blobs: list, depth: int = 0, used: set | None = None):
     """The inverse of pack, validating every field: a malformed reply raises ValueError. Each blob makes one tensor
     (as pack writes them): a reply cannot ask for more memory than it sent."""
@@ -535,7 +624,10 @@ def _child_main(spec_path: str):
         seeds, n_checks = spec["seeds"], spec["n_checks"]
         per_set = sum(x.numel() * x.element_size() for x in inputs_for(seeds[0]) if isinstance(x, torch.Tensor)) + 1
         n_sets = int(max(2, min(len(seeds) - n_checks, spec["budget_mb"] * 2**20 // per_set))) if len(seeds) > n_checks else 0
-        send(rep_fd, {"timed_sets": n_sets})  # distinct fresh input sets for timing, within the memory budget
+        # distinct fresh input sets for timing, within the memory budget; and where the key's bytes are, for the
+        # parent's one read that says whether it may read its children's memory here (reads())
+        probe = ctypes.create_string_buffer(bytes.fromhex(spec["key"]))
+        send(rep_fd, {"timed_sets": n_sets, "probe": ctypes.addressof(probe)})
         with torch.no_grad():  # every output the parent will compare against, before any candidate run
             for seed in seeds[:n_checks + n_sets] if spec.get("outputs", True) else []:  # (none: a baselines' child)
                 blobs = []
@@ -583,16 +675,17 @@ def _child_main(spec_path: str):
         send(rep_fd, {"ready": True, "init_ops": list(bad)})
         bad.clear()
 
-    buffers, out, loaded, fn = None, None, None, None
+    buffers, out, loaded, fn, spin_s = None, None, None, None, spec["spin_s"]
     while True:  # serve the parent's commands until it says exit (or closes the pipe)
         try:
-            cmd, _ = recv(cmd_fd, spin_s=spec["spin_s"])
+            cmd, _ = recv(cmd_fd, spin_s=spin_s)
         except (EOFError, ValueError):
             os._exit(0)
         nonce = cmd.get("nonce") if isinstance(cmd, dict) else None  # every reply echoes its command's nonce
         try:
             op = cmd["op"]
             reply, blobs = {"ok": True}, []
+            spin_s = spec["spin_s"] if op != "run" or cmd.get("spin", True) else 0.0  # (run_command)
             if op == "exit":
                 os._exit(0)
             elif op == "use":
@@ -611,8 +704,11 @@ def _child_main(spec_path: str):
                 sync()
             elif op == "run":
                 with torch.no_grad():
-                    out = fn(*buffers)
+                    out = contiguous(fn(*buffers))
                 sync()
+                table = []
+                reply = {"ok": True, "out": layout(out, table)}
+                blobs = [struct.pack(f"<{3 * len(table)}Q", *(v for row in table for v in row))]
             elif op == "sample":
                 reply = pack(sample_of(out, cmd["offset"]), blobs)
                 sync()
@@ -644,8 +740,81 @@ CHILD_THREADS = max(1, CPUS - 1)
 CHILD_ENV = {"OMP_NUM_THREADS": str(CHILD_THREADS), "OMP_WAIT_POLICY": "passive"}
 # Baselines are cached with this in their key: a change to how a timed run is driven or clocked (either side's polling,
 # the clock, the messages) must not compare new candidates' times with baselines timed the old way.
-TIMING_VERSION = 3
+TIMING_VERSION = 4
 PIPE_BYTES = 1 << 20  # a pipe holds a whole sample (65536 elements of 8 bytes = 512 KiB): one write, one wake-up
+
+
+# Whether this process checks timed runs by reading its children's memory (see "The run protocol"), per backend: decided
+# once, on the first reference child (trusted code: a candidate could make a read fail on purpose, and must not
+# thereby choose the sample exchange, whose positions it is told). Reads are used only where nothing in a child can
+# serve a page of its memory when the parent reads it: a userfaultfd handles the kernel's faults (the parent's reads
+# are the kernel's) only with CAP_SYS_PTRACE, which every child drops, or where vm.unprivileged_userfaultfd is 1; the
+# device node /dev/userfaultfd is left out of the sandbox's private /dev.
+_READS: dict = {}
+
+
+def reads(backend: str) -> bool:
+    return _READS.get(backend, False)
+
+
+def probe_reads(child: "Child", addr) -> bool:
+    """Decides reads(child.backend) on a reference child, whose harness put its key's bytes at `addr`; says once
+    on stderr when the answer is no, and why."""
+    from sandbox import isolation
+    if child.backend in _READS:
+        return _READS[child.backend]
+    why = None
+    try:
+        knob = Path("/proc/sys/vm/unprivileged_userfaultfd").read_text().strip()
+    except OSError:
+        knob = "missing"
+    iso = isolation(child.backend)
+    if child.backend != "cpu":
+        why = "the outputs are in device memory (TODO: CUDA IPC, bench/ipc_probe.py)"
+    elif knob != "0":
+        why = f"vm.unprivileged_userfaultfd is {knob}: a child could serve the reads itself"
+    elif not iso.strict or "--pid" not in iso.prefix:
+        why = "the sandbox here has no private /dev or no PID namespace"
+    else:
+        pid = harness_pid(child.pgid)
+        if pid is None or not isinstance(addr, int):
+            return False  # (not decided: a reference child that ended early says nothing about this host)
+        want = bytes.fromhex(child.key)
+        buf = ctypes.create_string_buffer(len(want))
+        libc = ctypes.CDLL(None, use_errno=True)
+        local, remote = IOVec(ctypes.addressof(buf), len(want)), IOVec(addr, len(want))
+        if libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) != len(want) or buf.raw != want:
+            why = f"this process may not read its children's memory ({os.strerror(ctypes.get_errno()) or 'misread'})"
+    _READS[child.backend] = why is None
+    if why:
+        print(f"protocol.py: timed runs are checked at positions told to the child ({why}): a kernel that takes its "
+              "process over can compute only those (env.py, does NOT protect)", file=sys.stderr)
+    return why is None
+
+
+def harness_pid(pgid) -> int | None:
+    """The harness's process, as this process numbers it: PID 1 of the child's PID namespace, found below the leader
+    of its process group (unshare, or the fork server's M). None where there is none (the child ended)."""
+    def nspid(pid):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("NSpid:"):
+                return line.split()[1:]
+        return []
+
+    try:
+        depth, pid = len(nspid(os.getpid())), pgid
+        for _ in range(4):
+            ns = nspid(pid)
+            if len(ns) > depth and ns[-1] == "1":
+                return pid
+            kids = [int(k) for t in os.listdir(f"/proc/{pid}/task")
+                    for k in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
+            if len(kids) != 1:
+                return None
+            pid = kids[0]
+    except (OSError, TypeError):
+        pass
+    return None
 
 
 class Child:
@@ -658,6 +827,7 @@ class Child:
         with contextlib.suppress(OSError, AttributeError):  # Linux; elsewhere the default size (more round trips)
             fcntl.fcntl(self.rep_w, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
         self.timed_spin_s = PARENT_SPIN_S.get(backend, 0.0)  # (timed_runs' polling for this child's replies)
+        self.backend = backend
         self.key = secrets.token_hex(16)  # the seed pad's (seed_pad); the child reads it from its spec file
         spec = dict(spec, cmd_fd=self.cmd_r, rep_fd=self.rep_w, key=self.key, spin_s=CHILD_SPIN_S)
         (run_dir / "spec.json").write_text(json.dumps(spec))
@@ -744,13 +914,22 @@ class Child:
         _raise_error(obj)
         return obj, blobs
 
-    def native_timed_run(self, offset: int | None, run_spin_s: float, sample_spin_s: float):
-        """One timed run by the native clock (timed_pair): "run", then "sample" at `offset` (None: an audited run, whose
-        output the caller reads in full, untimed; the same steps up to the run's reply, so nothing before it tells the
-        child which it is). Returns (milliseconds, (obj, blobs) of the sample's reply, or None); None where there is
-        no native helper. The replies' nonces, errors and limits are checked once the clock has stopped; a child that
-        died while something else holds its pipe is found at the command's time limit, not by alive()."""
-        import ctypes
+    def read_pid(self) -> int | None:
+        """The harness's process, whose memory a timed run's check reads; None where this process reads none (reads())."""
+        if not reads(self.backend):
+            return None
+        if getattr(self, "_read_pid", None) is None:
+            self._read_pid = harness_pid(self.pgid)
+            if self._read_pid is None:
+                raise EOFError("the child process ended")
+        return self._read_pid
+
+    def native_timed_run(self, how, run_spin_s: float, sample_spin_s: float):
+        """One timed run by the native clock (timed_pair): "run", then the check that `how` says (see timed_run).
+        Returns (milliseconds, reply of the run, what the check read: its bytes, or the sample's (obj, blobs));
+        None where there is no native helper. The replies' nonces, errors and limits are checked once the clock has
+        stopped; a child that died while something else holds its pipe is found at the command's time limit, not by
+        alive()."""
         import mmap
         lib = native()
         if lib is None:
@@ -759,13 +938,16 @@ class Child:
             maps = [mmap.mmap(-1, PREFIX + (1 << 20)), mmap.mmap(-1, PREFIX + (1 << 20) + SAMPLE_BYTES)]
             self._pair_bufs = [(m, ctypes.addressof(ctypes.c_char.from_buffer(m))) for m in maps]
         nonces = secrets.token_hex(8), secrets.token_hex(8)
-        run = _frame({"op": "run", "nonce": nonces[0]})
-        sample = None if offset is None else _frame({"op": "sample", "offset": offset, "nonce": nonces[1]})
+        run = _frame(run_command(how, nonces[0]))
+        sample = _frame({"op": "sample", "offset": how[1], "nonce": nonces[1]}) if how[0] == "sample" else None
+        pid, rand = (how[1], how[2]) if how[0] == "read" else (0, None)
+        rand_c = (ctypes.c_ulonglong * len(rand))(*rand) if rand else None
         ((m1, a1), (_, a2)), lens = self._pair_bufs, (ctypes.c_longlong * 2)()
         cap2 = PREFIX + (1 << 20) + min(self.reply_limit, SAMPLE_BYTES)
         timeout = self.cmd_timeout if self.cmd_timeout is not None else 86400.0  # (else the verdict's limit ends it)
         ns = lib.timed_pair(self.cmd_w, self.rep_r, run, len(run), sample, len(sample or b""), a1, len(m1), a2, cap2,
-                            int(run_spin_s * 1e9), int(sample_spin_s * 1e9), int(timeout * 1e9), lens)
+                            int(run_spin_s * 1e9), int(sample_spin_s * 1e9), int(timeout * 1e9), lens,
+                            pid, rand_c, len(rand or ()), READS)
         if ns == -1:
             self._stop()
             raise ChildTimeout(f"one `{'sample' if lens[0] > 0 else 'run'}` took longer than {timeout:g} s")
@@ -775,12 +957,19 @@ class Child:
             raise ValueError("malformed message header")
         if ns == -5:
             raise ReplyTooLarge(lens[1] or lens[0], cap2 - PREFIX - (1 << 20))  # (lens: the sample's, or the run's)
-        _raise_error(parse(ctypes.string_at(a1, lens[0]), 0, nonces[0])[0])  # (the run's reply brings no blobs)
+        reply = parse(ctypes.string_at(a1, lens[0]), 1 << 20, nonces[0])
+        _raise_error(reply[0])
+        if ns == -6:
+            raise ValueError("malformed run reply (its list of outputs)")
+        if ns == -7:
+            raise ValueError(f"the run's outputs could not be read ({os.strerror(lens[1]) if lens[1] else 'in part'})")
+        if rand:
+            return ns / 1e6, reply, ctypes.string_at(a2, lens[1])
         if sample is None:
-            return ns / 1e6, None
+            return ns / 1e6, reply, None
         obj, blobs = parse(ctypes.string_at(a2, lens[1]), self.reply_limit, nonces[1])
         _raise_error(obj)
-        return ns / 1e6, (obj, blobs)
+        return ns / 1e6, reply, (obj, blobs)
 
     def _stop(self):
         if self.pgid:  # still running past its deadline: stopped (the device is free again)
@@ -849,44 +1038,167 @@ def _timed_runs(child: Child, seeds: list, cfg, check, audit) -> list:
     times = []
     audits = cfg.n_audits if audit is not None else 0
     runs = cfg.n_timed + audits
+    pid = child.read_pid() if hasattr(child, "read_pid") else None  # (a stand-in for a Child in the tests: the sample)
     for i in range(runs):
         k = i % len(seeds)
         child.ask({"op": "load", "seed": seeds[k]})
-        # Both drawn here, and told to the child only after its run has returned (the audit's "full" or the sample's
-        # offset is the command that follows "run"): a uniformly random subset of the runs is audited.
+        # Both drawn here and never told to the child before its run has returned (an audit's "full" follows the run's
+        # reply; the positions read are never told): a uniformly random subset of the runs is audited.
         audited = audits and secrets.randbelow(runs - i) < audits
-        offset = secrets.randbelow(1 << 30)
-        timed = timed_run(child, None if audited else offset, child.spin_s, max(child.spin_s, SAMPLE_SPIN_S))
+        if audited:
+            how = ("audit", pid is not None)
+        elif pid is not None:
+            how = ("read", pid, struct.unpack(f"<{READS * MAX_OUTPUTS}Q", os.urandom(8 * READS * MAX_OUTPUTS)))
+        else:
+            how = ("sample", secrets.randbelow(1 << 30))
+        ms, reply, got = timed_run(child, how, child.spin_s, max(child.spin_s, SAMPLE_SPIN_S))
         if audited:
             audits -= 1
             audit(k)
             continue
-        times.append(timed[0])
+        times.append(ms)
         if check is not None:
-            check(k, unpack(*timed[1]), offset)
+            check(k, *checked_values(how, reply, got))
     return times
 
 
-def timed_run(child, offset: int | None, run_spin_s: float, sample_spin_s: float):
-    """(milliseconds, the sample's (obj, blobs) or None) of one timed run: Child.native_timed_run's steps, by its
-    native clock; read in Python where there is none (a stand-in for a Child in the tests; a machine without a C
-    compiler, where the trainer's other threads' holds on the interpreter's lock are timed too)."""
+def timed_run(child, how, run_spin_s: float, sample_spin_s: float):
+    """(milliseconds, the run's reply, what its check got) of one timed run: "run", then, by `how`:
+      ("audit", reading)        nothing (an audited run: the caller reads its whole output, untimed); `reading`:
+                                whether the other runs are checked by reads (the child is told the same for both)
+      ("read", pid, rand)       the parent reads READS elements of each output from process pid's memory, element i
+                                of output j at rand[j * READS + i] modulo its size: their bytes
+      ("sample", offset)        the "sample" exchange, at offset: its reply's (obj, blobs)
+    Child.native_timed_run's steps by its native clock; read in Python where there is none (a stand-in for a Child in
+    the tests; a machine without a C compiler, where the trainer's other threads' holds on the interpreter's lock are
+    timed too)."""
     native_run = getattr(child, "native_timed_run", None)
-    timed = native_run(offset, run_spin_s, sample_spin_s) if native_run is not None else None
+    timed = native_run(how, run_spin_s, sample_spin_s) if native_run is not None else None
     if timed is not None:
         return timed
     spin_s = child.spin_s
     try:
         child.spin_s = run_spin_s
         t0 = _clock()
-        child.ask({"op": "run"})
-        if offset is None:
-            return (_clock() - t0) * 1e3, None
-        child.spin_s = sample_spin_s
-        reply = child.ask({"op": "sample", "offset": offset})
-        return (_clock() - t0) * 1e3, reply
+        reply, got = child.ask(run_command(how)), None
+        if how[0] == "read":
+            got = read_outputs(how[1], reply, how[2])
+        elif how[0] == "sample":
+            child.spin_s = sample_spin_s
+            got = child.ask({"op": "sample", "offset": how[1]})
+        return (_clock() - t0) * 1e3, reply, got
     finally:
         child.spin_s = spin_s
+
+
+def run_command(how, nonce: str | None = None) -> dict:
+    """A timed run's command. "spin": whether the child polls for its next command after the reply (see spin): a
+    sample's command comes at once and is on the clock; after the parent's reads the next command is not, and a
+    child that polls while they run slows them (relu 64x4096, 2 cores: 0.36 ms a run against 0.11). The same for
+    every run of a child, audited or not, so it tells nothing of the run."""
+    reading = how[0] == "read" or (how[0] == "audit" and how[1])
+    return {"op": "run", "spin": not reading, **({"nonce": nonce} if nonce else {})}
+
+
+def checked_values(how, reply, got):
+    """(values, where) of a timed run (timed_run's reply and got): the elements its check got, in the structure of
+    the run's output, and `where` for picks_of, which gives the reference's elements they must match."""
+    if how[0] == "sample":
+        return unpack(*got), ("offset", how[1])
+    return read_values(reply, got, how[2])
+
+
+def _outputs(reply) -> list:
+    """(address, bytes, element size) of each output tensor a run's reply lists."""
+    obj, blobs = reply
+    if not isinstance(obj, dict) or len(blobs) != 1 or blobs[0].numel() % 24:
+        raise ValueError("malformed run reply (its list of outputs)")
+    raw = blobs[0].numpy().tobytes()
+    return [struct.unpack_from("<3Q", raw, at) for at in range(0, len(raw), 24)]
+
+
+class IOVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def read_outputs(pid: int, reply, rand) -> bytes:
+    """What timed_pair's read_outputs reads, read from Python (where there is no native helper)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    got = bytearray()
+    for j, (addr, nbytes, size) in enumerate(_outputs(reply)):
+        if not size or size > 16 or size & (size - 1) or nbytes % size:
+            raise ValueError("malformed run reply (its list of outputs)")
+        if not nbytes:
+            continue
+        if j >= MAX_OUTPUTS:
+            raise ValueError(f"a run listed more than {MAX_OUTPUTS} output tensors")
+        buf = (ctypes.c_char * (READS * size))()
+        remote = (IOVec * READS)(*[IOVec(addr + rand[j * READS + i] % (nbytes // size) * size, size) for i in range(READS)])
+        local = (IOVec * 1)(IOVec(ctypes.addressof(buf), READS * size))
+        if libc.process_vm_readv(pid, local, 1, remote, READS, 0) != READS * size:
+            err = ctypes.get_errno()
+            raise ValueError(f"the run's outputs could not be read ({os.strerror(err) if err else 'in part'})")
+        got += buf.raw
+    return bytes(got)
+
+
+def read_values(reply, got: bytes, rand):
+    """(values, where) from the bytes the parent read after a run: `values` has the structure of the run's output,
+    with READS elements in place of each tensor (1-D); `where` says which elements of a reference they are, and the
+    declared shapes that the reference must have (picks_of)."""
+    obj = reply[0].get("out") if isinstance(reply[0], dict) else None
+    table, picked, at = _outputs(reply), [], 0
+
+    def walk(o, depth=0):
+        nonlocal at
+        if not isinstance(o, dict) or depth > 8:
+            raise ValueError("malformed output")
+        if "t" in o:
+            dtype, shape = getattr(torch, str(o.get("dtype")), None), o.get("shape")
+            if (not isinstance(dtype, torch.dtype) or not isinstance(shape, list) or
+                    not all(isinstance(d, int) and d >= 0 for d in shape) or o["t"] != len(picked)):
+                raise ValueError("malformed tensor in output")
+            size, n = torch.empty((), dtype=dtype).element_size(), math.prod(shape)
+            if len(picked) >= len(table) or table[len(picked)][1:] != (n * size, size):
+                raise ValueError("malformed tensor in output (its bytes are not its shape's)")
+            j = len(picked)
+            idx = torch.tensor([rand[j * READS + i] % n for i in range(READS)] if n else [], dtype=torch.long)
+            vals = torch.frombuffer(bytearray(got[at:at + len(idx) * size]), dtype=dtype) if n else torch.empty(0, dtype=dtype)
+            at += len(idx) * size
+            picked.append((tuple(shape), dtype, idx))
+            return vals
+        if "seq" in o and isinstance(o["seq"], list):
+            seq = [walk(x, depth + 1) for x in o["seq"]]
+            return tuple(seq) if o.get("tuple") else seq
+        if "v" in o and (o["v"] is None or isinstance(o["v"], (bool, int, float))):
+            return o["v"]
+        raise ValueError("malformed output")
+
+    values = walk(obj)
+    if len(picked) != len(table) or at != len(got):
+        raise ValueError("malformed run reply (its list of outputs is not its output's)")
+    return values, ("index", picked)
+
+
+def picks_of(ref, where):
+    """The elements of a reference output that a timed run's check read (see timed_run): out[o::step] of each
+    tensor for a sample, the positions read for reads. ValueError where the run declared another shape or dtype."""
+    if where[0] == "offset":
+        return sample_of(ref, where[1])
+    picked = iter(where[1])
+
+    def walk(r):
+        if isinstance(r, torch.Tensor):
+            shape, dtype, idx = next(picked, (None, None, None))
+            if shape != tuple(r.shape) or dtype != r.dtype:
+                raise ValueError(f"expected shape {tuple(r.shape)} {r.dtype}, got "
+                                 f"{'no tensor' if shape is None else f'{shape} {dtype}'}")
+            return r.reshape(-1)[idx]
+        if isinstance(r, (tuple, list)):
+            return type(r)(walk(x) for x in r)
+        return r
+
+    return walk(ref)
 
 
 def median(xs):

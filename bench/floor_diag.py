@@ -65,7 +65,8 @@ def task(batch, dim):
 
 def drive(mode, model_new, extra, model, pipe_bytes, polls=(protocol.CHILD_SPIN_S, None, protocol.SAMPLE_SPIN_S)):
     """Medians (ms) of this process's clock (Python's) around "run", around "sample", both, their minimum, and the
-    native clock's run + sample (protocol.timed_pair: the verdict's figure).
+    native clock's run + sample (protocol.timed_pair), and the same run with the parent's own reads of the outputs
+    instead of the sample (the verdict's figure where protocol.reads() allows them; nan elsewhere).
     polls: seconds the child polls for a command, this process for a run's reply (None: as timed_runs) and for a
     sample's."""
     sample_spin = polls[2]
@@ -87,7 +88,9 @@ def drive(mode, model_new, extra, model, pipe_bytes, polls=(protocol.CHILD_SPIN_
     child.spin_s = child.timed_spin_s if polls[1] is None else polls[1]
     try:
         if mode == "reference":
-            n = child.answer()[0]["timed_sets"]
+            first = child.answer()[0]
+            protocol.probe_reads(child, first.get("probe"))  # (as a verdict decides it; the first row is a reference)
+            n = first["timed_sets"]
             for _ in range(n):
                 child.answer()
             child.ask({"op": "use", "fn": "eager"})
@@ -109,14 +112,22 @@ def drive(mode, model_new, extra, model, pipe_bytes, polls=(protocol.CHILD_SPIN_
             t2 = protocol._clock()
             t_run.append((t1 - t0) * 1e3)
             t_sample.append((t2 - t1) * 1e3)
-        native = []  # the verdict's figure: one call of protocol.timed_pair per run (the split above is Python's clock)
+        # the verdict's figure: one call of protocol.timed_pair per run (the split above is Python's clock), with the
+        # sample exchange, and with the parent's own reads of the outputs (protocol.READS per output) where allowed
+        native, reads, pid = [], [], child.read_pid()
         for i in range(args.runs):
             child.ask({"op": "load", "seed": seeds[i % 2]})
-            timed = child.native_timed_run(secrets.randbelow(1 << 30), child.spin_s, max(child.spin_s, sample_spin))
+            timed = child.native_timed_run(("sample", secrets.randbelow(1 << 30)), child.spin_s,
+                                           max(child.spin_s, sample_spin))
             native.append(timed[0] if timed else float("nan"))
+            if pid is not None:
+                child.ask({"op": "load", "seed": seeds[i % 2]})
+                rand = [secrets.randbits(64) for _ in range(protocol.READS * protocol.MAX_OUTPUTS)]
+                timed = child.native_timed_run(("read", pid, rand), child.spin_s, max(child.spin_s, sample_spin))
+                reads.append(timed[0] if timed else float("nan"))
         med = statistics.median
         return (med(t_run), med(t_sample), med([a + s for a, s in zip(t_run, t_sample)]),
-                min(a + s for a, s in zip(t_run, t_sample)), med(native))
+                min(a + s for a, s in zip(t_run, t_sample)), med(native), med(reads) if reads else float("nan"))
     finally:
         protocol.CHILD_ENV, protocol.PIPE_BYTES, protocol.CHILD_SPIN_S = HARNESS, PIPE, SPIN
         child.spin_s = 0.0
@@ -152,8 +163,8 @@ out = []
 for name, *how in ROWS:
     r = drive(*how)
     out.append((name, *r))
-    print(f"  {name}: run {r[0]:.4f} ms, sample {r[1]:.4f} ms, total {r[2]:.4f} ms (min {r[3]:.4f}), native {r[4]:.4f}",
-          flush=True)
+    print(f"  {name}: run {r[0]:.4f} ms, sample {r[1]:.4f} ms, total {r[2]:.4f} ms (min {r[3]:.4f}), native {r[4]:.4f}, "
+          f"native with reads {r[5]:.4f}", flush=True)
 # The trusted in-process timer (env.time_callable: no pipes, no monitor, this process's threads) on eager, per task.
 dev = "cuda" if backend == "cuda" else "cpu"
 for name, code in (("eager in-process (env.time_callable), 1 element", ONE), ("eager in-process, 64x4096", BIG),
@@ -162,12 +173,12 @@ for name, code in (("eager in-process (env.time_callable), 1 element", ONE), ("e
     exec(compile(code, name, "exec"), ns)
     m = ns["Model"](*ns["get_init_inputs"]()).to(dev).eval()
     t, _ = env.time_callable(m, [[x.to(dev) for x in ns["get_inputs"]()] for _ in range(4)], n_timed=args.runs)
-    out.append((name, t, float("nan"), t, float("nan"), float("nan")))
+    out.append((name, t, float("nan"), t, float("nan"), float("nan"), float("nan")))
     print(f"  {name}: {t:.4f} ms", flush=True)
 print(f"\n## timing floor, relu_scale, 1 element unless said ({backend}, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}, "
       f"{args.runs} runs each)\n")
-print("| child / setting | run (ms) | sample (ms) | run + sample, median (ms) | min (ms) | native clock, median (ms) |\n"
-      "|---|---|---|---|---|---|")
-for name, a, s, t, m, n in out:
-    print(f"| {name} | {a:.4f} | {s:.4f} | {t:.4f} | {m:.4f} | {n:.4f} |")
+print("| child / setting | run (ms) | sample (ms) | run + sample, median (ms) | min (ms) | native clock, median (ms) | "
+      "native clock, parent reads (ms) |\n|---|---|---|---|---|---|---|")
+for name, a, s, t, m, n, r in out:
+    print(f"| {name} | {a:.4f} | {s:.4f} | {t:.4f} | {m:.4f} | {n:.4f} | {r:.4f} |")
 shutil.rmtree(work, ignore_errors=True)

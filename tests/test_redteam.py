@@ -2,7 +2,9 @@
 handled) for the reason its comment gives. Workspaces are built the way tests/test_env.py builds them (make_ws,
 model_new), with tests/env_cases/ops.cpp as the (cached) kernel source."""
 import os
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -395,9 +397,9 @@ def test_redteam_any_error_judging_a_reply_is_the_candidates_minus_one(tmp_path,
 # found from the linker symbol __ehdr_start: no import, no refused token), reads the nonce of the "run" it serves from
 # the harness's frame, answers that run itself while still inside forward, reads the sample's offset that the
 # parent then sends, computes only the sampled 1/64 of the output and answers the sample; the harness's late "ok"
-# is absorbed as an unused trailing blob, so no reply is out of step. Seen: reward +3, 0.85 ms against the honest
-# kernel's 12-14 ms (eager 7.8 ms). Nothing in the child's process is trusted: the positions a timed run is checked
-# at must not be told to it (TODO: the parent reads them from the child's memory; see env.py, "does NOT protect").
+# is absorbed as an unused trailing blob, so no reply is out of step. Seen against the "sample" exchange: reward +3,
+# 0.85 ms against the honest kernel's 12-14 ms (eager 7.8 ms). Nothing in the child's process is trusted, so the
+# positions a timed run is checked at are never told to it: the parent reads them from the child's memory.
 def _relu_ws(tmp_path, call, name="ws"):
     """relu on 1024 x 4096 (4M outputs: a timed run samples 1 in 64), the kernels of python_from_kernel.cpp."""
     from test_env import PROBLEMS
@@ -407,14 +409,95 @@ def _relu_ws(tmp_path, call, name="ws"):
     return ws
 
 
-def test_redteam_a_kernel_answering_the_run_itself_does_not_learn_the_sample(tmp_path):
+@pytest.mark.parametrize("cheat", ["relu_sampled", "relu_strided"])
+def test_redteam_a_kernel_answering_the_run_itself_does_not_learn_the_sample(tmp_path, cheat):
+    import protocol
     honest = env.evaluate(_relu_ws(tmp_path, "relu_full", "honest"), backend="cpu")
-    v = env.evaluate(_relu_ws(tmp_path, "relu_sampled", "cheat"), backend="cpu")
-    assert honest.reward >= 1 and v.compiled and not v.violations, (honest.summary(), v.summary(), v.log)
-    if v.reward >= 1 and v.runtime_ms < 0.5 * honest.runtime_ms:  # the hole, as it stands: reported, not hidden
-        pytest.xfail(f"open (env.py, 'does NOT protect'): a kernel computing 1/64 of its output timed "
-                     f"{v.runtime_ms:.3g} ms, reward {v.reward}, the honest one {honest.runtime_ms:.3g} ms")
-    assert v.reward == -1, f"closed? then make this a plain test: {v.summary()}"
+    assert honest.reward >= 1, honest.summary()
+    if not protocol.reads("cpu"):
+        pytest.skip("this machine's parent may not read its children's memory: runs are checked by the sample "
+                    "exchange, whose positions the child is told (env.py, 'does NOT protect')")
+    v = env.evaluate(_relu_ws(tmp_path, cheat, "cheat"), backend="cpu")
+    assert v.compiled and not v.violations and v.reward == -1, (honest.summary(), v.summary(), v.log)
+    assert any(w in v.error for w in ("a timed run", "answers no command", "malformed run reply")), v.error
+
+
+# ------------------------------------------------------------------ 12b. memory served when it is read
+# The parent's reads are worth something only if the child cannot make its memory when they come: a userfaultfd
+# thread that computes each page as it is first touched would compute just the pages read. The kernel serves a
+# userfaultfd's faults for the parent's reads (the kernel's own accesses) only to a holder of CAP_SYS_PTRACE, which
+# every child drops, or where vm.unprivileged_userfaultfd is 1 (then protocol.reads() is False); /dev/userfaultfd
+# is not in the sandbox's /dev. A sandboxed process (as children run: the class, not a kernel's way to get there)
+# registers its memory with the best userfaultfd it can get and serves no fault; the parent's read must fail at once.
+UFFD_CHILD = r"""
+import ctypes, fcntl, json, mmap, os, struct, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+full = libc.syscall(323, os.O_CLOEXEC)  # userfaultfd(2) on x86_64: every fault, the kernel's too
+full_errno = ctypes.get_errno()
+fd = full if full >= 0 else libc.syscall(323, os.O_CLOEXEC | 1)  # UFFD_USER_MODE_ONLY
+m = mmap.mmap(-1, 1 << 20)
+addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+registered = False
+if fd >= 0:
+    fcntl.ioctl(fd, 0xC018AA3F, bytearray(struct.pack("QQQ", 0xAA, 0, 0)))  # UFFDIO_API
+    fcntl.ioctl(fd, 0xC020AA00, bytearray(struct.pack("QQQQ", addr, 1 << 20, 1, 0)))  # UFFDIO_REGISTER, missing pages
+    registered = True
+info = {"addr": addr, "full": full >= 0, "full_errno": full_errno, "registered": registered,
+        "dev": os.path.exists("/dev/userfaultfd")}
+open("info.tmp", "w").write(json.dumps(info))
+os.rename("info.tmp", "info.json")
+time.sleep(60)
+"""
+
+
+def test_redteam_memory_a_child_would_serve_on_demand_is_not_read(tmp_path):
+    import ctypes
+    import json
+    import platform
+    import threading
+
+    import protocol
+    import sandbox
+    if platform.machine() != "x86_64":
+        pytest.skip("the probe calls userfaultfd(2) by its x86_64 number")
+    if Path("/proc/sys/vm/unprivileged_userfaultfd").read_text().strip() != "0":
+        pytest.skip("vm.unprivileged_userfaultfd is not 0 here: protocol.reads() is False, no memory is read")
+    iso = sandbox.isolation("cpu")
+    if not iso.strict or "--pid" not in iso.prefix:
+        pytest.skip("no private /dev or PID namespace here: protocol.reads() is False, no memory is read")
+    (tmp_path / "child.py").write_text(UFFD_CHILD)
+    started = {}
+    th = threading.Thread(target=lambda: sandbox.run_sandboxed(
+        [sys.executable, "-E", str(tmp_path / "child.py")], tmp_path, 90, started=lambda pid: started.setdefault("pgid", pid)))
+    th.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "info.json").exists():
+            assert th.is_alive() and time.monotonic() < deadline, "the sandboxed child did not start"
+            time.sleep(0.05)
+        info = json.loads((tmp_path / "info.json").read_text())
+        assert not info["full"] and info["full_errno"] == 1 and not info["dev"], info  # (EPERM; no device node)
+        assert info["registered"], info  # the user-mode-only one: the attack is in place
+        pid = protocol.harness_pid(started["pgid"])
+        assert pid is not None
+        got = {}
+
+        def read():
+            buf = ctypes.create_string_buffer(64)
+            libc = ctypes.CDLL(None, use_errno=True)
+            local, remote = protocol.IOVec(ctypes.addressof(buf), 64), protocol.IOVec(info["addr"] + 4096 * 7, 64)
+            got["n"] = libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+            got["errno"] = ctypes.get_errno()
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(10)
+        assert not reader.is_alive(), "the parent's read waited for the child to serve the page"
+        assert got["n"] == -1 and got["errno"] == 14, got  # EFAULT: the read fails; a verdict rejects the run
+    finally:
+        if started.get("pgid"):
+            os.killpg(started["pgid"], 9)
+        th.join(30)
 
 
 # ------------------------------------------------------------------ 13. a full command pipe
@@ -446,7 +529,7 @@ def test_a_wrapping_prefix_is_refused_with_its_real_size():
     try:
         os.write(c.rep_w, struct.pack("<QQ", 9, 2**64 - 1))
         with pytest.raises(protocol.ReplyTooLarge) as e:
-            c.native_timed_run(5, 0.0, 0.001)
+            c.native_timed_run(("sample", 5), 0.0, 0.001)
         assert e.value.nbytes > 1 << 40, str(e.value)
     finally:
         for fd in (c.cmd_r, c.cmd_w, c.rep_r, c.rep_w):
@@ -474,7 +557,7 @@ def test_a_command_to_a_child_whose_pipe_stays_full_ends_at_its_deadline(way):
             else:
                 if protocol.native() is None:
                     pytest.skip("no C compiler: no native clock")
-                c.native_timed_run(5, 0.0, 0.001)
+                c.native_timed_run(("sample", 5), 0.0, 0.001)
         assert time.monotonic() - t0 < 5
     finally:
         for fd in (c.cmd_r, c.cmd_w, c.rep_r, c.rep_w):

@@ -1,11 +1,13 @@
 // tests/test_redteam.py (12, 13): kernels that pass the scan and reach the harness's Python.
-// (12) relu_sampled steals the nonce of the "run" it is serving, answers that run itself (the native clock then sends
-// the sample command while the kernel is still inside forward), reads the sampled offset, computes only the sampled
-// elements (1 in 64 here) and answers the sample itself. The harness's own late "ok" for the run, which would put
-// every later reply out of step, is absorbed as a trailing, unused blob of the sample (or "full") reply: its length is
-// known (76 bytes), so the stream is back in step when the kernel returns. Audits ("full") get the whole output; so
-// does the last timed run, which the parent reads in full afterwards (the timed loop is counted from the warmup: 3
-// runs on one input set; checks get fresh inputs each). relu_full is the honest kernel, for comparison.
+// (12) relu_sampled is written against the exchange whose positions the child is told ("sample"): it steals the
+// nonce of the "run" it is serving, answers that run itself (the native clock then sends the sample command while the
+// kernel is still inside forward), reads the sampled offset, computes only the sampled elements (1 in 64 here) and
+// answers the sample itself. The harness's own late "ok" for the run, which would put every later reply out of step,
+// is absorbed as a trailing, unused blob of the sample (or "full") reply: its length is known (76 bytes), so the
+// stream is back in step when the kernel returns. Audits ("full") get the whole output; so does the last timed run,
+// which the parent reads in full afterwards (the timed loop is counted from the warmup: 3 runs on one input set;
+// checks get fresh inputs each). Where the parent reads the outputs itself, no sample command comes, and the
+// harness's reply is out of step. relu_strided is what is left then; relu_full is the honest kernel.
 //
 // The nonce: the Python C API through function pointers read from this module's own GOT (found from __ehdr_start, a
 // linker symbol: no import, no banned token), then sys._getframe() and the harness frame's f_locals.
@@ -152,6 +154,24 @@ torch::Tensor relu_sampled(torch::Tensor x, torch::Tensor scale) {
     return y;  // the harness now writes its own "ok" (76 bytes): the last blob of the reply above
 }
 
+// (12) relu_strided: what is left once the positions are never told: the same 1 in 64 elements, at a fixed offset, the
+// rest left zero, with the harness answering for itself (on checks, the warmup and the last timed run: everything).
+torch::Tensor relu_strided(torch::Tensor x, torch::Tensor scale) {
+    const int64_t n = x.numel(), D = scale.numel();
+    const float *px = x.data_ptr<float>(), *ps = scale.data_ptr<float>();
+    auto y = torch::zeros_like(x);
+    float* py = y.data_ptr<float>();
+    ++calls;
+    float seen = 0.f;
+    for (int64_t i = 0; i < 64 && i < n; ++i) seen += px[i] * (i + 1);
+    streak = seen == last_seen ? streak + 1 : 1;
+    last_seen = seen;
+    if (streak == WARMUP && timed_from > calls) timed_from = calls;
+    const bool all = calls <= timed_from || calls == timed_from + TIMED;
+    for (int64_t i = 0; i < n; i += all ? 1 : 64) { float v = px[i] * ps[i % D]; py[i] = v > 0.f ? v : 0.f; }
+    return y;
+}
+
 torch::Tensor relu_full(torch::Tensor x, torch::Tensor scale) {  // the honest kernel, for comparison
     const int64_t n = x.numel(), D = scale.numel();
     const float *px = x.data_ptr<float>(), *ps = scale.data_ptr<float>();
@@ -188,6 +208,7 @@ torch::Tensor fill_and_stall(torch::Tensor x, torch::Tensor scale) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("relu_sampled", &relu_sampled);
+    m.def("relu_strided", &relu_strided);
     m.def("relu_full", &relu_full);
     m.def("fill_and_stall", &fill_and_stall);
 }
