@@ -39,10 +39,10 @@ What one verdict does, in order (build.py has step 3, protocol.py the children a
                tensors on the right device.
   5. profile   candidate, eager and torch.compile are timed the same way, by THIS process's clock,
                around one exchange per run: "run" (forward, outputs made contiguous, device-wide sync; the
-               reply lists each output's address and size), then this process reads 64 elements of each
-               output from the child's memory itself, at positions it drew and never tells (process_vm_readv;
-               where that is not possible, see below, the child is asked for a "sample" out[o::step], o told
-               after the run returned). Fresh inputs are copied into the same buffers and the L2 flushed
+               reply lists each output's address, size and CUDA IPC handle), then this process reads 64
+               elements of each output from the child's memory itself, at positions it drew and never tells
+               (process_vm_readv; on the GPU a gather through the IPC mapping; where neither is possible, see
+               below, the child is asked for a "sample" out[o::step], o told after the run returned). Fresh inputs are copied into the same buffers and the L2 flushed
                before each run, outside the clock. Every sample is compared with the reference, so
                pointer-keyed caches, work skipped after the checks, and work deferred past the run are caught
                or timed. Two more runs, which ones told to the child after each run returned, are read in
@@ -56,7 +56,7 @@ What one verdict does, in order (build.py has step 3, protocol.py the children a
 
 What the sandbox protects against (sandbox.py has the layers)
   - reading the answers: reference outputs and seeds never exist where the candidate can reach them, nor the
-    positions its timed runs are checked at (they never leave this process; but see below for the GPU); its
+    positions its timed runs are checked at (they never leave this process; but see below); its
     filesystem view hides the cache root (other runs, baselines, references), /tmp and /dev/shm are its own, and
     the next input arrives only after the previous run's result.
   - forging the verdict: only this process measures time and judges; a child's replies are validated
@@ -99,13 +99,13 @@ What it does NOT protect against (be honest; RL will look)
     the Python API functions pybind11 imports, and its ELF header is a linker symbol away (__ehdr_start): from there
     it calls Python as the harness does: it can answer any command for the harness. What it cannot forge: the
     clock, the comparison, and the positions a timed run is checked at, which this process reads from the child's
-    memory itself after the run's reply (tests/test_redteam.py, 12). That needs (protocol.reads()): the CPU
-    backend, a PID namespace and a private /dev, leave for this process to read its children's memory, and
-    vm.unprivileged_userfaultfd = 0 (else a child could serve the pages read as they are read: 12b). Elsewhere
-    (every GPU: the outputs are in device memory) the child is told the sample's position after its run, and
-    such a kernel can compute only the sampled elements: reward +3 at 1/64 of the work, measured on the CPU
-    against that exchange (said once on stderr). TODO: on the GPU, the parent's reads through a CUDA IPC or VMM
-    handle of the output (bench/ipc_probe.py asks whether that crosses the sandbox).
+    memory itself after the run's reply (tests/test_redteam.py, 12): host memory with process_vm_readv, device
+    memory through a CUDA IPC handle of the output's allocation, gathered in a CUDA context of the native helper's
+    own (protocol.py). That needs (protocol.reads(), decided on a reference child): the native helper, and on the
+    CPU a PID namespace and a private /dev, leave to read children's memory, and vm.unprivileged_userfaultfd = 0
+    (else a child could serve the pages read as they are read: 12b). Where it is missing the child is told the
+    sample's position after its run, and such a kernel can compute only the sampled elements (reward +3 at 1/64 of
+    the work, measured against that exchange on the CPU): the verdicts say so once on stderr.
   - a kernel that tells the audited runs from the sampled ones (by the time between its calls) knows when the
     n_audits are spent: the runs after that are checked by their samples only (and the last one in full).
   - an OpenMP worker still runs the kernel's own code outside the monitor's thread (it may call only the

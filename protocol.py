@@ -16,6 +16,7 @@ import ctypes
 import fcntl
 import hashlib
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -133,17 +134,20 @@ def spin(fd: int, seconds: float) -> bool:
 # One timed run is one call of native code. The parent's clock runs in the trainer's interpreter, whose other threads
 # (train.py's generation loop, a tool call's scan) hold its lock while they run Python: a thread back from a system
 # call waits up to the switch interval (5 ms) for it, and with the clock read in Python a 0.6 ms baseline timed 21 ms
-# a run beside a busy thread. timed_pair writes the run's command, reads its whole reply, writes the sample's
-# command and reads that whole reply (each message's prefix says its length), with the clock read before the first
-# write and after the last byte; ctypes runs it without the lock. The span ends only when the sample, data that only
-# the finished work can produce, has arrived in full: a stamp at a reply's first byte would be one a child that took
-# its reply pipe over could send early. The helper is compiled by each process that times (the system's C compiler,
-# ~0.05 s) in a private folder and loaded from there: nothing a candidate can write is loaded into the parent.
+# a run beside a busy thread. timed_pair writes the run's command, reads its whole reply (each message's prefix says
+# its length), then reads the sampled elements from the child's memory (or writes the sample's command and reads that
+# whole reply), with the clock read before the first write and after the last byte; ctypes runs it without the lock.
+# The span ends only when the sample, data that only the finished work can produce, is in: a stamp at a reply's first
+# byte would be one a child that took its reply pipe over could send early. The helper is compiled by each process
+# that times (the system's C compiler, ~0.05 s) in a private folder and loaded from there: nothing a candidate can
+# write is loaded into the parent.
 TIMED_PAIR_C = r"""
 #define _GNU_SOURCE
 #include <errno.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sched.h>
+#include <string.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -204,51 +208,156 @@ static long long read_msg(int fd, char *buf, long long cap, long long spin_ns, l
     }
     return got;
 }
-/* Reads of the child's memory (process_vm_readv), k random elements of each output the run's reply lists: its blob
-   holds (address, bytes, element size) of each output tensor, as little-endian u64s. Element i of output j is
-   rand[j * k + i] modulo the output's elements; what is read goes to got, in that order. Returns the bytes read;
-   -6 a malformed list (or more outputs than rand covers, or more than got holds); -7 a read refused (*err: errno). */
-static long long read_outputs(int pid, const char *reply, long long len, const unsigned long long *rand, long long nrand,
-                              long long k, char *got, long long got_cap, long long *err) {
-    unsigned long long n = 0, total = 0;
-    for (int i = 7; i >= 0; --i) { n = n << 8 | (unsigned char)reply[i]; total = total << 8 | (unsigned char)reply[8 + i]; }
-    if (16 + n + total != (unsigned long long)len || total % 24) return -6;
-    const unsigned char *t = (const unsigned char *)reply + 16 + n;
-    long long outputs = (long long)(total / 24), at = 0;
-    struct iovec local[256], remote[256];
-    int batch = 0;
+/* The device side of the reads: the child's output memory opened through CUDA IPC handles (cached per child:
+   the caching allocator reuses its segments), the elements gathered by one kernel launch (one thread per byte,
+   sources from a host-mapped list, results into host-mapped memory) in a CUDA context of this process's own, never
+   the trainer's: an error there (a fault) is that context's alone. gpu_setup hands the driver's functions, made by
+   Python (protocol._gpu), to this code. */
+typedef struct { char bytes[64]; } Handle;
+static struct {
+    int (*push)(void *);
+    int (*pop)(void **);
+    int (*open)(unsigned long long *, Handle, unsigned);
+    int (*range)(unsigned long long *, size_t *, unsigned long long);
+    int (*launch)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *, void **, void **);
+    int (*sync)(void *);
+    int (*close)(unsigned long long);
+    void *ctx, *stream, *kernel;
+    unsigned long long *srcs;  /* host-mapped: byte addresses to gather */
+    unsigned char *dst;        /* host-mapped: what they hold */
+    long long cap;
+} G;
+#define MAPS 256
+static struct { Handle h; unsigned long long ptr; size_t size; int owner; } maps[MAPS];
+static int n_maps;
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;  /* (verdicts' threads: one timed run at a time, closes any time) */
+void gpu_setup(void **fns, void *ctx, void *stream, void *kernel, void *srcs, void *dst, long long cap) {
+    G.push = fns[0]; G.pop = fns[1]; G.open = fns[2]; G.range = fns[3]; G.launch = fns[4]; G.sync = fns[5];
+    G.close = fns[6];
+    G.ctx = ctx; G.stream = stream; G.kernel = kernel; G.srcs = srcs; G.dst = dst; G.cap = cap;
+    n_maps = 0;
+}
+/* Closes the mappings opened for `owner` (a child that ended) and forgets them; -1: every child's. */
+static void forget(int owner) {
+    int k = 0;
+    for (int i = 0; i < n_maps; ++i) {
+        if (owner == -1 || maps[i].owner == owner) { G.close(maps[i].ptr); continue; }
+        maps[k++] = maps[i];
+    }
+    n_maps = k;
+}
+void gpu_forget(int owner) {
+    void *was;
+    if (!G.push) return;
+    pthread_mutex_lock(&lock);
+    if (!G.push(G.ctx)) { forget(owner); G.pop(&was); }
+    pthread_mutex_unlock(&lock);
+}
+static int gpu_map(const Handle *h, int owner, unsigned long long *ptr, size_t *size) {
+    for (int i = 0; i < n_maps; ++i)
+        if (maps[i].owner == owner && !memcmp(maps[i].h.bytes, h->bytes, 64)) { *ptr = maps[i].ptr; *size = maps[i].size; return 0; }
+    if (n_maps == MAPS) forget(owner);
+    unsigned long long base = 0;
+    int r = G.open(ptr, *h, 1);  /* CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS */
+    if (!r) r = G.range(&base, size, *ptr);  /* the allocation's true size, as this context sees it */
+    if (r) return r;
+    maps[n_maps].h = *h; maps[n_maps].ptr = *ptr; maps[n_maps].size = *size; maps[n_maps].owner = owner; ++n_maps;
+    return 0;
+}
+/* Reads of the child's memory, k random elements of each output the run's reply lists: its blob holds, per output
+   tensor, (address, bytes, element size, its allocation's base) as little-endian u64s and the allocation's IPC
+   handle (64 bytes; zeros for host memory). Element i of output j is rand[j * k + i] modulo the output's elements;
+   what is read goes to got, in that order. where 1: host memory of process `who` (process_vm_readv); 2: device
+   memory, through the mappings kept for child `who`. Returns the bytes read; -6 a malformed list (or more outputs
+   than rand covers, more than got holds, an output outside its allocation); -7 a read refused (*err: errno, or the
+   CUresult). */
+#define ENTRY 96
+static void entry(const unsigned char *t, long long j, unsigned long long f[4]) {
+    for (int q = 0; q < 4; ++q) {
+        f[q] = 0;
+        for (int b = 7; b >= 0; --b) f[q] = f[q] << 8 | t[ENTRY * j + 8 * q + b];
+    }
+}
+static long long read_device(int who, const unsigned char *t, long long outputs, const unsigned long long *rand,
+                             long long nrand, long long k, char *got, long long got_cap, long long *err) {
+    long long m = 0;
     for (long long j = 0; j < outputs; ++j) {
-        unsigned long long f[3] = {0, 0, 0};
-        for (int q = 0; q < 3; ++q)
-            for (int b = 7; b >= 0; --b) f[q] = f[q] << 8 | t[24 * j + 8 * q + b];
+        unsigned long long f[4], mapped = 0;
+        entry(t, j, f);
+        unsigned long long addr = f[0], bytes = f[1], size = f[2], base = f[3];
+        if (size == 0 || size > 16 || (size & (size - 1)) || bytes % size) return -6;
+        if (bytes == 0) continue;
+        if ((j + 1) * k > nrand || m + k * (long long)size > got_cap || m + k * (long long)size > G.cap) return -6;
+        size_t extent = 0;
+        int r = gpu_map((const Handle *)(t + ENTRY * j + 32), who, &mapped, &extent);
+        if (r) { *err = r; return -7; }
+        /* every byte gathered lies inside the mapping: the address and size are the child's word, the extent is not */
+        if (addr < base || addr - base > extent || bytes > extent - (addr - base)) return -6;
+        mapped += addr - base;
+        for (long long i = 0; i < k; ++i) {
+            unsigned long long off = (rand[j * k + i] % (bytes / size)) * size;
+            for (unsigned long long b = 0; b < size; ++b) G.srcs[m++] = mapped + off + b;
+        }
+    }
+    if (m) {
+        unsigned threads = 256, blocks = (unsigned)((m + threads - 1) / threads);
+        unsigned long long srcs = (unsigned long long)G.srcs, dst = (unsigned long long)G.dst, count = (unsigned long long)m;
+        void *args[] = {&srcs, &dst, &count};
+        int r = G.launch(G.kernel, blocks, 1, 1, threads, 1, 1, 0, G.stream, args, 0);
+        if (!r) r = G.sync(G.stream);
+        if (r) { *err = r; return -7; }
+        memcpy(got, G.dst, (size_t)m);
+    }
+    return m;
+}
+static long long read_host(int pid, const unsigned char *t, long long outputs, const unsigned long long *rand,
+                           long long nrand, long long k, char *got, long long got_cap, long long *err) {
+    long long at = 0;
+    struct iovec local[256], remote[256];
+    for (long long j = 0; j < outputs; ++j) {
+        unsigned long long f[4];
+        entry(t, j, f);
         unsigned long long addr = f[0], bytes = f[1], size = f[2];
         if (size == 0 || size > 16 || (size & (size - 1)) || bytes % size) return -6;
         if (bytes == 0) continue;
         if ((j + 1) * k > nrand || at + k * (long long)size > got_cap) return -6;
-        for (long long i = 0; i < k; ++i) {
-            local[batch].iov_base = got + at;
-            remote[batch].iov_base = (void *)(addr + (rand[j * k + i] % (bytes / size)) * size);
-            local[batch].iov_len = remote[batch].iov_len = size;
-            at += (long long)size;
-            if (++batch == 256 || (i == k - 1 && j == outputs - 1)) {
-                long long want = 0;
-                for (int q = 0; q < batch; ++q) want += (long long)local[q].iov_len;
-                long long r = process_vm_readv(pid, local, batch, remote, batch, 0);
-                if (r != want) { *err = r < 0 ? errno : 0; return -7; }
-                batch = 0;
+        for (long long i = 0; i < k; i += 256) {
+            int batch = (int)(k - i < 256 ? k - i : 256);
+            for (int q = 0; q < batch; ++q) {
+                local[q].iov_base = got + at + q * (long long)size;
+                remote[q].iov_base = (void *)(addr + (rand[j * k + i + q] % (bytes / size)) * size);
+                local[q].iov_len = remote[q].iov_len = size;
             }
+            long long want = batch * (long long)size, r = process_vm_readv(pid, local, batch, remote, batch, 0);
+            if (r != want) { *err = r < 0 ? errno : 0; return -7; }
+            at += want;
         }
-    }
-    if (batch) {  /* (the last outputs were empty) */
-        long long want = 0;
-        for (int q = 0; q < batch; ++q) want += (long long)local[q].iov_len;
-        long long r = process_vm_readv(pid, local, batch, remote, batch, 0);
-        if (r != want) { *err = r < 0 ? errno : 0; return -7; }
     }
     return at;
 }
-/* A timed run: the run command and its reply (into buf1), then one of: nothing (sample NULL, pid 0: an audited
-   run); the sample command and its reply (into buf2); or (pid > 0) the parent's own reads of the child's outputs
+long long read_outputs(int where, int who, const char *reply, long long len, const unsigned long long *rand,
+                       long long nrand, long long k, char *got, long long got_cap, long long *err) {
+    unsigned long long n = 0, total = 0;
+    for (int i = 7; i >= 0; --i) { n = n << 8 | (unsigned char)reply[i]; total = total << 8 | (unsigned char)reply[8 + i]; }
+    if (16 + n + total != (unsigned long long)len || total % ENTRY) return -6;
+    const unsigned char *t = (const unsigned char *)reply + 16 + n;
+    long long outputs = (long long)(total / ENTRY);
+    if (where == 1)
+        return read_host(who, t, outputs, rand, nrand, k, got, got_cap, err);
+    if (!G.launch) return -6;
+    pthread_mutex_lock(&lock);  /* the context is this thread's while it reads, and is taken off it again */
+    void *was;
+    long long r = G.push(G.ctx);
+    if (r) { *err = r; r = -7; }
+    else {
+        r = read_device(who, t, outputs, rand, nrand, k, got, got_cap, err);
+        G.pop(&was);
+    }
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+/* A timed run: the run command and its reply (into buf1), then one of: nothing (sample NULL, where 0: an audited
+   run); the sample command and its reply (into buf2); or (where 1, 2) the parent's own reads of the child's outputs
    (read_outputs, into buf2). Returns the ns from before the first write to after the last byte; or a code of
    read_msg's, write_all's or read_outputs' (each command has timeout_ns to be written and answered). lens[0],
    lens[1]: the reply's and the sample's lengths (or what read_msg put in *need; errno after -7); lens[0] is 0 until
@@ -256,14 +365,14 @@ static long long read_outputs(int pid, const char *reply, long long len, const u
 long long timed_pair(int cmd_fd, int rep_fd, const char *run, long long run_len, const char *sample,
                      long long sample_len, char *buf1, long long cap1, char *buf2, long long cap2,
                      long long spin_run, long long spin_sample, long long timeout_ns, long long *lens,
-                     int pid, const unsigned long long *rand, long long nrand, long long k) {
+                     int where, int who, const unsigned long long *rand, long long nrand, long long k) {
     long long t0 = now_ns(), w = write_all(cmd_fd, run, run_len, t0 + timeout_ns);
     if (w) return w;
     long long a = read_msg(rep_fd, buf1, cap1, spin_run, t0 + timeout_ns, &lens[0]);
     if (a < 0) return a;
     lens[0] = a;
-    if (pid > 0) {
-        long long b = read_outputs(pid, buf1, a, rand, nrand, k, buf2, cap2, &lens[1]);
+    if (where) {
+        long long b = read_outputs(where, who, buf1, a, rand, nrand, k, buf2, cap2, &lens[1]);
         if (b < 0) return b;
         lens[1] = b;
         return now_ns() - t0;
@@ -295,7 +404,7 @@ def native():
                 try:
                     if cc is None:  # (by absolute path: a PATH entry is not something to trust here)
                         raise OSError("no C compiler in /usr/bin or /usr/local/bin")
-                    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(so), str(src)], check=True,
+                    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-pthread", "-o", str(so), str(src)], check=True,
                                    capture_output=True)
                     lib = ctypes.CDLL(str(so))
                 except (OSError, subprocess.CalledProcessError) as e:
@@ -304,9 +413,13 @@ def native():
             if lib is not None:
                 ll, p = ctypes.c_longlong, ctypes.c_char_p
                 lib.timed_pair.restype = ll
-                lib.timed_pair.argtypes = [ctypes.c_int, ctypes.c_int, p, ll, p, ll, ctypes.c_void_p, ll,
-                                           ctypes.c_void_p, ll, ll, ll, ll, ctypes.POINTER(ll), ctypes.c_int,
-                                           ctypes.POINTER(ctypes.c_ulonglong), ll, ll]
+                u64s, i = ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_int
+                lib.timed_pair.argtypes = [i, i, p, ll, p, ll, ctypes.c_void_p, ll, ctypes.c_void_p, ll, ll, ll, ll,
+                                           ctypes.POINTER(ll), i, i, u64s, ll, ll]
+                lib.read_outputs.restype = ll
+                lib.read_outputs.argtypes = [i, i, p, ll, u64s, ll, ll, ctypes.c_void_p, ll, ctypes.POINTER(ll)]
+                lib.gpu_setup.argtypes = [ctypes.POINTER(ctypes.c_void_p)] + [ctypes.c_void_p] * 5 + [ll]
+                lib.gpu_forget.argtypes = [i]
             _native.append(lib)
         return _native[0]
 
@@ -488,10 +601,10 @@ def contiguous(out):
 
 
 def layout(out, table: list):
-    """pack's structure of a contiguous `out` without its bytes; `table` receives each tensor's (address, bytes,
-    element size), which the parent reads its elements by."""
+    """pack's structure of a contiguous `out` without its bytes; `table` receives each tensor's entry (output_entry),
+    which the parent reads its elements by."""
     if isinstance(out, torch.Tensor):
-        table.append((out.data_ptr(), out.numel() * out.element_size(), out.element_size()))
+        table.append(output_entry(out))
         return {"t": len(table) - 1, "dtype": str(out.dtype).removeprefix("torch."), "shape": list(out.shape)}
     if isinstance(out, (tuple, list)):
         return {"seq": [layout(o, table) for o in out], "tuple": isinstance(out, tuple)}
@@ -626,8 +739,9 @@ def _child_main(spec_path: str):
         n_sets = int(max(2, min(len(seeds) - n_checks, spec["budget_mb"] * 2**20 // per_set))) if len(seeds) > n_checks else 0
         # distinct fresh input sets for timing, within the memory budget; and where the key's bytes are, for the
         # parent's one read that says whether it may read its children's memory here (reads())
-        probe = ctypes.create_string_buffer(bytes.fromhex(spec["key"]))
-        send(rep_fd, {"timed_sets": n_sets, "probe": ctypes.addressof(probe)})
+        key = bytes.fromhex(spec["key"])
+        probe = torch.frombuffer(bytearray(key), dtype=torch.uint8).to(device)
+        send(rep_fd, {"timed_sets": n_sets, "probe": output_entry(probe).hex()})
         with torch.no_grad():  # every output the parent will compare against, before any candidate run
             for seed in seeds[:n_checks + n_sets] if spec.get("outputs", True) else []:  # (none: a baselines' child)
                 blobs = []
@@ -708,7 +822,7 @@ def _child_main(spec_path: str):
                 sync()
                 table = []
                 reply = {"ok": True, "out": layout(out, table)}
-                blobs = [struct.pack(f"<{3 * len(table)}Q", *(v for row in table for v in row))]
+                blobs = [b"".join(table)]
             elif op == "sample":
                 reply = pack(sample_of(out, cmd["offset"]), blobs)
                 sync()
@@ -746,50 +860,134 @@ PIPE_BYTES = 1 << 20  # a pipe holds a whole sample (65536 elements of 8 bytes =
 
 # Whether this process checks timed runs by reading its children's memory (see "The run protocol"), per backend: decided
 # once, on the first reference child (trusted code: a candidate could make a read fail on purpose, and must not
-# thereby choose the sample exchange, whose positions it is told). Reads are used only where nothing in a child can
-# serve a page of its memory when the parent reads it: a userfaultfd handles the kernel's faults (the parent's reads
-# are the kernel's) only with CAP_SYS_PTRACE, which every child drops, or where vm.unprivileged_userfaultfd is 1; the
-# device node /dev/userfaultfd is left out of the sandbox's private /dev.
+# thereby choose the sample exchange, whose positions it is told). Host memory is read only where nothing in a child
+# can serve a page of its memory when the parent reads it: a userfaultfd handles the kernel's faults (the parent's
+# reads are the kernel's) only with CAP_SYS_PTRACE, which every child drops, or where vm.unprivileged_userfaultfd is
+# 1; the device node /dev/userfaultfd is left out of the sandbox's private /dev. Device memory exported through a CUDA
+# IPC handle is plain device memory (managed and VMM memory cannot be exported that way).
 _READS: dict = {}
+_numbers = itertools.count(1)
 
 
 def reads(backend: str) -> bool:
     return _READS.get(backend, False)
 
 
-def probe_reads(child: "Child", addr) -> bool:
-    """Decides reads(child.backend) on a reference child, whose harness put its key's bytes at `addr`; says once
-    on stderr when the answer is no, and why."""
+def probe_reads(child: "Child", probe) -> bool:
+    """Decides reads(child.backend) on a reference child, whose harness put its key's bytes where `probe` (an entry
+    of a run reply's list of outputs) says, by reading them as a timed run would; says once on stderr when the
+    answer is no, and why."""
     from sandbox import isolation
     if child.backend in _READS:
         return _READS[child.backend]
-    why = None
+    why, lib = None, native()
     try:
         knob = Path("/proc/sys/vm/unprivileged_userfaultfd").read_text().strip()
     except OSError:
         knob = "missing"
     iso = isolation(child.backend)
-    if child.backend != "cpu":
-        why = "the outputs are in device memory (TODO: CUDA IPC, bench/ipc_probe.py)"
-    elif knob != "0":
+    if lib is None:
+        why = "no C compiler for the native helper"
+    elif child.backend == "cuda" and _gpu() is None:
+        why = "no CUDA context of this process's own for the reads"
+    elif child.backend == "cpu" and knob != "0":
         why = f"vm.unprivileged_userfaultfd is {knob}: a child could serve the reads itself"
-    elif not iso.strict or "--pid" not in iso.prefix:
+    elif child.backend == "cpu" and (not iso.strict or "--pid" not in iso.prefix):
         why = "the sandbox here has no private /dev or no PID namespace"
     else:
-        pid = harness_pid(child.pgid)
-        if pid is None or not isinstance(addr, int):
+        target = child.read_target(decided=True)
+        if target is None or not isinstance(probe, str):
             return False  # (not decided: a reference child that ended early says nothing about this host)
-        want = bytes.fromhex(child.key)
-        buf = ctypes.create_string_buffer(len(want))
-        libc = ctypes.CDLL(None, use_errno=True)
-        local, remote = IOVec(ctypes.addressof(buf), len(want)), IOVec(addr, len(want))
-        if libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) != len(want) or buf.raw != want:
-            why = f"this process may not read its children's memory ({os.strerror(ctypes.get_errno()) or 'misread'})"
+        want, err, got = bytes.fromhex(child.key), ctypes.c_longlong(0), ctypes.create_string_buffer(16)
+        table = bytes.fromhex(probe)
+        msg = _frame({}, [len(table)]) + table
+        rand = (ctypes.c_ulonglong * len(want))(*range(len(want)))  # (each byte once, in order)
+        n = lib.read_outputs(*target, msg, len(msg), rand, len(want), len(want), got, len(want), ctypes.byref(err))
+        if n != len(want) or got.raw != want:
+            why = f"this process may not read its children's memory here ({n}, {os.strerror(err.value) if n == -7 and child.backend == 'cpu' else f'error {err.value}'})"
     _READS[child.backend] = why is None
     if why:
         print(f"protocol.py: timed runs are checked at positions told to the child ({why}): a kernel that takes its "
               "process over can compute only those (env.py, does NOT protect)", file=sys.stderr)
     return why is None
+
+
+# The device side of the reads: one kernel, one thread per byte gathered (each byte's address from a host-mapped list)
+GATHER_PTX = b"""
+.version 6.0
+.target sm_50
+.address_size 64
+.visible .entry gather(.param .u64 srcs, .param .u64 dst, .param .u64 n)
+{
+    .reg .pred %p;
+    .reg .b32 %r<4>;
+    .reg .b64 %rd<9>;
+    .reg .u16 %h;
+    ld.param.u64 %rd1, [srcs];
+    ld.param.u64 %rd2, [dst];
+    ld.param.u64 %rd3, [n];
+    mov.u32 %r1, %ctaid.x;
+    mov.u32 %r2, %ntid.x;
+    mov.u32 %r3, %tid.x;
+    mul.wide.u32 %rd4, %r1, %r2;
+    cvt.u64.u32 %rd5, %r3;
+    add.u64 %rd4, %rd4, %rd5;
+    setp.ge.u64 %p, %rd4, %rd3;
+    @%p bra DONE;
+    shl.b64 %rd6, %rd4, 3;
+    add.u64 %rd6, %rd1, %rd6;
+    ld.u64 %rd7, [%rd6];
+    ld.u8 %h, [%rd7];
+    add.u64 %rd8, %rd2, %rd4;
+    st.u8 [%rd8], %h;
+DONE:
+    ret;
+}
+\0"""
+_gpu_state: list = []
+_gpu_lock = threading.Lock()
+
+
+def _gpu():
+    """Sets up the native helper's device reads once: this process's own CUDA context (never the trainer's, which
+    a fault while reading a child's memory would end), a stream, the gather kernel and host-mapped buffers. The
+    context is made current only inside each read. None where this fails (no GPU, no driver)."""
+    lib = native()  # (built first: native() takes its own lock)
+    with _gpu_lock:
+        if _gpu_state:
+            return _gpu_state[0]
+        state = None
+        try:
+            cu = ctypes.CDLL("libcuda.so.1")
+            vp = ctypes.c_void_p
+            ctx, mod, fn, stream, srcs, dst, was, dev = vp(), vp(), vp(), vp(), vp(), vp(), vp(), ctypes.c_int()
+            cap = MAX_OUTPUTS * READS * 16
+            for call in (lambda: cu.cuInit(0), lambda: cu.cuDeviceGet(ctypes.byref(dev), 0),
+                         lambda: cu.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev)):  # (current to this thread until popped)
+                if call():
+                    raise OSError("a CUDA call failed")
+            try:
+                for call in (lambda: cu.cuModuleLoadData(ctypes.byref(mod), GATHER_PTX),
+                             lambda: cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"gather"),
+                             lambda: cu.cuStreamCreate(ctypes.byref(stream), 1),  # CU_STREAM_NON_BLOCKING
+                             lambda: cu.cuMemHostAlloc(ctypes.byref(srcs), ctypes.c_size_t(8 * cap), 3),  # portable, mapped
+                             lambda: cu.cuMemHostAlloc(ctypes.byref(dst), ctypes.c_size_t(cap), 3)):
+                    if call():
+                        raise OSError("a CUDA call failed")
+            finally:
+                cu.cuCtxPopCurrent_v2(ctypes.byref(was))
+            names = ("cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2", "cuIpcOpenMemHandle_v2", "cuMemGetAddressRange_v2",
+                     "cuLaunchKernel", "cuStreamSynchronize", "cuIpcCloseMemHandle")
+            fns = (vp * len(names))(*[ctypes.cast(getattr(cu, n), vp) for n in names])
+            if lib is None:
+                raise OSError("no native helper")
+            setup = (fns, ctx, stream, fn, srcs, dst, cap)
+            lib.gpu_setup(*setup)
+            state = (cu, setup)  # (kept: what the helper points to lives as long as this process)
+        except (OSError, AttributeError):
+            pass
+        _gpu_state.append(state)
+        return state
 
 
 def harness_pid(pgid) -> int | None:
@@ -828,6 +1026,7 @@ class Child:
             fcntl.fcntl(self.rep_w, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
         self.timed_spin_s = PARENT_SPIN_S.get(backend, 0.0)  # (timed_runs' polling for this child's replies)
         self.backend = backend
+        self.number = next(_numbers)  # (names its device mappings in the native helper, closed with it)
         self.key = secrets.token_hex(16)  # the seed pad's (seed_pad); the child reads it from its spec file
         spec = dict(spec, cmd_fd=self.cmd_r, rep_fd=self.rep_w, key=self.key, spin_s=CHILD_SPIN_S)
         (run_dir / "spec.json").write_text(json.dumps(spec))
@@ -914,15 +1113,21 @@ class Child:
         _raise_error(obj)
         return obj, blobs
 
-    def read_pid(self) -> int | None:
-        """The harness's process, whose memory a timed run's check reads; None where this process reads none (reads())."""
-        if not reads(self.backend):
+    def read_target(self, decided: bool = False):
+        """Where a timed run's check reads this child's outputs, as the native helper's (where, who): (1, the
+        harness's pid) for host memory, (2, this child's number) for device memory through its IPC mappings; None
+        where this process reads none (reads(), or decided=True: as if it did)."""
+        if not (decided or reads(self.backend)):
             return None
+        if self.backend == "cuda":
+            return 2, self.number
         if getattr(self, "_read_pid", None) is None:
             self._read_pid = harness_pid(self.pgid)
             if self._read_pid is None:
+                if decided:
+                    return None
                 raise EOFError("the child process ended")
-        return self._read_pid
+        return 1, self._read_pid
 
     def native_timed_run(self, how, run_spin_s: float, sample_spin_s: float):
         """One timed run by the native clock (timed_pair): "run", then the check that `how` says (see timed_run).
@@ -940,14 +1145,14 @@ class Child:
         nonces = secrets.token_hex(8), secrets.token_hex(8)
         run = _frame(run_command(how, nonces[0]))
         sample = _frame({"op": "sample", "offset": how[1], "nonce": nonces[1]}) if how[0] == "sample" else None
-        pid, rand = (how[1], how[2]) if how[0] == "read" else (0, None)
+        where, who, rand = how[1:] if how[0] == "read" else (0, 0, None)
         rand_c = (ctypes.c_ulonglong * len(rand))(*rand) if rand else None
         ((m1, a1), (_, a2)), lens = self._pair_bufs, (ctypes.c_longlong * 2)()
         cap2 = PREFIX + (1 << 20) + min(self.reply_limit, SAMPLE_BYTES)
         timeout = self.cmd_timeout if self.cmd_timeout is not None else 86400.0  # (else the verdict's limit ends it)
         ns = lib.timed_pair(self.cmd_w, self.rep_r, run, len(run), sample, len(sample or b""), a1, len(m1), a2, cap2,
                             int(run_spin_s * 1e9), int(sample_spin_s * 1e9), int(timeout * 1e9), lens,
-                            pid, rand_c, len(rand or ()), READS)
+                            where, who, rand_c, len(rand or ()), READS)
         if ns == -1:
             self._stop()
             raise ChildTimeout(f"one `{'sample' if lens[0] > 0 else 'run'}` took longer than {timeout:g} s")
@@ -962,7 +1167,8 @@ class Child:
         if ns == -6:
             raise ValueError("malformed run reply (its list of outputs)")
         if ns == -7:
-            raise ValueError(f"the run's outputs could not be read ({os.strerror(lens[1]) if lens[1] else 'in part'})")
+            why = (os.strerror(lens[1]) if where == 1 else f"CUDA error {lens[1]}") if lens[1] else "in part"
+            raise ValueError(f"the run's outputs could not be read ({why})")
         if rand:
             return ns / 1e6, reply, ctypes.string_at(a2, lens[1])
         if sample is None:
@@ -990,6 +1196,8 @@ class Child:
             self.thread.join()
         os.close(self.rep_r)
         self._kept = self._pair_bufs = None
+        if self.backend == "cuda" and _gpu_state and _gpu_state[0]:
+            native().gpu_forget(self.number)  # (its device memory is no longer mapped here)
         return self.result
 
     def why_dead(self) -> str:
@@ -1032,25 +1240,26 @@ def timed_runs(child: Child, seeds: list, cfg, check=None, audit=None) -> list: 
 
 
 def _timed_runs(child: Child, seeds: list, cfg, check, audit) -> list:
+    target = child.read_target() if hasattr(child, "read_target") else None  # (a stand-in in the tests: the sample)
+
+    def check_of_a_run():  # drawn before each run, told to the child (the sample's offset) only after it
+        if target is not None:
+            return ("read", *target, struct.unpack(f"<{READS * MAX_OUTPUTS}Q", os.urandom(8 * READS * MAX_OUTPUTS)))
+        return "sample", secrets.randbelow(1 << 30)
+
     child.ask({"op": "load", "seed": seeds[0]})
-    for _ in range(cfg.warmup):
-        child.ask({"op": "run"})
+    for _ in range(cfg.warmup):  # (checked as the timed runs are: the reads' first mappings and pages are made here)
+        timed_run(child, check_of_a_run(), child.spin_s, max(child.spin_s, SAMPLE_SPIN_S))
     times = []
     audits = cfg.n_audits if audit is not None else 0
     runs = cfg.n_timed + audits
-    pid = child.read_pid() if hasattr(child, "read_pid") else None  # (a stand-in for a Child in the tests: the sample)
     for i in range(runs):
         k = i % len(seeds)
         child.ask({"op": "load", "seed": seeds[k]})
         # Both drawn here and never told to the child before its run has returned (an audit's "full" follows the run's
         # reply; the positions read are never told): a uniformly random subset of the runs is audited.
         audited = audits and secrets.randbelow(runs - i) < audits
-        if audited:
-            how = ("audit", pid is not None)
-        elif pid is not None:
-            how = ("read", pid, struct.unpack(f"<{READS * MAX_OUTPUTS}Q", os.urandom(8 * READS * MAX_OUTPUTS)))
-        else:
-            how = ("sample", secrets.randbelow(1 << 30))
+        how = ("audit", target is not None) if audited else check_of_a_run()
         ms, reply, got = timed_run(child, how, child.spin_s, max(child.spin_s, SAMPLE_SPIN_S))
         if audited:
             audits -= 1
@@ -1066,8 +1275,9 @@ def timed_run(child, how, run_spin_s: float, sample_spin_s: float):
     """(milliseconds, the run's reply, what its check got) of one timed run: "run", then, by `how`:
       ("audit", reading)        nothing (an audited run: the caller reads its whole output, untimed); `reading`:
                                 whether the other runs are checked by reads (the child is told the same for both)
-      ("read", pid, rand)       the parent reads READS elements of each output from process pid's memory, element i
-                                of output j at rand[j * READS + i] modulo its size: their bytes
+      ("read", where, who, rand)  the parent reads READS elements of each output from the child's memory (where,
+                                who: Child.read_target), element i of output j at rand[j * READS + i] modulo its
+                                size: their bytes
       ("sample", offset)        the "sample" exchange, at offset: its reply's (obj, blobs)
     Child.native_timed_run's steps by its native clock; read in Python where there is none (a stand-in for a Child in
     the tests; a machine without a C compiler, where the trainer's other threads' holds on the interpreter's lock are
@@ -1082,7 +1292,7 @@ def timed_run(child, how, run_spin_s: float, sample_spin_s: float):
         t0 = _clock()
         reply, got = child.ask(run_command(how)), None
         if how[0] == "read":
-            got = read_outputs(how[1], reply, how[2])
+            got = read_host(how[2], reply, how[3])  # (device reads need the native helper: reads() says so)
         elif how[0] == "sample":
             child.spin_s = sample_spin_s
             got = child.ask({"op": "sample", "offset": how[1]})
@@ -1105,24 +1315,50 @@ def checked_values(how, reply, got):
     the run's output, and `where` for picks_of, which gives the reference's elements they must match."""
     if how[0] == "sample":
         return unpack(*got), ("offset", how[1])
-    return read_values(reply, got, how[2])
+    return read_values(reply, got, how[3])
+
+
+ENTRY = 96  # bytes per output in a run reply's list: address, bytes, element size, allocation base, IPC handle
 
 
 def _outputs(reply) -> list:
     """(address, bytes, element size) of each output tensor a run's reply lists."""
     obj, blobs = reply
-    if not isinstance(obj, dict) or len(blobs) != 1 or blobs[0].numel() % 24:
+    if not isinstance(obj, dict) or len(blobs) != 1 or blobs[0].numel() % ENTRY:
         raise ValueError("malformed run reply (its list of outputs)")
     raw = blobs[0].numpy().tobytes()
-    return [struct.unpack_from("<3Q", raw, at) for at in range(0, len(raw), 24)]
+    return [struct.unpack_from("<3Q", raw, at) for at in range(0, len(raw), ENTRY)]
+
+
+def output_entry(t: torch.Tensor) -> bytes:
+    """A contiguous output's entry in a run reply's list (the child's side): where the parent reads it. A tensor on
+    a GPU comes with its allocation's base and the CUDA IPC handle of that allocation (made by the driver each run:
+    the caching allocator may have given it a new one)."""
+    base, handle = 0, bytes(64)
+    if t.device.type == "cuda" and t.numel():
+        cu = _cuda_driver()
+        b, size, h = ctypes.c_uint64(), ctypes.c_size_t(), (ctypes.c_char * 64)()
+        if cu.cuMemGetAddressRange_v2(ctypes.byref(b), ctypes.byref(size), ctypes.c_uint64(t.data_ptr())) == 0 and \
+                cu.cuIpcGetMemHandle(h, b) == 0:
+            base, handle = b.value, bytes(h)
+    return struct.pack("<4Q", t.data_ptr(), t.numel() * t.element_size(), t.element_size(), base) + handle
+
+
+_driver: list = []
+
+
+def _cuda_driver():
+    if not _driver:
+        _driver.append(ctypes.CDLL("libcuda.so.1"))
+    return _driver[0]
 
 
 class IOVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
-def read_outputs(pid: int, reply, rand) -> bytes:
-    """What timed_pair's read_outputs reads, read from Python (where there is no native helper)."""
+def read_host(pid: int, reply, rand) -> bytes:
+    """What the native helper's reads of host memory read, read from Python (where there is no native helper)."""
     libc = ctypes.CDLL(None, use_errno=True)
     got = bytearray()
     for j, (addr, nbytes, size) in enumerate(_outputs(reply)):

@@ -114,16 +114,16 @@ def drive(mode, model_new, extra, model, pipe_bytes, polls=(protocol.CHILD_SPIN_
             t_sample.append((t2 - t1) * 1e3)
         # the verdict's figure: one call of protocol.timed_pair per run (the split above is Python's clock), with the
         # sample exchange, and with the parent's own reads of the outputs (protocol.READS per output) where allowed
-        native, reads, pid = [], [], child.read_pid()
+        native, reads, target = [], [], child.read_target()
         for i in range(args.runs):
             child.ask({"op": "load", "seed": seeds[i % 2]})
             timed = child.native_timed_run(("sample", secrets.randbelow(1 << 30)), child.spin_s,
                                            max(child.spin_s, sample_spin))
             native.append(timed[0] if timed else float("nan"))
-            if pid is not None:
+            if target is not None:
                 child.ask({"op": "load", "seed": seeds[i % 2]})
                 rand = [secrets.randbits(64) for _ in range(protocol.READS * protocol.MAX_OUTPUTS)]
-                timed = child.native_timed_run(("read", pid, rand), child.spin_s, max(child.spin_s, sample_spin))
+                timed = child.native_timed_run(("read", *target, rand), child.spin_s, max(child.spin_s, sample_spin))
                 reads.append(timed[0] if timed else float("nan"))
         med = statistics.median
         return (med(t_run), med(t_sample), med([a + s for a, s in zip(t_run, t_sample)]),

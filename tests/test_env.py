@@ -1610,3 +1610,90 @@ def test_a_child_past_its_deadline_is_stopped_and_reported_as_timed_out():
         finishing.set()
         os.close(rep_r)
         os.close(rep_w)
+
+
+def test_device_reads_bookkeeping_with_a_stand_in_driver():
+    """The native helper's device reads (protocol.TIMED_PAIR_C, read_device) against a stand-in CUDA driver whose
+    "device memory" is a host buffer: the elements drawn are the ones gathered, an allocation is opened once and
+    closed with its child, the helper's context is pushed and popped around each read, and an entry that reaches
+    outside its allocation is refused before any gather (on a GPU a fault there would end the helper's context)."""
+    import ctypes
+    import random
+    import struct
+    lib = protocol.native()
+    if lib is None:
+        pytest.skip("no C compiler: no native helper")
+    mem = (ctypes.c_uint8 * (1 << 16))(*[(i * 7 + 3) % 256 for i in range(1 << 16)])  # the child's allocation
+    calls = {"open": 0, "close": 0, "push": 0, "pop": 0, "launch": 0}
+
+    class Handle(ctypes.Structure):
+        _fields_ = [("bytes", ctypes.c_char * 64)]
+    u64p, vp = ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p
+
+    def op(name, result=0):
+        def f(*a):
+            calls[name] += 1
+            return result
+        return f
+    push = ctypes.CFUNCTYPE(ctypes.c_int, vp)(op("push"))
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(vp))
+    def pop(was):
+        calls["pop"] += 1
+        return 0
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, u64p, Handle, ctypes.c_uint)
+    def open_(ptr, handle, flags):
+        calls["open"] += 1
+        ptr[0] = ctypes.addressof(mem)
+        return 0 if handle.bytes.startswith(b"h") else 400  # (an unknown handle: CUDA_ERROR_INVALID_HANDLE)
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, u64p, ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64)
+    def range_(base, size, ptr):
+        base[0], size[0] = ctypes.addressof(mem), len(mem)
+        return 0
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, vp, *[ctypes.c_uint] * 7, vp, ctypes.POINTER(vp), ctypes.POINTER(vp))
+    def launch(f, gx, gy, gz, bx, by, bz, shared, stream, args, extra):
+        calls["launch"] += 1
+        srcs, dst, n = (ctypes.cast(args[i], u64p)[0] for i in range(3))
+        for i in range(n):  # the gather kernel: one byte per thread
+            ctypes.memmove(dst + i, ctypes.cast(srcs, u64p)[i], 1)
+        return 0
+    sync = ctypes.CFUNCTYPE(ctypes.c_int, vp)(op("sync_"))
+    calls["sync_"] = 0
+    close = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64)(op("close"))
+    fns = (vp * 7)(*[ctypes.cast(f, vp) for f in (push, pop, open_, range_, launch, sync, close)])
+    cap = protocol.MAX_OUTPUTS * protocol.READS * 16
+    srcs, dst = ctypes.create_string_buffer(8 * cap), ctypes.create_string_buffer(cap)
+    lib.gpu_setup(fns, 1, 1, 1, ctypes.addressof(srcs), ctypes.addressof(dst), cap)
+    try:
+        base = 0x7F0000000000  # (the child's address of its allocation: any number; the mapping is ours)
+        k, rand = protocol.READS, [random.getrandbits(64) for _ in range(protocol.READS * 2)]
+
+        def read(entries, owner=1):
+            table = b"".join(struct.pack("<4Q", a, n, size, base) + h for a, n, size, h in entries)
+            msg = protocol._frame({}, [len(table)]) + table
+            got, err = ctypes.create_string_buffer(1 << 16), ctypes.c_longlong()
+            n = lib.read_outputs(2, owner, msg, len(msg), (ctypes.c_ulonglong * len(rand))(*rand), len(rand), k, got,
+                                 len(got), ctypes.byref(err))
+            return n, got.raw[:max(n, 0)], err.value
+        h = b"h" * 64
+        n, got, _ = read([(base + 4096, 4000 * 4, 4, h), (base + 100, 10, 2, h)])
+        want = b"".join(bytes(mem[4096 + rand[i] % 4000 * 4:][:4]) for i in range(k))
+        want += b"".join(bytes(mem[100 + rand[k + i] % 5 * 2:][:2]) for i in range(k))
+        assert n == 6 * k and got == want
+        assert calls["open"] == 1 and calls["launch"] == 1 and calls["push"] == calls["pop"] == 1
+        for a, nbytes in ((base + len(mem) - 8, 16), (base - 4, 8), (base + 4096, 1 << 40), (base + (1 << 40), 4)):
+            assert read([(a, nbytes, 4, h)])[0] == -6, (a - base, nbytes)
+        assert calls["launch"] == 1  # (nothing gathered for them)
+        assert read([(base, 16, 4, b"x" * 64)])[0] == -7  # a handle the driver refuses: an error, no gather
+        assert calls["push"] == calls["pop"]
+        lib.gpu_forget(1)
+        assert calls["close"] == 1
+    finally:
+        state = protocol._gpu_state[0] if protocol._gpu_state else None
+        if state:
+            lib.gpu_setup(*state[1])
+        else:
+            lib.gpu_setup((vp * 7)(), None, None, None, None, None, 0)

@@ -124,3 +124,51 @@ def test_large_outputs_are_compared_on_the_gpu_as_on_the_cpu():
     out[-1] += 1
     assert "1/" in env.compare(out, ref, 1e-2, 1e-2, "x")
     assert "RMS error" in env.compare(ref * 1.2, ref, 1.0, 0.2 - 1e-3, "x")
+
+
+def test_timed_runs_on_the_gpu_are_read_by_the_parent(tmp_path):
+    """The parent reads a timed run's sampled elements from the child's device memory itself (CUDA IPC, the native
+    helper's own context), so the child is never told where: an honest kernel passes, one that computes a quarter
+    of its output after the checks does not, and the baselines' cache key says which check timed them."""
+    import protocol
+    ok = env.evaluate(ws_for(tmp_path / "a", "relu", "cuda_extension.relu_scale(x, self.scale)"), backend="cuda")
+    assert ok.correct and ok.reward >= 1, ok.summary()
+    assert protocol.reads("cuda"), "the parent cannot read its children's device memory here (see stderr)"
+    v = env.evaluate(ws_for(tmp_path / "b", "relu", "cuda_extension.relu_scale_part_after_checks(x, self.scale)"),
+                     backend="cuda")
+    assert v.reward == -1 and "a timed run" in (v.error or ""), v.summary()
+
+
+def test_a_device_read_outside_the_childs_allocation_is_refused(tmp_path):
+    """The address and size in a run's list of outputs are the child's word; the mapping's extent is the driver's.
+    An entry that reaches past its allocation is refused before anything is read (a fault in the gather would end
+    the helper's context), and the helper still reads the child's real memory afterwards."""
+    import ctypes
+    import struct
+
+    import protocol
+    run = tmp_path / "ref"
+    run.mkdir()
+    (run / "model.py").write_text(PROBLEMS["relu"])
+    spec = dict(backend="cuda", seed0=1, mode="reference", reference=str(run / "model.py"), seeds=[1, 2], n_checks=0,
+                budget_mb=64, outputs=False)
+    child = env.Child(spec, run, "cuda", env.Config(backend="cuda"))
+    try:
+        first = child.answer()[0]
+        assert protocol.probe_reads(child, first["probe"]), "no device reads here"
+        addr, nbytes, size, base = struct.unpack_from("<4Q", bytes.fromhex(first["probe"]))
+        handle = bytes.fromhex(first["probe"])[32:]
+        lib, target = protocol.native(), child.read_target()
+        rand = (ctypes.c_ulonglong * 16)(*range(16))
+
+        def read(a, n):
+            table = struct.pack("<4Q", a, n, 1, base) + handle
+            msg = protocol._frame({}, [len(table)]) + table
+            got, err = ctypes.create_string_buffer(16), ctypes.c_longlong()
+            return lib.read_outputs(*target, msg, len(msg), rand, 16, 16, got, 16, ctypes.byref(err)), got.raw
+        assert read(addr, 16) == (16, bytes.fromhex(child.key))
+        for a, n in ((addr, 1 << 40), (base + (1 << 40), 16), (base - 4096, 16), (addr, 2**64 - 1)):
+            assert read(a, n)[0] == -6, (a - base, n)
+        assert read(addr, 16) == (16, bytes.fromhex(child.key))  # (the helper's context is intact)
+    finally:
+        child.close()
