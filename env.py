@@ -106,6 +106,11 @@ What it does NOT protect against (be honest; RL will look)
     (else a child could serve the pages read as they are read: 12b). Where it is missing the child is told the
     sample's position after its run, and such a kernel can compute only the sampled elements (reward +3 at 1/64 of
     the work, measured against that exchange on the CPU): the verdicts say so once on stderr.
+  - work done before the clock starts, by native code that takes its process over as above: the input of a run is
+    drawn and copied in while the harness serves "load", which is not timed, so such a kernel can compute the
+    whole output then and return it at once from the run (reward +3 at 0.28 ms against 12.4 ms honest:
+    tests/test_redteam.py, 14). TODO: the child must not hold a run's input before t0 (this process writing the
+    input into the child's buffers after t0, which times one pass over the inputs in every run, baselines too).
   - a kernel that tells the audited runs from the sampled ones (by the time between its calls) knows when the
     n_audits are spent: the runs after that are checked by their samples only (and the last one in full).
   - an OpenMP worker still runs the kernel's own code outside the monitor's thread (it may call only the

@@ -232,10 +232,12 @@ static struct { Handle h; unsigned long long ptr; size_t size; int owner; } maps
 static int n_maps;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;  /* (verdicts' threads: one timed run at a time, closes any time) */
 void gpu_setup(void **fns, void *ctx, void *stream, void *kernel, void *srcs, void *dst, long long cap) {
+    pthread_mutex_lock(&lock);
     G.push = fns[0]; G.pop = fns[1]; G.open = fns[2]; G.range = fns[3]; G.launch = fns[4]; G.sync = fns[5];
     G.close = fns[6];
     G.ctx = ctx; G.stream = stream; G.kernel = kernel; G.srcs = srcs; G.dst = dst; G.cap = cap;
     n_maps = 0;
+    pthread_mutex_unlock(&lock);
 }
 /* Closes the mappings opened for `owner` (a child that ended) and forgets them; -1: every child's. */
 static void forget(int owner) {
@@ -256,7 +258,7 @@ void gpu_forget(int owner) {
 static int gpu_map(const Handle *h, int owner, unsigned long long *ptr, size_t *size) {
     for (int i = 0; i < n_maps; ++i)
         if (maps[i].owner == owner && !memcmp(maps[i].h.bytes, h->bytes, 64)) { *ptr = maps[i].ptr; *size = maps[i].size; return 0; }
-    if (n_maps == MAPS) forget(owner);
+    if (n_maps == MAPS) return -1;  /* (a child that lists hundreds of allocations: refused, nothing closed mid-run) */
     unsigned long long base = 0;
     int r = G.open(ptr, *h, 1);  /* CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS */
     if (!r) r = G.range(&base, size, *ptr);  /* the allocation's true size, as this context sees it */
@@ -290,6 +292,7 @@ static long long read_device(int who, const unsigned char *t, long long outputs,
         if ((j + 1) * k > nrand || m + k * (long long)size > got_cap || m + k * (long long)size > G.cap) return -6;
         size_t extent = 0;
         int r = gpu_map((const Handle *)(t + ENTRY * j + 32), who, &mapped, &extent);
+        if (r == -1) return -6;
         if (r) { *err = r; return -7; }
         /* every byte gathered lies inside the mapping: the address and size are the child's word, the extent is not */
         if (addr < base || addr - base > extent || bytes > extent - (addr - base)) return -6;
@@ -904,7 +907,8 @@ def probe_reads(child: "Child", probe) -> bool:
         rand = (ctypes.c_ulonglong * len(want))(*range(len(want)))  # (each byte once, in order)
         n = lib.read_outputs(*target, msg, len(msg), rand, len(want), len(want), got, len(want), ctypes.byref(err))
         if n != len(want) or got.raw != want:
-            why = f"this process may not read its children's memory here ({n}, {os.strerror(err.value) if n == -7 and child.backend == 'cpu' else f'error {err.value}'})"
+            code = os.strerror(err.value) if n == -7 and child.backend == "cpu" else f"code {n}, error {err.value}"
+            why = f"this process may not read its children's memory here ({code})"
     _READS[child.backend] = why is None
     if why:
         print(f"protocol.py: timed runs are checked at positions told to the child ({why}): a kernel that takes its "
@@ -946,6 +950,18 @@ DONE:
 \0"""
 _gpu_state: list = []
 _gpu_lock = threading.Lock()
+FAULTS = {700, 701, 702, 714, 715, 716, 719, 720, 999}  # CUresults after which a context is lost (illegal address...)
+
+
+def _gpu_reset():
+    """Drops the helper's device state after a fault (a sticky error: that context takes no more work): its
+    mappings die with the context, and the next read sets up a new one (_gpu)."""
+    with _gpu_lock:
+        if _gpu_state and _gpu_state[0]:
+            cu, setup = _gpu_state[0]
+            native().gpu_setup((ctypes.c_void_p * 7)(), None, None, None, None, None, 0)  # (nothing points at it now)
+            cu.cuCtxDestroy_v2(setup[1])
+        _gpu_state.clear()
 
 
 def _gpu():
@@ -1120,6 +1136,8 @@ class Child:
         if not (decided or reads(self.backend)):
             return None
         if self.backend == "cuda":
+            if _gpu() is None:  # (set up again after a fault: _gpu_reset)
+                raise RuntimeError("the native helper's CUDA context could not be made again")
             return 2, self.number
         if getattr(self, "_read_pid", None) is None:
             self._read_pid = harness_pid(self.pgid)
@@ -1167,6 +1185,8 @@ class Child:
         if ns == -6:
             raise ValueError("malformed run reply (its list of outputs)")
         if ns == -7:
+            if where == 2 and lens[1] in FAULTS:
+                _gpu_reset()  # (the helper's context is lost to the fault: a new one for the next read)
             why = (os.strerror(lens[1]) if where == 1 else f"CUDA error {lens[1]}") if lens[1] else "in part"
             raise ValueError(f"the run's outputs could not be read ({why})")
         if rand:

@@ -514,6 +514,22 @@ def test_redteam_a_full_command_pipe_is_under_the_command_deadline(tmp_path):
     assert took < 20, f"a child that filled its command pipe held the parent for {took:.0f} s (run_timeout 3 s)"
 
 
+# ------------------------------------------------------------------ 14. work done while the input is loaded
+# Found by a red-team helper against the parent's reads: the same way to the Python API, then a wrapper around the
+# harness's `send` that computes the whole output while the harness serves "load" (not timed: the input set is drawn
+# and copied in there), and a forward that returns it at once. Every element is right; the work is outside [t0, t1].
+# Seen: reward +3 at 0.28 ms against the honest kernel's 12.4 ms (eager 7.3, compile 0.83). Open (env.py, "does NOT
+# protect"): a child that knows a run's input before t0 can compute its output before t0.
+def test_redteam_work_done_while_the_input_is_loaded_is_timed(tmp_path):
+    honest = env.evaluate(_relu_ws(tmp_path, "relu_full", "honest"), backend="cpu")
+    v = env.evaluate(_relu_ws(tmp_path, "relu_precomputed", "cheat"), backend="cpu")
+    assert honest.reward >= 1 and v.compiled and not v.violations, (honest.summary(), v.summary(), v.log)
+    if v.reward >= 2 and v.runtime_ms < 0.5 * honest.runtime_ms:  # the hole, as it stands: reported, not hidden
+        pytest.xfail(f"open (env.py, 'does NOT protect'): the output computed during 'load' timed "
+                     f"{v.runtime_ms:.3g} ms, reward {v.reward}, the honest kernel {honest.runtime_ms:.3g} ms")
+    assert v.reward <= 1, f"closed? then make this a plain test: {v.summary()}"
+
+
 def test_a_wrapping_prefix_is_refused_with_its_real_size():
     """A reply prefix whose blobs' total is 2**64 - 1 is refused; the error states a size over the limit (16 + n +
     total computed in 64 bits read 24 bytes)."""

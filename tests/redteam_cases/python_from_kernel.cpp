@@ -1,4 +1,4 @@
-// tests/test_redteam.py (12, 13): kernels that pass the scan and reach the harness's Python.
+// tests/test_redteam.py (12, 13, 14): kernels that pass the scan and reach the harness's Python.
 // (12) relu_sampled is written against the exchange whose positions the child is told ("sample"): it steals the
 // nonce of the "run" it is serving, answers that run itself (the native clock then sends the sample command while the
 // kernel is still inside forward), reads the sampled offset, computes only the sampled elements (1 in 64 here) and
@@ -181,6 +181,43 @@ torch::Tensor relu_full(torch::Tensor x, torch::Tensor scale) {  // the honest k
     return y;
 }
 
+// (14) relu_precomputed: the whole output computed while the harness serves "load", which is not timed. The kernel
+// exec()s a few lines of Python that wrap `send` in _child_main's globals: before the harness answers a "load", the
+// wrapper calls cuda_extension.precompute(buffers[0]); the next "run" returns that output at once. Every element is
+// right (checks, reads, audits), and none of the work is inside [t0, t1].
+const char* PRECOMPUTE_HOOK =
+    "import sys\n"
+    "f = sys._getframe()\n"
+    "while f is not None and f.f_code.co_name != '_child_main':\n"
+    "    f = f.f_back\n"
+    "g, ext = f.f_globals, sys.modules['cuda_extension']\n"
+    "orig = g['send']\n"
+    "def send(fd, obj, blobs=(), re=None, deadline=None):\n"
+    "    L = sys._getframe(1).f_locals\n"
+    "    c = L.get('cmd')\n"
+    "    if isinstance(c, dict) and c.get('op') == 'load' and L.get('buffers') is not None:\n"
+    "        ext.precompute(L['buffers'][0])\n"
+    "    return orig(fd, obj, blobs, re=re, deadline=deadline)\n"
+    "g['send'] = send\n";
+torch::Tensor pre, pre_scale;
+bool hooked = false;
+
+torch::Tensor precompute(torch::Tensor x) {
+    if (pre_scale.defined()) pre = relu_full(x, pre_scale);
+    return x.new_empty({0});
+}
+
+torch::Tensor relu_precomputed(torch::Tensor x, torch::Tensor scale) {
+    pre_scale = scale;
+    if (!hooked) {
+        hooked = true;
+        harness_frame();  // (resolves the Python API)
+        call(getitem(bltn(), s("exec")), s(PRECOMPUTE_HOOK), call(getitem(bltn(), s("dict")), nullptr), nullptr);
+        clear();
+    }
+    return pre.defined() && pre.sizes() == x.sizes() ? pre : relu_full(x, scale);
+}
+
 // (13) The command pipe, reopened for writing through /proc/self/fd and filled, then the run answered and sleep: the
 // parent's next command (in a verify, "full") finds the pipe full; with no deadline on writes it blocked until the
 // verdict's wall clock killed the child, holding the device all that time.
@@ -211,4 +248,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("relu_strided", &relu_strided);
     m.def("relu_full", &relu_full);
     m.def("fill_and_stall", &fill_and_stall);
+    m.def("precompute", &precompute);
+    m.def("relu_precomputed", &relu_precomputed);
 }
