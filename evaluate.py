@@ -321,6 +321,22 @@ def convert_load_inline(code: str, backend: str) -> tuple[str, dict, list]:
             return node if node.names else None
 
     tree = Rewrite().visit(tree)
+    # The module kept on an attribute (`self.op = my_ext`, then `self.op.fn(x)`): the scan resolves module-level names
+    # bound to cuda_extension, not attributes of a value, so those calls are spelled `cuda_extension.fn(x)`.
+    ext = {"cuda_extension"} | {t.id for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Name)
+                                and n.value.id == "cuda_extension" for t in n.targets if isinstance(t, ast.Name)}
+    held = {t.attr for n in ast.walk(tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Name)
+            and n.value.id in ext for t in n.targets
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+
+    class Unalias(ast.NodeTransformer):
+        def visit_Attribute(self, node):
+            v = node.value
+            if isinstance(v, ast.Attribute) and v.attr in held and isinstance(v.value, ast.Name) and v.value.id == "self":
+                return ast.copy_location(ast.Attribute(ast.Name("cuda_extension", ast.Load()), node.attr, node.ctx), node)
+            return self.generic_visit(node)
+
+    tree = Unalias().visit(tree)
     still_used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
     tree.body = [n for n in tree.body if not (isinstance(n, ast.Assign) and len(n.targets) == 1
                  and isinstance(n.targets[0], ast.Name) and n.targets[0].id in used_consts - still_used)]

@@ -159,7 +159,13 @@ def test_converter_functions_multiple_calls_and_errors():
     assert files["kernels/twice_ext_cuda.cu"].startswith("#include <torch/types.h>\n#include <cuda.h>\n#include <cuda_runtime.h>\n")
     assert files["kernels/twice_ext.cpp"].startswith("#include <torch/extension.h>\n")
     assert "self.neg = cuda_extension" in model_new and "twice = cuda_extension" in model_new
+    assert "cuda_extension.neg(twice.twice(a))" in model_new  # (the module held by self, spelled as the scan reads it)
     assert env.static_scan(files, model_new)[0] == []
+    # a function whose name is no PyTorch operator, called through the module kept on self (KernelBench's usual form)
+    held = KB_STYLE.replace("self.neg.neg(", "self.neg.negate_it(").replace('{"neg": "negate"}', '["negate_it"]').replace(
+        "neg(torch::Tensor a)", "negate_it(torch::Tensor a)")
+    model_new, files, _ = evaluate.convert_load_inline(held, "cuda")
+    assert "cuda_extension.negate_it(" in model_new and env.static_scan(files, model_new)[0] == [], model_new
     with pytest.raises(evaluate.ConversionError, match="CPU backend builds cpp_sources only"):
         evaluate.convert_load_inline(KB_STYLE, "cpu")
     with pytest.raises(evaluate.ConversionError, match="without running the file"):
