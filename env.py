@@ -647,6 +647,8 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
                 dead = cand.why_dead() if not cand.thread.is_alive() or isinstance(e, EOFError) else None
                 v.error = f"ModelNew {dead}" if dead else f"the candidate process sent a malformed reply ({type(e).__name__}: {e})"
                 v.log = ""
+            except protocol.HarnessError:
+                raise  # (ours, not the candidate's)
             except Exception as e:  # noqa: BLE001 - whatever else a reply provokes while judged is the candidate's -1:
                 # an exception out of evaluate() counts as the harness's failure, and its episode is left out of training
                 v.error, v.log = f"the candidate's reply could not be judged ({type(e).__name__}: {str(e)[:300]})", ""
@@ -654,13 +656,20 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
 
         # The candidate overlaps its start-up with the reference's work, under the reference's hold of the device: a
         # holder never waits for the gate (a waiting baseline holds the gate and waits for every holder).
-        first = stack.enter_context(contextlib.ExitStack())
+        first, first_msg = stack.enter_context(contextlib.ExitStack()), None
+        try:
+            if backend not in protocol._READS:  # decided once per process, before any candidate of it is alive (a
+                with protocol.DECIDING:         # candidate filling the device must not choose the sample exchange)
+                    first_msg = ref.answer()[0]
+                    protocol.probe_reads(ref, first_msg.get("probe"))
+        except (EOFError, ValueError, KeyError, TypeError, ChildError) as e:
+            v.error = f"the reference model.py failed: {e if isinstance(e, ChildError) else ref.why_dead()}"
+            return
         cand = start_candidate(ref_busy.pop_all(), first)
         try:
-            first_msg = ref.answer()[0]
+            first_msg = first_msg or ref.answer()[0]
             n_sets = first_msg["timed_sets"]
             timed_seeds = timed_seeds[:n_sets]
-            protocol.probe_reads(ref, first_msg.get("probe"))  # (decided once per backend, on trusted code)
             ref_outs = [unpack(*ref.answer()) for _ in check_seeds + timed_seeds]
         except (EOFError, ValueError, KeyError, TypeError, ChildError) as e:
             v.error = f"the reference model.py failed: {e if isinstance(e, ChildError) else ref.why_dead()}"

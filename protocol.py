@@ -52,13 +52,14 @@ FORK_PRELOAD = ["torch", "torch._dynamo", "protocol"]
 #                                  synchronises, "ok"
 #   parent: t0, "run"       child: out = fn(*buffers), made contiguous, device-wide sync, "ok" with each output
 #                                  tensor's address and size
-#   parent: reads READS random elements of each output from the child's memory itself (process_vm_readv); t1
+#   parent: reads READS random elements of each output from the child's memory itself (process_vm_readv; on a GPU
+#           a gather through a CUDA IPC mapping of the output's allocation); t1
 # Every command carries a fresh nonce that its reply echoes, and a seed travels XORed with seed_pad(key, nonce).
 # The positions are drawn by the parent and never leave it: a kernel that takes its process over (it can reach the
 # interpreter and answer for the harness: env.py, "does NOT protect") still cannot know which elements are checked,
 # so it must compute all of them before the run's reply. The reads are inside [t0, t1]: work deferred past the reply
-# (lazy pages, late kernels) is timed, or read unfinished. Where the parent may not read a child's memory, or the
-# outputs live on a GPU, the third step is the older exchange, whose positions the child is told:
+# (lazy pages, late kernels) is timed, or read unfinished. Where the parent may not read a child's memory (reads()),
+# the third step is an exchange whose positions the child is told:
 #   parent: "sample" (o)    child: copies out[o::step] (every output) and sends it; parent: t1 at its last byte
 # reads() says which, once per backend. [t0, t1] is one call of native code (timed_pair), which runs without the
 # interpreter's lock: the trainer's other threads cannot add their turns to it.
@@ -220,20 +221,21 @@ static struct {
     int (*open)(unsigned long long *, Handle, unsigned);
     int (*range)(unsigned long long *, size_t *, unsigned long long);
     int (*launch)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *, void **, void **);
-    int (*sync)(void *);
+    int (*query)(void *);
     int (*close)(unsigned long long);
     void *ctx, *stream, *kernel;
     unsigned long long *srcs;  /* host-mapped: byte addresses to gather */
     unsigned char *dst;        /* host-mapped: what they hold */
     long long cap;
 } G;
-#define MAPS 256
+#define MAPS 1024
+#define MAPS_PER_CHILD 32  /* (a caching allocator's segments: a handful; a child listing more is refused) */
 static struct { Handle h; unsigned long long ptr; size_t size; int owner; } maps[MAPS];
 static int n_maps;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;  /* (verdicts' threads: one timed run at a time, closes any time) */
 void gpu_setup(void **fns, void *ctx, void *stream, void *kernel, void *srcs, void *dst, long long cap) {
     pthread_mutex_lock(&lock);
-    G.push = fns[0]; G.pop = fns[1]; G.open = fns[2]; G.range = fns[3]; G.launch = fns[4]; G.sync = fns[5];
+    G.push = fns[0]; G.pop = fns[1]; G.open = fns[2]; G.range = fns[3]; G.launch = fns[4]; G.query = fns[5];
     G.close = fns[6];
     G.ctx = ctx; G.stream = stream; G.kernel = kernel; G.srcs = srcs; G.dst = dst; G.cap = cap;
     n_maps = 0;
@@ -250,19 +252,23 @@ static void forget(int owner) {
 }
 void gpu_forget(int owner) {
     void *was;
-    if (!G.push) return;
     pthread_mutex_lock(&lock);
-    if (!G.push(G.ctx)) { forget(owner); G.pop(&was); }
+    if (G.push && !G.push(G.ctx)) { forget(owner); G.pop(&was); }
     pthread_mutex_unlock(&lock);
 }
 static int gpu_map(const Handle *h, int owner, unsigned long long *ptr, size_t *size) {
-    for (int i = 0; i < n_maps; ++i)
-        if (maps[i].owner == owner && !memcmp(maps[i].h.bytes, h->bytes, 64)) { *ptr = maps[i].ptr; *size = maps[i].size; return 0; }
-    if (n_maps == MAPS) return -1;  /* (a child that lists hundreds of allocations: refused, nothing closed mid-run) */
+    int mine = 0;
+    for (int i = 0; i < n_maps; ++i) {
+        if (maps[i].owner != owner) continue;
+        if (!memcmp(maps[i].h.bytes, h->bytes, 64)) { *ptr = maps[i].ptr; *size = maps[i].size; return 0; }
+        ++mine;
+    }
+    if (mine >= MAPS_PER_CHILD || n_maps == MAPS) return -1;  /* (refused; nothing is closed mid-run) */
     unsigned long long base = 0;
     int r = G.open(ptr, *h, 1);  /* CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS */
-    if (!r) r = G.range(&base, size, *ptr);  /* the allocation's true size, as this context sees it */
     if (r) return r;
+    r = G.range(&base, size, *ptr);  /* the allocation's true size, as this context sees it */
+    if (r) { G.close(*ptr); return r; }
     maps[n_maps].h = *h; maps[n_maps].ptr = *ptr; maps[n_maps].size = *size; maps[n_maps].owner = owner; ++n_maps;
     return 0;
 }
@@ -271,8 +277,9 @@ static int gpu_map(const Handle *h, int owner, unsigned long long *ptr, size_t *
    handle (64 bytes; zeros for host memory). Element i of output j is rand[j * k + i] modulo the output's elements;
    what is read goes to got, in that order. where 1: host memory of process `who` (process_vm_readv); 2: device
    memory, through the mappings kept for child `who`. Returns the bytes read; -6 a malformed list (or more outputs
-   than rand covers, more than got holds, an output outside its allocation); -7 a read refused (*err: errno, or the
-   CUresult). */
+   than rand covers, more than got holds, an output outside its allocation, more allocations than a child may
+   list); -7 a read refused (*err: errno, or the CUresult of opening a child's handle); -8 the gather failed (*err:
+   its CUresult: the helper's context may be lost); -1 the gather not done by the deadline; -9 no device helper. */
 #define ENTRY 96
 static void entry(const unsigned char *t, long long j, unsigned long long f[4]) {
     for (int q = 0; q < 4; ++q) {
@@ -281,7 +288,8 @@ static void entry(const unsigned char *t, long long j, unsigned long long f[4]) 
     }
 }
 static long long read_device(int who, const unsigned char *t, long long outputs, const unsigned long long *rand,
-                             long long nrand, long long k, char *got, long long got_cap, long long *err) {
+                             long long nrand, long long k, char *got, long long got_cap, long long deadline,
+                             long long *err) {
     long long m = 0;
     for (long long j = 0; j < outputs; ++j) {
         unsigned long long f[4], mapped = 0;
@@ -293,7 +301,7 @@ static long long read_device(int who, const unsigned char *t, long long outputs,
         size_t extent = 0;
         int r = gpu_map((const Handle *)(t + ENTRY * j + 32), who, &mapped, &extent);
         if (r == -1) return -6;
-        if (r) { *err = r; return -7; }
+        if (r) { *err = r; return -7; }  /* (a handle the child made up, or memory it freed: its run fails) */
         /* every byte gathered lies inside the mapping: the address and size are the child's word, the extent is not */
         if (addr < base || addr - base > extent || bytes > extent - (addr - base)) return -6;
         mapped += addr - base;
@@ -307,8 +315,11 @@ static long long read_device(int who, const unsigned char *t, long long outputs,
         unsigned long long srcs = (unsigned long long)G.srcs, dst = (unsigned long long)G.dst, count = (unsigned long long)m;
         void *args[] = {&srcs, &dst, &count};
         int r = G.launch(G.kernel, blocks, 1, 1, threads, 1, 1, 0, G.stream, args, 0);
-        if (!r) r = G.sync(G.stream);
-        if (r) { *err = r; return -7; }
+        while (!r && (r = G.query(G.stream)) == 600) {  /* CUDA_ERROR_NOT_READY: polled until the command's deadline */
+            if (now_ns() > deadline) return -1;
+            sched_yield();
+        }
+        if (r) { *err = r; return -8; }
         memcpy(got, G.dst, (size_t)m);
     }
     return m;
@@ -339,7 +350,7 @@ static long long read_host(int pid, const unsigned char *t, long long outputs, c
     return at;
 }
 long long read_outputs(int where, int who, const char *reply, long long len, const unsigned long long *rand,
-                       long long nrand, long long k, char *got, long long got_cap, long long *err) {
+                       long long nrand, long long k, char *got, long long got_cap, long long deadline, long long *err) {
     unsigned long long n = 0, total = 0;
     for (int i = 7; i >= 0; --i) { n = n << 8 | (unsigned char)reply[i]; total = total << 8 | (unsigned char)reply[8 + i]; }
     if (16 + n + total != (unsigned long long)len || total % ENTRY) return -6;
@@ -347,13 +358,12 @@ long long read_outputs(int where, int who, const char *reply, long long len, con
     long long outputs = (long long)(total / ENTRY);
     if (where == 1)
         return read_host(who, t, outputs, rand, nrand, k, got, got_cap, err);
-    if (!G.launch) return -6;
     pthread_mutex_lock(&lock);  /* the context is this thread's while it reads, and is taken off it again */
     void *was;
-    long long r = G.push(G.ctx);
-    if (r) { *err = r; r = -7; }
-    else {
-        r = read_device(who, t, outputs, rand, nrand, k, got, got_cap, err);
+    long long r = -9;
+    if (G.launch && (r = G.push(G.ctx)) != 0) { *err = r; r = -8; }
+    else if (G.launch) {
+        r = read_device(who, t, outputs, rand, nrand, k, got, got_cap, deadline, err);
         G.pop(&was);
     }
     pthread_mutex_unlock(&lock);
@@ -375,7 +385,7 @@ long long timed_pair(int cmd_fd, int rep_fd, const char *run, long long run_len,
     if (a < 0) return a;
     lens[0] = a;
     if (where) {
-        long long b = read_outputs(where, who, buf1, a, rand, nrand, k, buf2, cap2, &lens[1]);
+        long long b = read_outputs(where, who, buf1, a, rand, nrand, k, buf2, cap2, now_ns() + timeout_ns, &lens[1]);
         if (b < 0) return b;
         lens[1] = b;
         return now_ns() - t0;
@@ -420,7 +430,7 @@ def native():
                 lib.timed_pair.argtypes = [i, i, p, ll, p, ll, ctypes.c_void_p, ll, ctypes.c_void_p, ll, ll, ll, ll,
                                            ctypes.POINTER(ll), i, i, u64s, ll, ll]
                 lib.read_outputs.restype = ll
-                lib.read_outputs.argtypes = [i, i, p, ll, u64s, ll, ll, ctypes.c_void_p, ll, ctypes.POINTER(ll)]
+                lib.read_outputs.argtypes = [i, i, p, ll, u64s, ll, ll, ctypes.c_void_p, ll, ll, ctypes.POINTER(ll)]
                 lib.gpu_setup.argtypes = [ctypes.POINTER(ctypes.c_void_p)] + [ctypes.c_void_p] * 5 + [ll]
                 lib.gpu_forget.argtypes = [i]
             _native.append(lib)
@@ -869,6 +879,7 @@ PIPE_BYTES = 1 << 20  # a pipe holds a whole sample (65536 elements of 8 bytes =
 # 1; the device node /dev/userfaultfd is left out of the sandbox's private /dev. Device memory exported through a CUDA
 # IPC handle is plain device memory (managed and VMM memory cannot be exported that way).
 _READS: dict = {}
+DECIDING = threading.Lock()  # (env.py holds it while the first reference child is probed)
 _numbers = itertools.count(1)
 
 
@@ -905,7 +916,8 @@ def probe_reads(child: "Child", probe) -> bool:
         table = bytes.fromhex(probe)
         msg = _frame({}, [len(table)]) + table
         rand = (ctypes.c_ulonglong * len(want))(*range(len(want)))  # (each byte once, in order)
-        n = lib.read_outputs(*target, msg, len(msg), rand, len(want), len(want), got, len(want), ctypes.byref(err))
+        n = lib.read_outputs(*target, msg, len(msg), rand, len(want), len(want), got, len(want),
+                             time.monotonic_ns() + 10**10, ctypes.byref(err))  # (CLOCK_MONOTONIC, as the helper's)
         if n != len(want) or got.raw != want:
             code = os.strerror(err.value) if n == -7 and child.backend == "cpu" else f"code {n}, error {err.value}"
             why = f"this process may not read its children's memory here ({code})"
@@ -950,7 +962,6 @@ DONE:
 \0"""
 _gpu_state: list = []
 _gpu_lock = threading.Lock()
-FAULTS = {700, 701, 702, 714, 715, 716, 719, 720, 999}  # CUresults after which a context is lost (illegal address...)
 
 
 def _gpu_reset():
@@ -993,16 +1004,16 @@ def _gpu():
             finally:
                 cu.cuCtxPopCurrent_v2(ctypes.byref(was))
             names = ("cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2", "cuIpcOpenMemHandle_v2", "cuMemGetAddressRange_v2",
-                     "cuLaunchKernel", "cuStreamSynchronize", "cuIpcCloseMemHandle")
+                     "cuLaunchKernel", "cuStreamQuery", "cuIpcCloseMemHandle")
             fns = (vp * len(names))(*[ctypes.cast(getattr(cu, n), vp) for n in names])
             if lib is None:
                 raise OSError("no native helper")
             setup = (fns, ctx, stream, fn, srcs, dst, cap)
             lib.gpu_setup(*setup)
             state = (cu, setup)  # (kept: what the helper points to lives as long as this process)
+            _gpu_state.append(state)
         except (OSError, AttributeError):
-            pass
-        _gpu_state.append(state)
+            pass  # (not kept: the next call tries again)
         return state
 
 
@@ -1137,7 +1148,7 @@ class Child:
             return None
         if self.backend == "cuda":
             if _gpu() is None:  # (set up again after a fault: _gpu_reset)
-                raise RuntimeError("the native helper's CUDA context could not be made again")
+                raise HarnessError("the native helper's CUDA context could not be made again")
             return 2, self.number
         if getattr(self, "_read_pid", None) is None:
             self._read_pid = harness_pid(self.pgid)
@@ -1172,6 +1183,8 @@ class Child:
                             int(run_spin_s * 1e9), int(sample_spin_s * 1e9), int(timeout * 1e9), lens,
                             where, who, rand_c, len(rand or ()), READS)
         if ns == -1:
+            if where == 2 and lens[0] > 0:
+                _gpu_reset()  # (a gather still queued in the helper's context: dropped with it)
             self._stop()
             raise ChildTimeout(f"one `{'sample' if lens[0] > 0 else 'run'}` took longer than {timeout:g} s")
         if ns in (-2, -4):
@@ -1185,10 +1198,11 @@ class Child:
         if ns == -6:
             raise ValueError("malformed run reply (its list of outputs)")
         if ns == -7:
-            if where == 2 and lens[1] in FAULTS:
-                _gpu_reset()  # (the helper's context is lost to the fault: a new one for the next read)
             why = (os.strerror(lens[1]) if where == 1 else f"CUDA error {lens[1]}") if lens[1] else "in part"
             raise ValueError(f"the run's outputs could not be read ({why})")
+        if ns in (-8, -9):  # the helper's own failure, not the child's: its context is made again for the next read
+            _gpu_reset()
+            raise HarnessError(f"the native helper's device read failed (code {ns}, CUDA error {lens[1]})")
         if rand:
             return ns / 1e6, reply, ctypes.string_at(a2, lens[1])
         if sample is None:
@@ -1235,6 +1249,11 @@ def _raise_error(obj):
         raise ChildError(obj["error"])
 
 
+class HarnessError(RuntimeError):
+    """A failure of this process's own machinery (the native helper's device reads), not of the child: a verdict
+    that meets it raises out of env.evaluate(), which counts it as the harness's failure, never as a reward."""
+
+
 class ChildTimeout(EOFError):
     """A command the child did not answer within Child.cmd_timeout; the child was stopped."""
 
@@ -1246,7 +1265,8 @@ class ChildError(Exception):
 def timed_runs(child: Child, seeds: list, cfg, check=None, audit=None) -> list:  # cfg: env.Config
     """Times fn over the input sets `seeds` in turn with the parent's clock, after `warmup` untimed runs: n_timed
     runs, and never more runs than there are sets unless fewer sets fit in input_budget_mb (a repeated set lets a
-    cache keyed on its values answer without computing). check(k, sample, offset) sees each run's sampled output.
+    cache keyed on its values answer without computing). check(k, values, where) sees each run's sampled elements
+    (checked_values: picks_of(reference, where) gives the reference's elements they must match).
     With `audit`, n_audits more runs are made, and which of them are audits is told to the child only after each run
     has returned: audit(k) checks that run's whole output, and its time is not counted. A kernel that skips work on some timed
     runs, in a pattern the sample could miss, cannot know which runs are read in full. Milliseconds per run.
@@ -1268,7 +1288,7 @@ def _timed_runs(child: Child, seeds: list, cfg, check, audit) -> list:
         return "sample", secrets.randbelow(1 << 30)
 
     child.ask({"op": "load", "seed": seeds[0]})
-    for _ in range(cfg.warmup):  # (checked as the timed runs are: the reads' first mappings and pages are made here)
+    for _ in range(cfg.warmup):  # (driven as the timed runs are: the reads' first mappings and pages are made here)
         timed_run(child, check_of_a_run(), child.spin_s, max(child.spin_s, SAMPLE_SPIN_S))
     times = []
     audits = cfg.n_audits if audit is not None else 0

@@ -1660,10 +1660,13 @@ def test_device_reads_bookkeeping_with_a_stand_in_driver():
         for i in range(n):  # the gather kernel: one byte per thread
             ctypes.memmove(dst + i, ctypes.cast(srcs, u64p)[i], 1)
         return 0
-    sync = ctypes.CFUNCTYPE(ctypes.c_int, vp)(op("sync_"))
-    calls["sync_"] = 0
+    faults = []  # (what the next launch returns: 700 is CUDA_ERROR_ILLEGAL_ADDRESS)
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, vp)
+    def query(stream):
+        return faults.pop() if faults else 0
     close = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64)(op("close"))
-    fns = (vp * 7)(*[ctypes.cast(f, vp) for f in (push, pop, open_, range_, launch, sync, close)])
+    fns = (vp * 7)(*[ctypes.cast(f, vp) for f in (push, pop, open_, range_, launch, query, close)])
     cap = protocol.MAX_OUTPUTS * protocol.READS * 16
     srcs, dst = ctypes.create_string_buffer(8 * cap), ctypes.create_string_buffer(cap)
     lib.gpu_setup(fns, 1, 1, 1, ctypes.addressof(srcs), ctypes.addressof(dst), cap)
@@ -1676,7 +1679,7 @@ def test_device_reads_bookkeeping_with_a_stand_in_driver():
             msg = protocol._frame({}, [len(table)]) + table
             got, err = ctypes.create_string_buffer(1 << 16), ctypes.c_longlong()
             n = lib.read_outputs(2, owner, msg, len(msg), (ctypes.c_ulonglong * len(rand))(*rand), len(rand), k, got,
-                                 len(got), ctypes.byref(err))
+                                 len(got), time.monotonic_ns() + 10**10, ctypes.byref(err))
             return n, got.raw[:max(n, 0)], err.value
         h = b"h" * 64
         n, got, _ = read([(base + 4096, 4000 * 4, 4, h), (base + 100, 10, 2, h)])
@@ -1687,10 +1690,20 @@ def test_device_reads_bookkeeping_with_a_stand_in_driver():
         for a, nbytes in ((base + len(mem) - 8, 16), (base - 4, 8), (base + 4096, 1 << 40), (base + (1 << 40), 4)):
             assert read([(a, nbytes, 4, h)])[0] == -6, (a - base, nbytes)
         assert calls["launch"] == 1  # (nothing gathered for them)
-        assert read([(base, 16, 4, b"x" * 64)])[0] == -7  # a handle the driver refuses: an error, no gather
+        assert read([(base, 16, 4, b"x" * 64)])[0] == -7  # a handle the driver refuses: the child's run fails
+        faults.append(700)
+        assert read([(base, 16, 4, h)]) == (-8, b"", 700)  # a fault in the gather: the helper's, not the child's
         assert calls["push"] == calls["pop"]
+        opened = calls["open"]
+        for i in range(40):  # a child listing ever new allocations: refused past its quota, nothing closed meanwhile
+            n = read([(base, 16, 4, b"h%02d" % i + b"h" * 61)], owner=2)[0]
+            assert n == (4 * k if i < 32 else -6), (i, n)
+        assert calls["open"] == opened + 32 and calls["close"] == 0
+        lib.gpu_forget(2)
+        assert calls["close"] == 32 and read([(base + 4096, 4000 * 4, 4, h)])[0] == 4 * k
+        assert calls["open"] == opened + 32  # (child 1's mapping kept)
         lib.gpu_forget(1)
-        assert calls["close"] == 1
+        assert calls["close"] == 33
     finally:
         state = protocol._gpu_state[0] if protocol._gpu_state else None
         if state:

@@ -419,7 +419,10 @@ def test_redteam_a_kernel_answering_the_run_itself_does_not_learn_the_sample(tmp
                     "exchange, whose positions the child is told (env.py, 'does NOT protect')")
     v = env.evaluate(_relu_ws(tmp_path, cheat, "cheat"), backend="cpu")
     assert v.compiled and not v.violations and v.reward == -1, (honest.summary(), v.summary(), v.log)
-    assert any(w in v.error for w in ("a timed run", "answers no command", "malformed run reply")), v.error
+    if cheat == "relu_strided":  # the harness answers for it: caught by the reads alone
+        assert "a timed run" in v.error and "values differ" in v.error, v.error
+    else:  # its own replies are out of step with the reads' protocol (no sample command comes)
+        assert any(w in v.error for w in ("answers no command", "malformed run reply", "a timed run")), v.error
 
 
 # ------------------------------------------------------------------ 12b. memory served when it is read
