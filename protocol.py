@@ -589,16 +589,19 @@ def seed_pad(key: str, nonce: str) -> int:
     return int.from_bytes(hashlib.blake2b(nonce.encode(), key=bytes.fromhex(key), digest_size=4).digest(), "little")
 
 
-def pack(out, blobs: list):
-    """A nested output as JSON-able structure + raw tensor bytes (no pickle crosses the boundary)."""
+def pack(out, blobs: list, item=None):
+    """A nested output as JSON-able structure + raw tensor bytes (no pickle crosses the boundary); with `item`, what
+    item(tensor) makes instead of each tensor's bytes (layout)."""
     if isinstance(out, torch.Tensor):
         t = out.detach().contiguous()
-        flat = t.reshape(-1).view(torch.uint8)
-        # its own memory, sent as is (a GPU tensor is copied out by send, in pieces)
-        blobs.append(b"" if not t.numel() else flat if t.device.type == "cuda" else flat.cpu().numpy())
+        if item is not None:
+            blobs.append(item(t))
+        else:  # its own memory, sent as is (a GPU tensor is copied out by send, in pieces)
+            flat = t.reshape(-1).view(torch.uint8)
+            blobs.append(b"" if not t.numel() else flat if t.device.type == "cuda" else flat.cpu().numpy())
         return {"t": len(blobs) - 1, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
     if isinstance(out, (tuple, list)):
-        return {"seq": [pack(o, blobs) for o in out], "tuple": isinstance(out, tuple)}
+        return {"seq": [pack(o, blobs, item) for o in out], "tuple": isinstance(out, tuple)}
     if out is None or isinstance(out, (bool, int, float)):
         return {"v": out}
     raise TypeError(f"outputs must be tensors (or tuples of them), not {type(out).__name__}")
@@ -616,14 +619,7 @@ def contiguous(out):
 def layout(out, table: list):
     """pack's structure of a contiguous `out` without its bytes; `table` receives each tensor's entry (output_entry),
     which the parent reads its elements by."""
-    if isinstance(out, torch.Tensor):
-        table.append(output_entry(out))
-        return {"t": len(table) - 1, "dtype": str(out.dtype).removeprefix("torch."), "shape": list(out.shape)}
-    if isinstance(out, (tuple, list)):
-        return {"seq": [layout(o, table) for o in out], "tuple": isinstance(out, tuple)}
-    if out is None or isinstance(out, (bool, int, float)):
-        return {"v": out}
-    raise TypeError(f"outputs must be tensors (or tuples of them), not {type(out).__name__}")
+    return pack(out, table, output_entry)
 
 
 def unpack(obj, blobs: list, depth: int = 0, used: set | None = None):

@@ -4,16 +4,15 @@
 
 A verdict moves every whole output from a child to the parent through a pipe and host memory: ~0.7 s a GiB on the
 H200 after the first touch of fresh host memory (6.5 s for the first GiB), most of a large task's verdict
-(docs/results.md, bench/transfer_bench.py). With CUDA IPC the parent would copy a child's output on the device
-instead. Whether that works across the sandbox's layers (its own PID, IPC and mount namespaces and another uid:
-sandbox.isolation("cuda")) is the open question; this probe answers it and times the copy.
+(docs/results.md, bench/transfer_bench.py). With CUDA IPC the parent can copy a child's output on the device
+instead, and protocol.py reads each timed run's sampled elements that way. Whether IPC works across the sandbox's
+layers (its own PID, IPC and mount namespaces and another uid: sandbox.isolation("cuda")) depends on the host; this
+probe answers it and times the copy.
 
 A child fills a tensor of --gib GiB with a known pattern, writes the driver's IPC handle for it (cuIpcGetMemHandle)
 into a file of its run folder, and waits for the parent's "done" file. The parent opens the handle
 (cuIpcOpenMemHandle), copies the bytes into a tensor of its own (cuMemcpyDtoD), checks the pattern, closes the
 handle and writes "done". Rows: a plain child (no sandbox), then a child in the sandbox as env.py runs candidates.
-What the answer would change in env.py, and what it must then guard against (a child that writes the memory while
-the parent copies it, a handle to memory of another size), is for after the answer.
 """
 import argparse
 import ctypes

@@ -3,11 +3,11 @@
     python bench/sample_read_probe.py                 # CPU: a reference child of env.py, as verdicts start them
     python bench/sample_read_probe.py --repeats 200
 
-Why: a kernel that takes over its process's Python can answer a timed run itself and be told where its output is
-sampled (tests/test_redteam.py, 12; env.py, "does NOT protect"). A sample the child is never told about is one the
-parent reads from the child's memory once the run has been answered, inside the timed span: this probe says
-whether that read is allowed across the sandbox's layers on this machine, and what K random reads cost (each an
-element of an output of the child's; K per output and run sets how likely a skipped part of the output is hit).
+Why: the parent checks each timed run by reading protocol.READS random elements of every output from the child's
+memory itself, inside the timed span, so that a kernel that takes over its process is never told where it is
+checked (protocol.reads(), tests/test_redteam.py 12). This probe says whether that read is allowed across the
+sandbox's layers on this machine, and what K random reads cost (K per output and run sets how likely a skipped part
+of the output is hit).
 It starts one child the way env.py does (env.Child: fork server, namespaces, uid where available), finds its
 process (the leaf under the child's process group), and reads K random 4-byte words, or K random 64-byte lines,
 from the child's largest writable mapping (standing in for an output tensor), --repeats times each. Prints a table.
