@@ -37,19 +37,19 @@ What one verdict does, in order (build.py has step 3, protocol.py the children a
                at the reference's own scale. While forward runs (every run, timed or not), any PyTorch
                operator that computes is a violation; inputs must not be mutated; outputs must be plain
                tensors on the right device.
-  5. profile   candidate, eager and torch.compile are timed the same way, by THIS process's clock,
-               around one exchange per run: "run" (forward, outputs made contiguous, device-wide sync; the
-               reply lists each output's address, size and CUDA IPC handle), then this process reads 64
-               elements of each output from the child's memory itself, at positions it drew and never tells
-               (process_vm_readv; on the GPU a gather through the IPC mapping; where neither is possible, see
-               below, the child is asked for a "sample" out[o::step], o told after the run returned). Fresh inputs are copied into the same buffers and the L2 flushed
-               before each run, outside the clock. Every sample is compared with the reference, so
-               pointer-keyed caches, work skipped after the checks, and work deferred past the run are caught
-               or timed. Two more runs, which ones told to the child after each run returned, are read in
-               full and not timed (work skipped in a pattern a sample can miss). Median of 20 runs, each on inputs of its own. One timed section
-               per device at a time (a lock this process holds). Every child gets the same threading
-               settings (CHILD_ENV: one OpenMP thread per core but one, idle workers sleep). Baselines are timed while no
-               candidate lives on the device, cached per reference with their spread, and measured
+  5. profile   candidate, eager and torch.compile are timed the same way, by THIS process's clock, around one
+               exchange per run: "run" (forward, outputs made contiguous, device-wide sync; the reply lists each
+               output's address, size and CUDA IPC handle), then this process reads 64 elements of each output from
+               the child's memory itself, at positions it drew and never tells (process_vm_readv; on the GPU a
+               gather through the IPC mapping; where neither is possible, see below, the child is asked for a
+               "sample" out[o::step], o told after the run returned). Fresh inputs are copied into the same buffers
+               and the L2 flushed before each run, outside the clock. Every sample is compared with the reference,
+               so pointer-keyed caches, work skipped after the checks, and work deferred past the run are caught or
+               timed. Two more runs, which ones told to the child after each run returned, are read in full and not
+               timed (work skipped in a pattern a sample can miss). Median of 20 runs, each on inputs of its own.
+               One timed section per device at a time (a lock this process holds). Every child gets the same
+               threading settings (CHILD_ENV: one OpenMP thread per core but one, idle workers sleep). Baselines are
+               timed while no candidate lives on the device, cached per reference with their spread, and measured
                again (up to 3 times) while noisy.
   6. reward    the paper's milestones: -1 incorrect; 3 if >5% faster than eager AND compile;
                2 if >5% faster than eager only; 1 otherwise (correct).
