@@ -9,7 +9,7 @@ checked (protocol.reads(), tests/test_redteam.py 12). This probe says whether th
 sandbox's layers on this machine, and what K random reads cost (K per output and run sets how likely a skipped part
 of the output is hit).
 It starts one child the way env.py does (env.Child: fork server, namespaces, uid where available), finds its
-process (the leaf under the child's process group), and reads K random 4-byte words, or K random 64-byte lines,
+process (protocol.harness_pid), and reads K random 4-byte words, or K random 64-byte lines,
 from the child's largest writable mapping (standing in for an output tensor), --repeats times each. Prints a table.
 """
 import argparse
@@ -26,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import env  # noqa: E402
+import protocol  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--repeats", type=int, default=30)
@@ -42,16 +43,6 @@ libc = ctypes.CDLL(None, use_errno=True)
 libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.POINTER(IOVec), ctypes.c_ulong, ctypes.POINTER(IOVec),
                                   ctypes.c_ulong, ctypes.c_ulong]
 libc.process_vm_readv.restype = ctypes.c_ssize_t
-
-
-def leaf(pid: int) -> int:
-    """The last process under pid (the fork server's M, or unshare, then the child itself)."""
-    while True:
-        kids = [int(k) for t in os.listdir(f"/proc/{pid}/task")
-                for k in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
-        if not kids:
-            return pid
-        pid = kids[0]
 
 
 def read_cost(pid: int, base: int, size: int, k: int, width: int) -> float:
@@ -78,7 +69,9 @@ child = env.Child(spec, run, "cpu", env.Config(backend="cpu"))
 try:
     for _ in range(child.answer()[0]["timed_sets"]):  # (the child is idle, its outputs made, once these are read)
         child.answer()
-    pid = leaf(child.pgid)
+    pid = protocol.harness_pid(child.pgid)  # (as the timed runs' reads find it)
+    if pid is None:
+        sys.exit("sample_read_probe.py: the child's process was not found (no PID namespace here?)")
     maps = [line.split() for line in open(f"/proc/{pid}/maps")]
     size, base = max((int(m[0].split("-")[1], 16) - int(m[0].split("-")[0], 16), int(m[0].split("-")[0], 16))
                      for m in maps if m[1].startswith("rw"))
