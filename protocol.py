@@ -1327,9 +1327,7 @@ def timed_run(child, how, run_spin_s: float, sample_spin_s: float):
         child.spin_s = run_spin_s
         t0 = _clock()
         reply, got = child.ask(run_command(how)), None
-        if how[0] == "read":
-            got = read_host(how[2], reply, how[3])  # (device reads need the native helper: reads() says so)
-        elif how[0] == "sample":
+        if how[0] == "sample":  # (never "read": reads need the native helper, and reads() is False without it)
             child.spin_s = sample_spin_s
             got = child.ask({"op": "sample", "offset": how[1]})
         return (_clock() - t0) * 1e3, reply, got
@@ -1389,29 +1387,8 @@ def _cuda_driver():
     return _driver[0]
 
 
-class IOVec(ctypes.Structure):
+class IOVec(ctypes.Structure):  # process_vm_readv's (for the probes and tests that read a child as the helper does)
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
-def read_host(pid: int, reply, rand) -> bytes:
-    """What the native helper's reads of host memory read, read from Python (where there is no native helper)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    got = bytearray()
-    for j, (addr, nbytes, size) in enumerate(_outputs(reply)):
-        if not size or size > 16 or size & (size - 1) or nbytes % size:
-            raise ValueError("malformed run reply (its list of outputs)")
-        if not nbytes:
-            continue
-        if j >= MAX_OUTPUTS:
-            raise ValueError(f"a run listed more than {MAX_OUTPUTS} output tensors")
-        buf = (ctypes.c_char * (READS * size))()
-        remote = (IOVec * READS)(*[IOVec(addr + rand[j * READS + i] % (nbytes // size) * size, size) for i in range(READS)])
-        local = (IOVec * 1)(IOVec(ctypes.addressof(buf), READS * size))
-        if libc.process_vm_readv(pid, local, 1, remote, READS, 0) != READS * size:
-            err = ctypes.get_errno()
-            raise ValueError(f"the run's outputs could not be read ({os.strerror(err) if err else 'in part'})")
-        got += buf.raw
-    return bytes(got)
 
 
 def read_values(reply, got: bytes, rand):

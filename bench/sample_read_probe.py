@@ -35,10 +35,7 @@ if args.repeats < 1:
     sys.exit("sample_read_probe.py: --repeats must be >= 1")
 
 
-class IOVec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
+IOVec = protocol.IOVec
 libc = ctypes.CDLL(None, use_errno=True)
 libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.POINTER(IOVec), ctypes.c_ulong, ctypes.POINTER(IOVec),
                                   ctypes.c_ulong, ctypes.c_ulong]
