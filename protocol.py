@@ -318,6 +318,7 @@ static long long read_device(int who, const unsigned char *t, long long outputs,
         while (!r && (r = G.query(G.stream)) == 600) {  /* CUDA_ERROR_NOT_READY: polled until the command's deadline */
             if (now_ns() > deadline) return -1;
             sched_yield();
+            r = 0;  /* (not done yet is not an error: ask again) */
         }
         if (r) { *err = r; return -8; }
         memcpy(got, G.dst, (size_t)m);

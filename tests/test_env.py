@@ -1615,8 +1615,9 @@ def test_a_child_past_its_deadline_is_stopped_and_reported_as_timed_out():
 def test_device_reads_bookkeeping_with_a_stand_in_driver():
     """The native helper's device reads (protocol.TIMED_PAIR_C, read_device) against a stand-in CUDA driver whose
     "device memory" is a host buffer: the elements drawn are the ones gathered, an allocation is opened once and
-    closed with its child, the helper's context is pushed and popped around each read, and an entry that reaches
-    outside its allocation is refused before any gather (on a GPU a fault there would end the helper's context)."""
+    closed with its child, a gather not done at the first query is waited for, the helper's context is pushed and
+    popped around each read, and an entry that reaches outside its allocation is refused before any gather (on a GPU
+    a fault there would end the helper's context)."""
     import ctypes
     import random
     import struct
@@ -1659,11 +1660,15 @@ def test_device_reads_bookkeeping_with_a_stand_in_driver():
         srcs, dst, n = (ctypes.cast(args[i], u64p)[0] for i in range(3))
         for i in range(n):  # the gather kernel: one byte per thread
             ctypes.memmove(dst + i, ctypes.cast(srcs, u64p)[i], 1)
+        busy[0] = 2
         return 0
-    faults = []  # (what the next launch returns: 700 is CUDA_ERROR_ILLEGAL_ADDRESS)
+    faults, busy = [], [0]  # (what the next launch's end returns: 700 is CUDA_ERROR_ILLEGAL_ADDRESS)
 
     @ctypes.CFUNCTYPE(ctypes.c_int, vp)
-    def query(stream):
+    def query(stream):  # CUDA_ERROR_NOT_READY twice after each launch, as a real gather may be
+        if busy[0]:
+            busy[0] -= 1
+            return 600
         return faults.pop() if faults else 0
     close = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64)(op("close"))
     fns = (vp * 7)(*[ctypes.cast(f, vp) for f in (push, pop, open_, range_, launch, query, close)])
