@@ -42,8 +42,11 @@ What one verdict does, in order (build.py has step 3, protocol.py the children a
                output's address, size and CUDA IPC handle), then this process reads 64 elements of each output from
                the child's memory itself, at positions it drew and never tells (process_vm_readv; on the GPU a
                gather through the IPC mapping; where neither is possible, see below, the child is asked for a
-               "sample" out[o::step], o told after the run returned). Fresh inputs are copied into the same buffers
-               and the L2 flushed before each run, outside the clock. Every sample is compared with the reference,
+               "sample" out[o::step], o told after the run returned). Each run's input is written into the child's
+               buffers by this process just before the clock starts (after the L2 is flushed): the child never holds
+               it earlier (protocol.TimedInputs; on the GPU the buffers are the native helper's, opened by the
+               child through CUDA IPC, so inputs up to the L2's size start the run in it; the same for all three).
+               Every sample is compared with the reference,
                so pointer-keyed caches, work skipped after the checks, and work deferred past the run are caught or
                timed. Two more runs, which ones told to the child after each run returned, are read in full and not
                timed (work skipped in a pattern a sample can miss). Median of 20 runs, each on inputs of its own.
@@ -58,7 +61,7 @@ What the sandbox protects against (sandbox.py has the layers)
   - reading the answers: reference outputs and seeds never exist where the candidate can reach them, nor the
     positions its timed runs are checked at (they never leave this process; but see below); its
     filesystem view hides the cache root (other runs, baselines, references), /tmp and /dev/shm are its own, and
-    the next input arrives only after the previous run's result.
+    a timed run's input arrives only as its clock starts (this process writes it; see below).
   - forging the verdict: only this process measures time and judges; a child's replies are validated
     field by field (a malformed one is reward -1, never a crash), and each must echo the nonce of the command it
     answers: a reply that native code writes to the pipe without reading the harness's memory is refused.
@@ -106,11 +109,15 @@ What it does NOT protect against (be honest; RL will look)
     (else a child could serve the pages read as they are read: 12b). Where it is missing the child is told the
     sample's position after its run, and such a kernel can compute only the sampled elements (reward +3 at 1/64 of
     the work, measured against that exchange on the CPU): the verdicts say so once on stderr.
-  - work done before the clock starts, by native code that takes its process over as above: the input of a run is
-    drawn and copied in while the harness serves "load", which is not timed, so such a kernel can compute the
-    whole output then and return it at once from the run (reward +3 at 0.28 ms against 12.4 ms honest:
-    tests/test_redteam.py, 14). TODO: the child must not hold a run's input before t0 (this process writing the
-    input into the child's buffers after t0, which times one pass over the inputs in every run, baselines too).
+  - work done alongside the write of a run's input, by native code that takes its process over as above: the
+    child holds no run's input before this process writes it, just before t0 (without that, such a kernel computed
+    the whole output while the harness loaded the input and returned it at once: reward +3 at 0.28 ms against
+    12.4 ms honest; tests/test_redteam.py, 14), but a thread or a persistent GPU kernel of its own could watch its
+    buffers and compute on the part already written while the write goes on: at most the write's time (one pass
+    over the inputs) saved per run. Where the reads are not possible, the child loads each input itself, untimed,
+    and such a kernel can compute the whole output then.
+  - inputs mutated by a timed run: checked on the check runs only (this process writes every timed run's input
+    afresh). Timed runs get contiguous copies of strided inputs.
   - a kernel that tells the audited runs from the sampled ones (by the time between its calls) knows when the
     n_audits are spent: the runs after that are checked by their samples only (and the last one in full).
   - an OpenMP worker still runs the kernel's own code outside the monitor's thread (it may call only the
@@ -635,7 +642,7 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
             cand.reply_limit = 2 * max(sum(t.numel() * t.element_size() for t in _tensors(o)) for o in ref_outs) + (1 << 20)
             try:
                 _drive_candidate(v, cand, check_seeds if checks else [], ref_checks if checks else [],
-                                 timed_seeds if timed else [], ref_timed, cfg, backend, lap)
+                                 timed_seeds if timed else [], ref_timed, cfg, backend, lap, inputs)
             except ChildTimeout as e:
                 v.error, v.log = f"ModelNew timed out: {e}", ""
             except ReplyTooLarge as e:  # (read no further: the reply is left unread)
@@ -656,6 +663,8 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
 
         # The candidate overlaps its start-up with the reference's work, under the reference's hold of the device: a
         # holder never waits for the gate (a waiting baseline holds the gate and waits for every holder).
+        # the timed runs' inputs, held here and written into a child just before each run (freed after every child)
+        inputs = stack.enter_context(contextlib.closing(protocol.TimedInputs(backend)))
         first, first_msg = stack.enter_context(contextlib.ExitStack()), None
         try:
             if backend not in protocol._READS:  # decided once per process, before any candidate of it is alive (a
@@ -671,6 +680,10 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
             n_sets = first_msg["timed_sets"]
             timed_seeds = timed_seeds[:n_sets]
             ref_outs = [unpack(*ref.answer()) for _ in check_seeds + timed_seeds]
+            if timed and protocol.reads(backend):
+                inputs.take(ref, timed_seeds)
+            else:
+                inputs = None  # (the child loads each set itself: timed_runs)
         except (EOFError, ValueError, KeyError, TypeError, ChildError) as e:
             v.error = f"the reference model.py failed: {e if isinstance(e, ChildError) else ref.why_dead()}"
             return
@@ -712,7 +725,7 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
                     times = {}
                     for name in ("eager", "compile"):
                         ref.ask({"op": "use", "fn": name})
-                        times[name] = timed_runs(ref, timed_seeds, cfg)
+                        times[name] = timed_runs(ref, timed_seeds, cfg, inputs=inputs)
             except (EOFError, ValueError, KeyError, TypeError, ChildError) as e:
                 v.error = f"the reference model.py failed while timed: {ref.why_dead() if isinstance(e, EOFError) else e}"
                 return
@@ -737,7 +750,7 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
         v.reward = reward_for(True, v.runtime_ms, v.eager_ms, v.compile_ms)
 
 
-def _drive_candidate(v, cand, check_seeds, ref_checks, timed_seeds, ref_timed, cfg, backend, lap):
+def _drive_candidate(v, cand, check_seeds, ref_checks, timed_seeds, ref_timed, cfg, backend, lap, inputs=None):
     cand.cmd_timeout = cfg.load_timeout  # (a hang in ModelNew.__init__ would otherwise hold the device for `timeout`)
     obj, _ = cand.answer()  # "ready", or the error that stopped model_new.py from loading
     cand.cmd_timeout = cfg.run_timeout  # (loading may take long; each command after it may not)
@@ -783,7 +796,7 @@ def _drive_candidate(v, cand, check_seeds, ref_checks, timed_seeds, ref_timed, c
     try:
         with file_lock(gpu_lock_path(backend)):
             lap("wait device")
-            times = timed_runs(cand, timed_seeds, cfg, check, audit)
+            times = timed_runs(cand, timed_seeds, cfg, check, audit, inputs)
     except Rejected as e:
         v.error = str(e) or None
         return

