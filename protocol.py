@@ -845,7 +845,9 @@ def input_buffers(structure, handles, device: torch.device):
                 return torch.empty(shape, dtype=dtype, device=device)
             cu, ptr = _cuda_driver(), ctypes.c_uint64()
             cu.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), _IpcHandle, ctypes.c_uint]
-            r = cu.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), _IpcHandle(bytes.fromhex(handles[o["t"]])), 1)
+            h = _IpcHandle()  # (its bytes copied in whole: a c_char array assigned from bytes stops at a NUL)
+            ctypes.memmove(ctypes.byref(h), bytes.fromhex(handles[o["t"]]).ljust(64, b"\0")[:64], 64)
+            r = cu.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h, 1)
             if r:
                 raise RuntimeError(f"the parent's input buffer could not be opened (CUDA error {r})")
             return torch.as_tensor(_DeviceBytes(ptr.value, n), device=device).view(dtype).view(shape)
