@@ -31,6 +31,7 @@ env.torch.set_num_threads(protocol.CHILD_THREADS)  # (and as many threads)
 p = argparse.ArgumentParser()
 p.add_argument("--backend", default="cpu")
 p.add_argument("--runs", type=int, default=60)
+p.add_argument("--only", default="", help="only the rows whose name contains one of these (comma-separated)")
 args = p.parse_args()
 backend = env.resolve_backend(args.backend)
 
@@ -65,8 +66,9 @@ def task(batch, dim):
 
 def drive(mode, model_new, extra, model, pipe_bytes, polls=(protocol.CHILD_SPIN_S, None, protocol.SAMPLE_SPIN_S)):
     """Medians (ms) of this process's clock (Python's) around "run", around "sample", both, their minimum, and the
-    native clock's run + sample (protocol.timed_pair), and the same run with the parent's own reads of the outputs
-    instead of the sample (the verdict's figure where protocol.reads() allows them; nan elsewhere).
+    native clock's run + sample (protocol.timed_pair), the same run with the parent's own reads of the outputs
+    instead of the sample, and with the input written by the parent just before the clock too (protocol.TimedInputs:
+    the verdict's figure where protocol.reads() allows them; nan elsewhere).
     polls: seconds the child polls for a command, this process for a run's reply (None: as timed_runs) and for a
     sample's."""
     sample_spin = polls[2]
@@ -114,7 +116,7 @@ def drive(mode, model_new, extra, model, pipe_bytes, polls=(protocol.CHILD_SPIN_
             t_sample.append((t2 - t1) * 1e3)
         # the verdict's figure: one call of protocol.timed_pair per run (the split above is Python's clock), with the
         # sample exchange, and with the parent's own reads of the outputs (protocol.READS per output) where allowed
-        native, reads, target = [], [], child.read_target()
+        native, reads, written, target = [], [], [], child.read_target()
         for i in range(args.runs):
             child.ask({"op": "load", "seed": seeds[i % 2]})
             timed = child.native_timed_run(("sample", secrets.randbelow(1 << 30)), child.spin_s,
@@ -125,9 +127,32 @@ def drive(mode, model_new, extra, model, pipe_bytes, polls=(protocol.CHILD_SPIN_
                 rand = [secrets.randbits(64) for _ in range(protocol.READS * protocol.MAX_OUTPUTS)]
                 timed = child.native_timed_run(("read", *target, rand), child.spin_s, max(child.spin_s, sample_spin))
                 reads.append(timed[0] if timed else float("nan"))
-        med = statistics.median
+        if target is not None:  # the inputs held here (two sets, from a reference child of this task), written
+            inputs = protocol.TimedInputs(backend)
+            src = child if mode == "reference" else env.Child(dict(spec, mode="reference", seeds=seeds, n_checks=0,
+                                                                   budget_mb=64), run, backend, cfg)
+            try:
+                if src is not child:
+                    for _ in range(src.answer()[0]["timed_sets"]):
+                        src.answer()
+                inputs.take(src, seeds[:2])
+            finally:
+                if src is not child:
+                    src.close()
+            writes = inputs.attach(child)
+            for i in range(args.runs):
+                if backend == "cuda":
+                    child.ask({"op": "flush"})
+                rand = [secrets.randbits(64) for _ in range(protocol.READS * protocol.MAX_OUTPUTS)]
+                timed = child.native_timed_run(("read", *target, rand), child.spin_s, max(child.spin_s, sample_spin),
+                                               writes[i % 2])
+                written.append(timed[0])
+            child.close()
+            inputs.close()
+        med, nan = statistics.median, float("nan")
         return (med(t_run), med(t_sample), med([a + s for a, s in zip(t_run, t_sample)]),
-                min(a + s for a, s in zip(t_run, t_sample)), med(native), med(reads) if reads else float("nan"))
+                min(a + s for a, s in zip(t_run, t_sample)), med(native), med(reads) if reads else nan,
+                med(written) if written else nan)
     finally:
         protocol.CHILD_ENV, protocol.PIPE_BYTES, protocol.CHILD_SPIN_S = HARNESS, PIPE, SPIN
         child.spin_s = 0.0
@@ -161,24 +186,28 @@ ROWS = [  # (name, child, model_new, child env, task, reply pipe bytes)
 ]
 out = []
 for name, *how in ROWS:
+    if not any(w in name for w in args.only.split(",")):
+        continue
     r = drive(*how)
     out.append((name, *r))
     print(f"  {name}: run {r[0]:.4f} ms, sample {r[1]:.4f} ms, total {r[2]:.4f} ms (min {r[3]:.4f}), native {r[4]:.4f}, "
-          f"native with reads {r[5]:.4f}", flush=True)
+          f"native with reads {r[5]:.4f}, inputs written too {r[6]:.4f}", flush=True)
 # The trusted in-process timer (env.time_callable: no pipes, no monitor, this process's threads) on eager, per task.
 dev = "cuda" if backend == "cuda" else "cpu"
 for name, code in (("eager in-process (env.time_callable), 1 element", ONE), ("eager in-process, 64x4096", BIG),
                    ("eager in-process, matmul", MM)):
+    if not any(w in name for w in args.only.split(",")):
+        continue
     ns = {}
     exec(compile(code, name, "exec"), ns)
     m = ns["Model"](*ns["get_init_inputs"]()).to(dev).eval()
     t, _ = env.time_callable(m, [[x.to(dev) for x in ns["get_inputs"]()] for _ in range(4)], n_timed=args.runs)
-    out.append((name, t, float("nan"), t, float("nan"), float("nan"), float("nan")))
+    out.append((name, t, float("nan"), t, float("nan"), float("nan"), float("nan"), float("nan")))
     print(f"  {name}: {t:.4f} ms", flush=True)
 print(f"\n## timing floor, relu_scale, 1 element unless said ({backend}, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}, "
       f"{args.runs} runs each)\n")
 print("| child / setting | run (ms) | sample (ms) | run + sample, median (ms) | min (ms) | native clock, median (ms) | "
-      "native clock, parent reads (ms) |\n|---|---|---|---|---|---|---|")
-for name, a, s, t, m, n, r in out:
-    print(f"| {name} | {a:.4f} | {s:.4f} | {t:.4f} | {m:.4f} | {n:.4f} | {r:.4f} |")
+      "native clock, parent reads (ms) | the same, inputs written by the parent (ms) |\n|---|---|---|---|---|---|---|---|")
+for name, a, s, t, m, n, r, w in out:
+    print(f"| {name} | {a:.4f} | {s:.4f} | {t:.4f} | {m:.4f} | {n:.4f} | {r:.4f} | {w:.4f} |")
 shutil.rmtree(work, ignore_errors=True)
