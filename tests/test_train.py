@@ -985,7 +985,7 @@ import train
 rank, world, out = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 if world > 1:
     import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[5]}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{sys.argv[5]}", rank=rank, world_size=world)
 torch.set_num_threads(1)
 from transformers import LlamaConfig, LlamaForCausalLM
 torch.manual_seed(0)
@@ -1032,17 +1032,14 @@ if world > 1:  # (a rank that exits with its gloo threads running may abort: "te
 def test_gradients_on_two_ranks_equal_one_process(tmp_path):
     """The same 3 sequences as 1 process, and as 2 gloo ranks holding 2 and 1 of them: PPO (actor and critic),
     an RFT epoch and a critic pre-training epoch change every parameter by the same gradient (SGD, lr 1)."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env_ = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
     one = subprocess.run([sys.executable, "-c", GRAD_SCRIPT, str(ROOT), "0", "1", str(tmp_path / "one")],
                          capture_output=True, text=True, timeout=300, env=env_)
     assert one.returncode == 0, one.stderr[-3000:]
-    procs = [subprocess.Popen([sys.executable, "-c", GRAD_SCRIPT, str(ROOT), str(r), "2", str(tmp_path / "two"), str(port)],
+    procs = [subprocess.Popen([sys.executable, "-c", GRAD_SCRIPT, str(ROOT), str(r), "2", str(tmp_path / "two"),
+                               str(tmp_path / "rendezvous")],  # (a file: no port picked, released, then taken)
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_) for r in range(2)]
     for p in procs:
         _, err = p.communicate(timeout=300)
