@@ -650,6 +650,8 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
                 v.error, v.log = (f"a reply of the candidate is {e.nbytes:,} bytes, over the {e.limit:,} it may send (its "
                                   f"outputs may take about twice the reference's, shape {shapes}): check the shape of "
                                   f"what forward returns"), ""
+            except protocol.DeviceFull as e:
+                v.error, v.log = f"{e}: the device is full", ""
             except (EOFError, ValueError, TypeError, KeyError, AttributeError) as e:
                 dead = cand.why_dead() if not cand.thread.is_alive() or isinstance(e, EOFError) else None
                 v.error = f"ModelNew {dead}" if dead else f"the candidate process sent a malformed reply ({type(e).__name__}: {e})"
@@ -681,7 +683,11 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
             timed_seeds = timed_seeds[:n_sets]
             ref_outs = [unpack(*ref.answer()) for _ in check_seeds + timed_seeds]
             if timed and protocol.reads(backend):
-                inputs.take(ref, timed_seeds)
+                try:
+                    inputs.take(ref, timed_seeds)
+                except protocol.DeviceFull as e:
+                    v.error = f"{e}: the device is full"
+                    return
             else:
                 inputs = None  # (the child loads each set itself: timed_runs)
         except (EOFError, ValueError, KeyError, TypeError, ChildError) as e:

@@ -1435,6 +1435,10 @@ class HarnessError(RuntimeError):
     that meets it raises out of env.evaluate(), which counts it as the harness's failure, never as a reward."""
 
 
+class DeviceFull(ValueError):
+    """The native helper could not allocate device memory for a verdict's timed inputs."""
+
+
 class ChildTimeout(EOFError):
     """A command the child did not answer within Child.cmd_timeout; the child was stopped."""
 
@@ -1494,6 +1498,9 @@ class TimedInputs:
             raise HarnessError("the native helper's device memory is gone (its context was dropped after a fault)")
         ptr = ctypes.c_ulonglong()
         r = native().gpu_alloc(max(n, 1), ctypes.byref(ptr), handle)
+        if r == 2:  # CUDA_ERROR_OUT_OF_MEMORY: the verdict's failure, as a reference child's own would be (a candidate
+            # that fills the device must not turn its verdict into the harness's failure, which is not penalised)
+            raise DeviceFull(f"no device memory for the timed runs' inputs ({n:,} bytes)")
         if r:
             raise HarnessError(f"the native helper could not allocate {n} bytes of device memory (CUDA error {r})")
         self._mine.append(ptr.value)
