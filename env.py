@@ -674,7 +674,7 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
                     first_msg = ref.answer()[0]
                     protocol.probe_reads(ref, first_msg.get("probe"))
         except (EOFError, ValueError, KeyError, TypeError, ChildError) as e:
-            v.error = f"the reference model.py failed: {e if isinstance(e, ChildError) else ref.why_dead()}"
+            v.error = f"the reference model.py failed: {ref.why_dead() if isinstance(e, EOFError) else e}"
             return
         cand = start_candidate(ref_busy.pop_all(), first)
         try:
@@ -685,13 +685,15 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
             if timed and protocol.reads(backend):
                 try:
                     inputs.take(ref, timed_seeds)
+                except protocol.InputsDiffer:  # (each child loads each set itself: timed_runs)
+                    inputs = None
                 except protocol.DeviceFull as e:
                     v.error = f"{e}: the device is full"
                     return
             else:
-                inputs = None  # (the child loads each set itself: timed_runs)
+                inputs = None
         except (EOFError, ValueError, KeyError, TypeError, ChildError) as e:
-            v.error = f"the reference model.py failed: {e if isinstance(e, ChildError) else ref.why_dead()}"
+            v.error = f"the reference model.py failed: {ref.why_dead() if isinstance(e, EOFError) else e}"
             return
         ref_checks, ref_timed = ref_outs[:len(check_seeds)], ref_outs[len(check_seeds):]
         lap("reference outputs")

@@ -232,7 +232,7 @@ static struct {
     int (*free)(unsigned long long);
     int (*copy)(unsigned long long, unsigned long long, size_t, void *);
     int (*export)(Handle *, unsigned long long);
-    void *ctx, *stream, *kernel;
+    void *ctx, *stream, *cstream, *kernel;  /* cstream: the inputs' copies (never behind a gather, nor it behind them) */
     unsigned long long *srcs;  /* host-mapped: byte addresses to gather */
     unsigned char *dst;        /* host-mapped: what they hold */
     long long cap;
@@ -242,12 +242,20 @@ static struct {
 static struct { Handle h; unsigned long long ptr; size_t size; int owner; } maps[MAPS];
 static int n_maps;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;  /* (verdicts' threads: one timed run at a time, closes any time) */
-void gpu_setup(void **fns, void *ctx, void *stream, void *kernel, void *srcs, void *dst, long long cap) {
+/* The timed inputs' memory (gpu_alloc ... gpu_free, write_inputs) has a lock of its own, so that a verdict copying in
+   gigabytes of sets does not hold up another's timed reads; and a generation: memory of a context the helper has
+   since dropped (a fault) is never freed or written to in the new one, whose addresses may be the same. */
+static pthread_mutex_t copy_lock = PTHREAD_MUTEX_INITIALIZER;
+static long long generation;
+void gpu_setup(void **fns, void *ctx, void *stream, void *cstream, void *kernel, void *srcs, void *dst, long long cap) {
     pthread_mutex_lock(&lock);
+    pthread_mutex_lock(&copy_lock);
     G.push = fns[0]; G.pop = fns[1]; G.open = fns[2]; G.range = fns[3]; G.launch = fns[4]; G.query = fns[5];
     G.close = fns[6]; G.alloc = fns[7]; G.free = fns[8]; G.copy = fns[9]; G.export = fns[10];
-    G.ctx = ctx; G.stream = stream; G.kernel = kernel; G.srcs = srcs; G.dst = dst; G.cap = cap;
+    G.ctx = ctx; G.stream = stream; G.cstream = cstream; G.kernel = kernel; G.srcs = srcs; G.dst = dst; G.cap = cap;
     n_maps = 0;
+    ++generation;
+    pthread_mutex_unlock(&copy_lock);
     pthread_mutex_unlock(&lock);
 }
 /* Closes the mappings opened for `owner` (a child that ended) and forgets them; -1: every child's. */
@@ -296,10 +304,10 @@ static void entry(const unsigned char *t, long long j, unsigned long long f[4]) 
         for (int b = 7; b >= 0; --b) f[q] = f[q] << 8 | t[ENTRY * j + 8 * q + b];
     }
 }
-/* 0 once the helper's stream has done its work; -1 not by the deadline; else the CUresult of its failure */
-static int wait_stream(long long deadline) {
+/* 0 once a stream of the helper's has done its work; -1 not by the deadline; else the CUresult of its failure */
+static int wait_stream(void *stream, long long deadline) {
     int r;
-    while ((r = G.query(G.stream)) == 600) {  /* CUDA_ERROR_NOT_READY: polled until the command's deadline */
+    while ((r = G.query(stream)) == 600) {  /* CUDA_ERROR_NOT_READY: polled until the command's deadline */
         if (now_ns() > deadline) return -1;
         sched_yield();
     }
@@ -333,7 +341,7 @@ static long long read_device(int who, const unsigned char *t, long long outputs,
         unsigned long long srcs = (unsigned long long)G.srcs, dst = (unsigned long long)G.dst, count = (unsigned long long)m;
         void *args[] = {&srcs, &dst, &count};
         int r = G.launch(G.kernel, blocks, 1, 1, threads, 1, 1, 0, G.stream, args, 0);
-        if (!r && (r = wait_stream(deadline)) == -1) return -1;
+        if (!r && (r = wait_stream(G.stream, deadline)) == -1) return -1;
         if (r) { *err = r; return -8; }
         memcpy(got, G.dst, (size_t)m);
     }
@@ -391,79 +399,81 @@ long long read_outputs(int where, int who, const char *reply, long long len, con
    itself and exported to the child (gpu_alloc): no address the child named is ever written to. Returns 0; -7 a
    write refused (*err: errno); -8 a copy failed (*err: its CUresult); -1 not done by the deadline; -9 no helper. */
 long long write_inputs(int where, int who, const unsigned long long *dst, const unsigned long long *src,
-                       const unsigned long long *len, long long n, long long deadline, long long *err) {
+                       const unsigned long long *len, long long n, long long gen, long long deadline, long long *err) {
     if (where == 1) {
-        struct iovec local[64], remote[64];
-        for (long long i = 0; i < n; i += 64) {
-            int batch = (int)(n - i < 64 ? n - i : 64);
-            long long want = 0;
-            for (int q = 0; q < batch; ++q) {
-                local[q].iov_base = (void *)src[i + q];
-                remote[q].iov_base = (void *)dst[i + q];
-                local[q].iov_len = remote[q].iov_len = len[i + q];
-                want += (long long)len[i + q];
+        for (long long i = 0; i < n; ++i)  /* one range at a time, in pieces of 1 GiB (a call moves under 2 GiB) */
+            for (unsigned long long at = 0; at < len[i]; ) {
+                unsigned long long piece = len[i] - at < (1ULL << 30) ? len[i] - at : (1ULL << 30);
+                struct iovec local = {(void *)(src[i] + at), piece}, remote = {(void *)(dst[i] + at), piece};
+                long long r = process_vm_writev(who, &local, 1, &remote, 1, 0);
+                if (r <= 0) { *err = r < 0 ? errno : 0; return -7; }
+                at += (unsigned long long)r;
             }
-            long long r = process_vm_writev(who, local, batch, remote, batch, 0);
-            if (r != want) { *err = r < 0 ? errno : 0; return -7; }
-        }
         return 0;
     }
-    pthread_mutex_lock(&lock);
+    pthread_mutex_lock(&copy_lock);
     void *was;
     long long r = -9;
-    if (G.copy && (r = G.push(G.ctx)) != 0) { *err = r; r = -8; }
+    if (G.copy && gen != generation) r = -12;
+    else if (G.copy && (r = G.push(G.ctx)) != 0) { *err = r; r = -8; }
     else if (G.copy) {
         int c = 0;
-        for (long long i = 0; i < n && !c; ++i) if (len[i]) c = G.copy(dst[i], src[i], len[i], G.stream);
-        if (!c) c = wait_stream(deadline);
+        for (long long i = 0; i < n && !c; ++i) if (len[i]) c = G.copy(dst[i], src[i], len[i], G.cstream);
+        if (!c) c = wait_stream(G.cstream, deadline);
         r = c == -1 ? -1 : c ? (*err = c, -8) : 0;
         G.pop(&was);
     }
-    pthread_mutex_unlock(&lock);
+    pthread_mutex_unlock(&copy_lock);
     return r;
 }
 /* Device memory of the helper's own (its context): gpu_alloc makes n bytes and, with `handle`, exports them (a CUDA
-   IPC handle the child opens); gpu_copy_in copies a trusted child's tensor (an entry as a run reply lists it) into
-   such memory, through a mapping opened and closed at once; gpu_free frees. Each returns 0 or a CUresult (-9: no
-   helper; -6: an entry outside its allocation or larger than dst_len). */
-long long gpu_alloc(unsigned long long n, unsigned long long *ptr, char *handle) {
-    pthread_mutex_lock(&lock);
+   IPC handle the child opens), and says the helper's generation (*gen); gpu_copy_in copies a trusted child's tensor
+   (an entry as a run reply lists it) into such memory, through a mapping opened and closed at once; gpu_free frees.
+   Each returns 0 or a CUresult; -9 no helper; -12 memory of an older generation (the context it was in is gone);
+   -6 an entry outside its allocation or larger than dst_len; -1 a copy not done by the deadline. */
+long long gpu_alloc(unsigned long long n, unsigned long long *ptr, char *handle, long long *gen) {
+    pthread_mutex_lock(&copy_lock);
     void *was;
     long long r = -9;
     if (G.alloc && !(r = G.push(G.ctx))) {
         r = G.alloc(ptr, n);
         if (!r && handle && (r = G.export((Handle *)handle, *ptr))) G.free(*ptr);
+        *gen = generation;
         G.pop(&was);
     }
-    pthread_mutex_unlock(&lock);
+    pthread_mutex_unlock(&copy_lock);
     return r;
 }
-long long gpu_copy_in(const char *e, unsigned long long dst, unsigned long long dst_len, long long deadline) {
-    pthread_mutex_lock(&lock);
+long long gpu_copy_in(const char *e, unsigned long long dst, unsigned long long dst_len, long long gen,
+                      long long deadline) {
+    pthread_mutex_lock(&copy_lock);
     void *was;
     long long r = -9;
-    if (G.alloc && !(r = G.push(G.ctx))) {
+    if (G.alloc && gen != generation) r = -12;
+    else if (G.alloc && !(r = G.push(G.ctx))) {
         unsigned long long f[4], mapped = 0, base = 0;
         size_t extent = 0;
         entry((const unsigned char *)e, 0, f);
         if (!(r = G.open(&mapped, *(const Handle *)(e + 32), 1))) {
             if (!(r = G.range(&base, &extent, mapped))) {
                 if (f[0] < f[3] || f[0] - f[3] > extent || f[1] > extent - (f[0] - f[3]) || f[1] > dst_len) r = -6;
-                else if (f[1] && !(r = G.copy(dst, mapped + (f[0] - f[3]), f[1], G.stream))) r = wait_stream(deadline);
+                else if (f[1] && !(r = G.copy(dst, mapped + (f[0] - f[3]), f[1], G.cstream)))
+                    r = wait_stream(G.cstream, deadline);
             }
-            G.close(mapped);
+            if (r != -1) G.close(mapped);  /* (a copy still running keeps its mapping: the caller drops the context) */
         }
         G.pop(&was);
     }
-    pthread_mutex_unlock(&lock);
+    pthread_mutex_unlock(&copy_lock);
     return r;
 }
-long long gpu_free(unsigned long long ptr) {
-    pthread_mutex_lock(&lock);
+long long gpu_free(unsigned long long ptr, long long gen) {
+    pthread_mutex_lock(&copy_lock);
     void *was;
     long long r = -9;
-    if (G.free && !(r = G.push(G.ctx))) { r = G.free(ptr); G.pop(&was); }
-    pthread_mutex_unlock(&lock);
+    if (G.free && gen != generation) r = -12;
+    else if (G.free && !(r = G.push(G.ctx))) { r = G.free(ptr); G.pop(&was); }
+    pthread_mutex_unlock(&copy_lock);
     return r;
 }
 /* A timed run: with nw > 0, first its inputs written (write_inputs; wwhere: how), just before the clock starts; then
@@ -472,15 +482,16 @@ long long gpu_free(unsigned long long ptr) {
    into buf2). Returns the ns from before the run command's first byte to after the last byte; or a code of
    read_msg's, write_all's, read_outputs' or write_inputs' (its -7 as -10), each command having timeout_ns to be
    written and answered. lens[0], lens[1]: the reply's and the sample's lengths (or what read_msg put in *need;
-   errno after -7 or -10); lens[0] is 0 until the run's reply has been read. */
+   errno after -7 or -10); lens[0] is 0 until the run's reply has been read. wgen: the inputs' memory's generation
+   (gpu_alloc). */
 long long timed_pair(int cmd_fd, int rep_fd, const char *run, long long run_len, const char *sample,
                      long long sample_len, char *buf1, long long cap1, char *buf2, long long cap2,
                      long long spin_run, long long spin_sample, long long timeout_ns, long long *lens,
                      int where, int who, const unsigned long long *rand, long long nrand, long long k,
                      int wwhere, const unsigned long long *wdst, const unsigned long long *wsrc,
-                     const unsigned long long *wlen, long long nw) {
+                     const unsigned long long *wlen, long long nw, long long wgen) {
     if (nw) {
-        long long r = write_inputs(wwhere, who, wdst, wsrc, wlen, nw, now_ns() + timeout_ns, &lens[1]);
+        long long r = write_inputs(wwhere, who, wdst, wsrc, wlen, nw, wgen, now_ns() + timeout_ns, &lens[1]);
         if (r) return r == -7 ? -10 : r;  /* (-10: the write refused, told apart from a read's -7) */
     }
     long long t0 = now_ns(), w = write_all(cmd_fd, run, run_len, t0 + timeout_ns);
@@ -532,16 +543,16 @@ def native():
                 lib.timed_pair.restype = ll
                 u64s, i = ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_int
                 lib.timed_pair.argtypes = [i, i, p, ll, p, ll, ctypes.c_void_p, ll, ctypes.c_void_p, ll, ll, ll, ll,
-                                           ctypes.POINTER(ll), i, i, u64s, ll, ll, i, u64s, u64s, u64s, ll]
+                                           ctypes.POINTER(ll), i, i, u64s, ll, ll, i, u64s, u64s, u64s, ll, ll]
                 lib.read_outputs.restype = ll
                 lib.read_outputs.argtypes = [i, i, p, ll, u64s, ll, ll, ctypes.c_void_p, ll, ll, ctypes.POINTER(ll)]
-                lib.gpu_setup.argtypes = [ctypes.POINTER(ctypes.c_void_p)] + [ctypes.c_void_p] * 5 + [ll]
+                lib.gpu_setup.argtypes = [ctypes.POINTER(ctypes.c_void_p)] + [ctypes.c_void_p] * 6 + [ll]
                 lib.gpu_forget.argtypes = [i]
                 lib.write_inputs.restype = lib.gpu_alloc.restype = lib.gpu_copy_in.restype = lib.gpu_free.restype = ll
-                lib.write_inputs.argtypes = [i, i, u64s, u64s, u64s, ll, ll, ctypes.POINTER(ll)]
-                lib.gpu_alloc.argtypes = [ctypes.c_ulonglong, u64s, ctypes.c_void_p]
-                lib.gpu_copy_in.argtypes = [p, ctypes.c_ulonglong, ctypes.c_ulonglong, ll]
-                lib.gpu_free.argtypes = [ctypes.c_ulonglong]
+                lib.write_inputs.argtypes = [i, i, u64s, u64s, u64s, ll, ll, ll, ctypes.POINTER(ll)]
+                lib.gpu_alloc.argtypes = [ctypes.c_ulonglong, u64s, ctypes.c_void_p, ctypes.POINTER(ll)]
+                lib.gpu_copy_in.argtypes = [p, ctypes.c_ulonglong, ctypes.c_ulonglong, ll, ll]
+                lib.gpu_free.argtypes = [ctypes.c_ulonglong, ll]
             _native.append(lib)
         return _native[0]
 
@@ -858,6 +869,23 @@ def input_buffers(structure, handles, device: torch.device):
     return make(structure)
 
 
+def _flat(o) -> list:
+    """The tensors of a nested structure, in pack's order."""
+    into = []
+    _walk_tensors(o, into)
+    return into
+
+
+def _unaliased(out, ranges):
+    """`out` with each tensor whose memory lies in one of `ranges` (address, bytes) cloned."""
+    if isinstance(out, torch.Tensor):
+        at = out.data_ptr()
+        return out.clone() if any(a <= at < a + n for a, n in ranges) else out
+    if isinstance(out, (tuple, list)):
+        return type(out)(_unaliased(o, ranges) for o in out)
+    return out
+
+
 def _child_main(spec_path: str):
     """A sandboxed child: mode "reference" (trusted task code; computes outputs and serves baseline runs) or
     "candidate" (loads ModelNew under the dispatch monitor and serves runs). Both obey the parent's commands."""
@@ -899,8 +927,9 @@ def _child_main(spec_path: str):
         send(rep_fd, {"timed_sets": n_sets, "probe": output_entry(probe).hex()})
         with torch.no_grad():  # every output the parent will compare against, before any candidate run
             for seed in seeds[:n_checks + n_sets] if spec.get("outputs", True) else []:  # (none: a baselines' child)
-                blobs = []
-                send(rep_fd, pack(model(*inputs_for(seed)), blobs), blobs)
+                blobs = []  # (on copies: a Model that changes its inputs in place leaves the sets as drawn, for "set")
+                send(rep_fd, pack(model(*[x.clone() if isinstance(x, torch.Tensor) else x for x in inputs_for(seed)]),
+                                  blobs), blobs)
         fns = {"eager": model}
     else:
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -944,7 +973,7 @@ def _child_main(spec_path: str):
         send(rep_fd, {"ready": True, "init_ops": list(bad)})
         bad.clear()
 
-    buffers, out, loaded, fn, spin_s = None, None, None, None, spec["spin_s"]
+    buffers, out, loaded, fn, spin_s, imported, held = None, None, None, None, spec["spin_s"], [], None
     while True:  # serve the parent's commands until it says exit (or closes the pipe)
         try:
             cmd, _ = recv(cmd_fd, spin_s=spin_s)
@@ -963,13 +992,16 @@ def _child_main(spec_path: str):
                 fn = fns[cmd["fn"]]
             elif op == "set" and spec["mode"] == "reference":  # one timed input set, for the parent to hold
                 xs = inputs_for(cmd["seed"] ^ seed_pad(spec["key"], nonce))  # (TimedInputs.take)
-                if device.type == "cuda":  # (where it is: the parent copies it from here through CUDA IPC)
-                    table = []
-                    reply, blobs = {"ok": True, "out": layout(xs, table)}, [b"".join(table)]
+                if device.type == "cuda":  # (where it is: the parent copies it from here through CUDA IPC, before
+                    table, held = [], contiguous(xs)  # its next command: `held` lives until then)
+                    reply, blobs = {"ok": True, "out": layout(held, table)}, [b"".join(table)]
+                    sync()
                 else:
                     reply = {"ok": True, "out": pack(xs, blobs)}
             elif op == "buffers":  # where the parent writes each timed run's input (TimedInputs.attach)
                 buffers, loaded = input_buffers(cmd["inputs"], cmd.get("handles"), device), None
+                imported = [(b.data_ptr(), b.numel() * b.element_size()) for b in _flat(buffers)] \
+                    if cmd.get("handles") else []
                 table = []
                 reply, blobs = {"ok": True, "out": layout(buffers, table)}, [b"".join(table)]
             elif op == "flush":  # (before the parent writes a timed run's input: TimedInputs)
@@ -989,6 +1021,8 @@ def _child_main(spec_path: str):
             elif op == "run":
                 with torch.no_grad():
                     out = contiguous(fn(*buffers))
+                    if imported:  # an output in the parent's memory (a view of an input) cannot be exported to it
+                        out = _unaliased(out, imported)
                 sync()
                 table = []
                 reply = {"ok": True, "out": layout(out, table)}
@@ -1082,13 +1116,15 @@ def probe_reads(child: "Child", probe) -> bool:
             why = f"this process may not read its children's memory here ({code})"
         else:  # and write the inputs of timed runs (TimedInputs): the key's own bytes back where they are
             one = (ctypes.c_ulonglong * 1)
-            if child.backend == "cpu":
+            if child.backend == "cpu" and child._pidfd is None:
+                n = "no pidfd for the child's process"
+            elif child.backend == "cpu":
                 n = lib.write_inputs(1, target[1], one(struct.unpack_from("<Q", table)[0]),
-                                     one(ctypes.addressof(got)), one(len(want)), 1, 0, ctypes.byref(err))
+                                     one(ctypes.addressof(got)), one(len(want)), 1, 0, 0, ctypes.byref(err))
             else:
-                ptr = ctypes.c_ulonglong()
-                n = lib.gpu_alloc(16, ctypes.byref(ptr), ctypes.create_string_buffer(64))
-                n = n or lib.gpu_free(ptr.value)
+                ptr, gen = ctypes.c_ulonglong(), ctypes.c_longlong()
+                n = lib.gpu_alloc(GRANULE, ctypes.byref(ptr), ctypes.create_string_buffer(64), ctypes.byref(gen))
+                n = n or lib.gpu_free(ptr.value, gen.value)
             if n:
                 why = f"this process may not write its children's inputs here (code {n}, error {err.value})"
     _READS[child.backend] = why is None
@@ -1133,7 +1169,6 @@ DONE:
 \0"""
 _gpu_state: list = []
 _gpu_lock = threading.Lock()
-_gpu_generation = [0]  # how many times the helper's context was dropped (device memory of an older one is gone)
 # the driver's functions the helper calls, in gpu_setup's order
 DRIVER_FNS = ("cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2", "cuIpcOpenMemHandle_v2", "cuMemGetAddressRange_v2",
               "cuLaunchKernel", "cuStreamQuery", "cuIpcCloseMemHandle", "cuMemAlloc_v2", "cuMemFree_v2",
@@ -1146,10 +1181,9 @@ def _gpu_reset():
     with _gpu_lock:
         if _gpu_state and _gpu_state[0]:
             cu, setup = _gpu_state[0]
-            native().gpu_setup((ctypes.c_void_p * len(DRIVER_FNS))(), None, None, None, None, None, 0)  # (nothing
-            cu.cuCtxDestroy_v2(setup[1])  # points at it now; its allocations die with it: TimedInputs checks)
+            native().gpu_setup((ctypes.c_void_p * len(DRIVER_FNS))(), None, None, None, None, None, None, 0)  # (nothing
+            cu.cuCtxDestroy_v2(setup[1])  # points at it now; its allocations die with it: the helper's generation)
         _gpu_state.clear()
-        _gpu_generation[0] += 1
 
 
 def _gpu():
@@ -1164,7 +1198,8 @@ def _gpu():
         try:
             cu = ctypes.CDLL("libcuda.so.1")
             vp = ctypes.c_void_p
-            ctx, mod, fn, stream, srcs, dst, was, dev = vp(), vp(), vp(), vp(), vp(), vp(), vp(), ctypes.c_int()
+            ctx, mod, fn, stream, cstream, srcs, dst, was = vp(), vp(), vp(), vp(), vp(), vp(), vp(), vp()
+            dev = ctypes.c_int()
             cap = MAX_OUTPUTS * READS * 16
             for call in (lambda: cu.cuInit(0), lambda: cu.cuDeviceGet(ctypes.byref(dev), 0),
                          lambda: cu.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev)):  # (current to this thread until popped)
@@ -1174,6 +1209,7 @@ def _gpu():
                 for call in (lambda: cu.cuModuleLoadData(ctypes.byref(mod), GATHER_PTX),
                              lambda: cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"gather"),
                              lambda: cu.cuStreamCreate(ctypes.byref(stream), 1),  # CU_STREAM_NON_BLOCKING
+                             lambda: cu.cuStreamCreate(ctypes.byref(cstream), 1),
                              lambda: cu.cuMemHostAlloc(ctypes.byref(srcs), ctypes.c_size_t(8 * cap), 3),  # portable, mapped
                              lambda: cu.cuMemHostAlloc(ctypes.byref(dst), ctypes.c_size_t(cap), 3)):
                     if call():
@@ -1183,7 +1219,7 @@ def _gpu():
             fns = (vp * len(DRIVER_FNS))(*[ctypes.cast(getattr(cu, n), vp) for n in DRIVER_FNS])
             if lib is None:
                 raise OSError("no native helper")
-            setup = (fns, ctx, stream, fn, srcs, dst, cap)
+            setup = (fns, ctx, stream, cstream, fn, srcs, dst, cap)
             lib.gpu_setup(*setup)
             state = (cu, setup)  # (kept: what the helper points to lives as long as this process)
             _gpu_state.append(state)
@@ -1267,6 +1303,7 @@ class Child:
     spin_s = 0.0  # how long the parent polls for a reply before it sleeps (timed_runs sets it for its exchanges)
     _kept = None  # the memory that replies asked for with reuse=True are read into (grown to the largest)
     _pair_bufs = None  # native_timed_run's two reply buffers, made at its first call
+    _pidfd = None  # a pidfd of the harness's process (read_target), for the host writes
 
     def _reuse(self, nbytes: int) -> torch.Tensor:
         if self._kept is None or self._kept.numel() < nbytes:
@@ -1331,6 +1368,8 @@ class Child:
                 if decided:
                     return None
                 raise EOFError("the child process ended")
+            with contextlib.suppress(OSError, AttributeError):  # (says when that process has ended: its number could
+                self._pidfd = os.pidfd_open(self._read_pid)      # then be another's, which no write may reach)
         return 1, self._read_pid
 
     def native_timed_run(self, how, run_spin_s: float, sample_spin_s: float, write=None):
@@ -1354,12 +1393,15 @@ class Child:
         ((m1, a1), (_, a2)), lens = self._pair_bufs, (ctypes.c_longlong * 2)()
         cap2 = PREFIX + (1 << 20) + min(self.reply_limit, SAMPLE_BYTES)
         timeout = self.cmd_timeout if self.cmd_timeout is not None else 86400.0  # (else the verdict's limit ends it)
-        wwhere, wdst, wsrc, wlen = write or (0, None, None, None)
+        wwhere, wdst, wsrc, wlen, wgen = write or (0, None, None, None, 0)
         if where == 0 and write is not None:  # (an audited run's write goes where its reads would)
             who = self.read_target()[1]
+        if wwhere == 1 and (self._pidfd is None or select.select([self._pidfd], [], [], 0)[0]):
+            raise EOFError("the child process ended")  # (no pidfd, no writes: a number alone may name another process)
         ns = lib.timed_pair(self.cmd_w, self.rep_r, run, len(run), sample, len(sample or b""), a1, len(m1), a2, cap2,
                             int(run_spin_s * 1e9), int(sample_spin_s * 1e9), int(timeout * 1e9), lens,
-                            where, who, rand_c, len(rand or ()), READS, wwhere, wdst, wsrc, wlen, len(wlen or ()))
+                            where, who, rand_c, len(rand or ()), READS, wwhere, wdst, wsrc, wlen, len(wlen or ()),
+                            wgen)
         if ns == -1:
             if where == 2 and lens[0] > 0:
                 _gpu_reset()  # (a gather still queued in the helper's context: dropped with it)
@@ -1382,6 +1424,8 @@ class Child:
             _gpu_reset()
             raise HarnessError(f"the native helper's device {'read' if lens[0] else 'write'} failed (code {ns}, "
                                f"CUDA error {lens[1]})")
+        if ns == -12:
+            raise HarnessError("the native helper's device memory is gone (its context was dropped after a fault)")
         if ns == -10:  # (the child's own memory refused the write: its run fails)
             raise ValueError(f"the run's inputs could not be written ({os.strerror(lens[1]) if lens[1] else 'in part'})")
         if rand:
@@ -1410,6 +1454,9 @@ class Child:
                 os.killpg(self.pgid, signal.SIGKILL)
             self.thread.join()
         os.close(self.rep_r)
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
         self._kept = self._pair_bufs = None
         if self.backend == "cuda" and _gpu_state and _gpu_state[0]:
             native().gpu_forget(self.number)  # (its device memory is no longer mapped here)
@@ -1447,19 +1494,28 @@ class ChildError(Exception):
     """A command the child reported as failed (an exception in its code)."""
 
 
+GRANULE = 2 << 20  # the helper's device allocations are whole multiples of this (the driver maps memory in pages of
+# 2 MiB and packs smaller allocations into one: a child that opened one of them would see its neighbours)
+
+
+class InputsDiffer(ValueError):
+    """The timed sets of a task differ in structure (a shape, a dtype, a value that is not a tensor)."""
+
+
 class TimedInputs:
     """The timed runs' input sets, held by this process and written into a child's input buffers just before each
     run's clock starts (timed_pair), so no child holds a run's input before its run: a kernel that takes its
     process over can do nothing with an input before [t0, t1] (env.py, "does NOT protect", says what is left). On the
     CPU the sets are host tensors of ours, written into the child's own buffers with process_vm_writev (into that
-    process and no other); on a GPU they are device copies in the native helper's context, copied into buffers the
-    helper allocated and exported to the child (CUDA IPC): it writes to no address a child named. A set's structure
-    (shapes, dtypes, other values) must be every set's. Used where reads() holds (the same access to a child's
-    memory); close() frees what it holds on the device."""
+    process and no other); on a GPU they are device copies in the native helper's context, in memory no child can
+    open, copied into buffers the helper allocated and exported to the child (CUDA IPC), each in pages of its own:
+    the helper writes to no address a child named. A set's structure (shapes, dtypes, other values) must be every
+    set's (InputsDiffer). Used where reads() holds (the same access to a child's memory); close() frees the device
+    memory, after every child that opened it has ended."""
 
     def __init__(self, backend: str):
         self.backend, self.structure, self.sets, self.sizes, self._mine, self._attached = backend, None, [], [], [], {}
-        self.generation = _gpu_generation[0]
+        self.gen, self._region = None, None
 
     def take(self, child: Child, seeds: list):
         """The input sets of `seeds`, in turn, from a trusted reference child ("set")."""
@@ -1468,47 +1524,56 @@ class TimedInputs:
             if self.structure is None:
                 self.structure = obj["out"]
             elif obj["out"] != self.structure:
-                raise ValueError("the timed input sets differ in shape, dtype or value (each timed run reuses the "
-                                 "first set's buffers)")
+                raise InputsDiffer("the timed input sets differ in shape, dtype or value")
             if self.backend == "cuda":
                 raw = blobs[0].numpy().tobytes() if len(blobs) == 1 else b"x"
                 if len(raw) % ENTRY:
                     raise ValueError("malformed set reply")
-                sizes, ptrs = [], []
-                for at in range(0, len(raw), ENTRY):
-                    n = struct.unpack_from("<Q", raw, at + 8)[0]
-                    ptr = self._alloc(n)
-                    r = native().gpu_copy_in(raw[at:at + ENTRY], ptr, n, time.monotonic_ns() + 60 * 10**9) if n else 0
+                entries = [raw[at:at + ENTRY] for at in range(0, len(raw), ENTRY)]
+                sizes = [struct.unpack_from("<Q", e, 8)[0] for e in entries]
+                if self._region is None:  # every set in one allocation of ours, each tensor at a multiple of 512
+                    self.sizes, self._offsets = sizes, [0]
+                    for n in sizes:
+                        self._offsets.append(self._offsets[-1] + -(-n // 512) * 512)
+                    self._region = self._alloc(self._offsets[-1] * len(seeds))
+                if sizes != self.sizes:
+                    raise InputsDiffer("the timed input sets differ in size")
+                base = self._region + len(self.sets) * self._offsets[-1]
+                ptrs = [base + at for at in self._offsets[:-1]]
+                for e, ptr, n in zip(entries, ptrs, sizes):
+                    r = native().gpu_copy_in(e, ptr, n, self.gen, time.monotonic_ns() + 60 * 10**9) if n else 0
+                    if r == -1:
+                        _gpu_reset()  # (a copy still queued in the helper's context: dropped with it)
                     if r:
                         raise HarnessError(f"an input set could not be copied to the native helper (code {r})")
-                    sizes.append(n)
-                    ptrs.append(ptr)
             else:
                 tensors = []
                 _walk_tensors(unpack(obj["out"], blobs), tensors)
-                sizes = [t.numel() * t.element_size() for t in tensors]
+                self.sizes = [t.numel() * t.element_size() for t in tensors]
                 ptrs = [t.data_ptr() for t in tensors]
                 self._mine.append(tensors)  # (kept alive: their memory is what is written)
-            self.sizes = sizes
             self.sets.append(ptrs)
         return self
 
     def _alloc(self, n: int, handle=None) -> int:
-        if self.generation != _gpu_generation[0]:
-            raise HarnessError("the native helper's device memory is gone (its context was dropped after a fault)")
-        ptr = ctypes.c_ulonglong()
-        r = native().gpu_alloc(max(n, 1), ctypes.byref(ptr), handle)
+        """Device memory of the helper's own: n bytes rounded up to whole GRANULEs; exported with `handle`."""
+        ptr, gen = ctypes.c_ulonglong(), ctypes.c_longlong()
+        r = native().gpu_alloc(max(1, -(-n // GRANULE)) * GRANULE, ctypes.byref(ptr), handle, ctypes.byref(gen))
         if r == 2:  # CUDA_ERROR_OUT_OF_MEMORY: the verdict's failure, as a reference child's own would be (a candidate
             # that fills the device must not turn its verdict into the harness's failure, which is not penalised)
             raise DeviceFull(f"no device memory for the timed runs' inputs ({n:,} bytes)")
         if r:
             raise HarnessError(f"the native helper could not allocate {n} bytes of device memory (CUDA error {r})")
-        self._mine.append(ptr.value)
+        self._mine.append((ptr.value, gen.value))
+        if self.gen is None:
+            self.gen = gen.value
+        if gen.value != self.gen:
+            raise HarnessError("the native helper's device memory is gone (its context was dropped after a fault)")
         return ptr.value
 
     def attach(self, child: Child) -> list:
         """Makes `child`'s input buffers ("buffers"), once per child, and returns, per set, the native helper's write
-        of that set into them: (where, dst, src, lengths)."""
+        of that set into them: (where, dst, src, lengths, generation)."""
         if child.number in self._attached:
             return self._attached[child.number]
         u64s = ctypes.c_ulonglong * len(self.sizes)
@@ -1516,7 +1581,7 @@ class TimedInputs:
             dst, handles = [], []
             for n in self.sizes:
                 h = ctypes.create_string_buffer(64)
-                dst.append(self._alloc(n, h))
+                dst.append(self._alloc(n, h) if n else 0)
                 handles.append(h.raw.hex() if n else None)
             child.ask({"op": "buffers", "inputs": self.structure, "handles": handles})
         else:
@@ -1525,13 +1590,14 @@ class TimedInputs:
                 raise ValueError("the child's input buffers are not the size of the task's inputs")
             dst = [a for a, _, _ in table]
         where = 2 if self.backend == "cuda" else 1
-        self._attached[child.number] = [(where, u64s(*dst), u64s(*ptrs), u64s(*self.sizes)) for ptrs in self.sets]
+        self._attached[child.number] = [(where, u64s(*dst), u64s(*ptrs), u64s(*self.sizes), self.gen or 0)
+                                        for ptrs in self.sets]
         return self._attached[child.number]
 
     def close(self):
-        if self.backend == "cuda" and self.generation == _gpu_generation[0]:
-            for ptr in self._mine:
-                native().gpu_free(ptr)
+        if self.backend == "cuda":
+            for ptr, gen in self._mine:
+                native().gpu_free(ptr, gen)  # (-12, nothing freed, where the context it was in is gone)
         self._mine, self.sets, self._attached = [], [], {}
 
 
@@ -1573,8 +1639,6 @@ def _timed_runs(child: Child, seeds: list, cfg, check, audit, inputs) -> list:
             child.ask({"op": "load", "seed": seeds[k]})
             return None
         if child.backend == "cuda":  # (before the write: the write leaves the input in the L2 as far as it fits)
-            if inputs.generation != _gpu_generation[0]:
-                raise HarnessError("the native helper's device memory is gone (its context was dropped after a fault)")
             child.ask({"op": "flush"})
         return writes[k]
 
@@ -1584,9 +1648,10 @@ def _timed_runs(child: Child, seeds: list, cfg, check, audit, inputs) -> list:
         return "sample", secrets.randbelow(1 << 30)
 
     write = load(0)
-    for _ in range(cfg.warmup):  # (driven as the timed runs are: the reads' first mappings and pages are made here)
+    for i in range(cfg.warmup):  # (driven as the timed runs are: the reads' first mappings and pages are made here)
+        if i and write is not None:
+            load(0)
         timed_run(child, check_of_a_run(), child.spin_s, max(child.spin_s, SAMPLE_SPIN_S), write)
-        write = load(0) if write is not None else None
     times = []
     audits = cfg.n_audits if audit is not None else 0
     runs = cfg.n_timed + audits

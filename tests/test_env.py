@@ -1687,6 +1687,7 @@ def test_device_reads_bookkeeping_with_a_stand_in_driver():
     @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, vp)
     def copy(dst, src, n, stream):
         calls["copy"] = calls.get("copy", 0) + 1
+        calls.setdefault("streams", set()).add(stream)
         ctypes.memmove(dst, src, n)
         busy[0] = 2
         return 0
@@ -1699,7 +1700,7 @@ def test_device_reads_bookkeeping_with_a_stand_in_driver():
                                                                           alloc, free, copy, export)])
     cap = protocol.MAX_OUTPUTS * protocol.READS * 16
     srcs, dst = ctypes.create_string_buffer(8 * cap), ctypes.create_string_buffer(cap)
-    lib.gpu_setup(fns, 1, 1, 1, ctypes.addressof(srcs), ctypes.addressof(dst), cap)
+    lib.gpu_setup(fns, 1, 1, 2, 1, ctypes.addressof(srcs), ctypes.addressof(dst), cap)
     try:
         base = 0x7F0000000000  # (the child's address of its allocation: any number; the mapping is ours)
         k, rand = protocol.READS, [random.getrandbits(64) for _ in range(protocol.READS * 2)]
@@ -1737,25 +1738,33 @@ def test_device_reads_bookkeeping_with_a_stand_in_driver():
         # the timed runs' inputs (TimedInputs): a set copied out of a child's allocation into the helper's own memory
         # (the mapping closed at once), buffers of the helper's own exported, each run's set copied into them
         held, buf, handle = ctypes.c_ulonglong(), ctypes.c_ulonglong(), ctypes.create_string_buffer(64)
-        assert lib.gpu_alloc(64, ctypes.byref(held), None) == 0 and lib.gpu_alloc(64, ctypes.byref(buf), handle) == 0
+        gen, later = ctypes.c_longlong(), time.monotonic_ns() + 10**10
+        assert lib.gpu_alloc(64, ctypes.byref(held), None, ctypes.byref(gen)) == 0
+        assert lib.gpu_alloc(64, ctypes.byref(buf), handle, ctypes.byref(gen)) == 0
         assert handle.raw == b"e" + struct.pack("<Q", buf.value) + b"e" * 55
         e = struct.pack("<4Q", base + 1000, 64, 4, base) + h
-        assert lib.gpu_copy_in(e, held.value, 64, time.monotonic_ns() + 10**10) == 0
+        assert lib.gpu_copy_in(e, held.value, 64, gen.value, later) == 0
         assert ctypes.string_at(held.value, 64) == bytes(mem[1000:1064]) and calls["close"] == 34
-        assert lib.gpu_copy_in(e, held.value, 32, time.monotonic_ns() + 10**10) == -6  # (larger than where it goes)
+        assert lib.gpu_copy_in(e, held.value, 32, gen.value, later) == -6  # (larger than where it goes)
         bad = struct.pack("<4Q", base + len(mem) - 32, 64, 4, base) + h
-        assert lib.gpu_copy_in(bad, held.value, 64, time.monotonic_ns() + 10**10) == -6  # (outside its allocation)
-        one = ctypes.c_ulonglong * 1
-        assert lib.write_inputs(2, 0, one(buf.value), one(held.value), one(64), 1, time.monotonic_ns() + 10**10,
-                                ctypes.byref(ctypes.c_longlong())) == 0
+        assert lib.gpu_copy_in(bad, held.value, 64, gen.value, later) == -6  # (outside its allocation)
+        one, err = ctypes.c_ulonglong * 1, ctypes.c_longlong()
+        assert lib.write_inputs(2, 0, one(buf.value), one(held.value), one(64), 1, gen.value, later, ctypes.byref(err)) == 0
         assert ctypes.string_at(buf.value, 64) == bytes(mem[1000:1064]) and calls["push"] == calls["pop"]
-        assert lib.gpu_free(held.value) == 0 and lib.gpu_free(buf.value) == 0 and not mine
+        assert calls["streams"] == {2}  # (the inputs' own stream: never queued behind a gather, nor one behind them)
+        # the helper's context made again (after a fault): memory of the old one is neither written nor freed
+        lib.gpu_setup(fns, 1, 1, 2, 1, ctypes.addressof(srcs), ctypes.addressof(dst), cap)
+        copies = calls["copy"]
+        assert lib.write_inputs(2, 0, one(buf.value), one(held.value), one(64), 1, gen.value, later, ctypes.byref(err)) == -12
+        assert lib.gpu_copy_in(e, held.value, 64, gen.value, later) == -12 and calls["copy"] == copies
+        assert lib.gpu_free(held.value, gen.value) == -12 and len(mine) == 2
+        assert lib.gpu_free(held.value, gen.value + 1) == 0 and lib.gpu_free(buf.value, gen.value + 1) == 0 and not mine
     finally:
         state = protocol._gpu_state[0] if protocol._gpu_state else None
         if state:
             lib.gpu_setup(*state[1])
         else:
-            lib.gpu_setup((vp * len(protocol.DRIVER_FNS))(), None, None, None, None, None, 0)
+            lib.gpu_setup((vp * len(protocol.DRIVER_FNS))(), None, None, None, None, None, None, 0)
 
 
 def test_timed_inputs_are_one_structure_and_refuse_buffers_of_other_sizes():
@@ -1797,3 +1806,25 @@ def test_timed_inputs_are_one_structure_and_refuse_buffers_of_other_sizes():
     assert ti.attach(good) is writes  # (once per child)
     with pytest.raises(ValueError, match="differ"):
         ti.take(Ref(), [9])
+
+
+@pytest.mark.parametrize("task", ["changes its input", "draws a value per set"])
+def test_timed_inputs_of_a_task_that_changes_or_varies_them(tmp_path, task):
+    """The timed sets the parent holds are the inputs as drawn, not as a Model that changes them in place left them;
+    a task whose inputs include a value drawn per set cannot share one set of buffers, and its children load each
+    set themselves (as where no writes are possible). An honest kernel is correct for both, in seconds."""
+    import time
+    code, new = RELU, model_new("relu", "cuda_extension.relu_scale(x, self.scale)")
+    if task == "changes its input":
+        code = code.replace("return torch.relu(x * self.scale)", "x.mul_(self.scale)\n        return torch.relu(x)")
+    else:
+        code = code.replace("return [torch.randn(BATCH, DIM)]", "return [torch.randn(BATCH, DIM), float(torch.rand(()))]")
+        code = code.replace("def forward(self, x):", "def forward(self, x, t):")
+        new = new.replace("def forward(self, x):", "def forward(self, x, t):")
+    assert code != RELU and "def forward(self, x" in new
+    ws = make_ws(tmp_path, "relu", new)
+    (ws / "model.py").write_text(code)
+    t0 = time.monotonic()
+    v = env.evaluate(ws, backend="cpu", timeout=120)
+    assert v.correct and v.runtime_ms and v.reward >= 1, v.summary()
+    assert time.monotonic() - t0 < 60, v.summary()
