@@ -113,9 +113,14 @@ What it does NOT protect against (be honest; RL will look)
     child holds no run's input before this process writes it, just before t0 (without that, such a kernel computed
     the whole output while the harness loaded the input and returned it at once: reward +3 at 0.28 ms against
     12.4 ms honest; tests/test_redteam.py, 14), but a thread or a persistent GPU kernel of its own could watch its
-    buffers and compute on the part already written while the write goes on: at most the write's time (one pass
-    over the inputs) saved per run. Where the reads are not possible, the child loads each input itself, untimed,
-    and such a kernel can compute the whole output then.
+    buffers and compute on the part already written while the write goes on, and until its run command arrives:
+    at most the write's time (one pass over the inputs) and a pipe's latency saved per run. Where the reads are not
+    possible, and for a task whose timed sets differ in structure (a value drawn per set), the child loads each
+    input itself, untimed, and such a kernel can compute the whole output then.
+  - another child on the same GPU that guesses the CUDA IPC handle of a candidate's outputs or input buffers (the
+    driver's handles are predictable) can open them: read them, or overwrite them before the parent reads them (a
+    sibling episode's run would fail). Each buffer of the native helper's is in pages of its own, so no handle
+    reaches the timed sets it holds.
   - inputs mutated by a timed run: checked on the check runs only (this process writes every timed run's input
     afresh). Timed runs get contiguous copies of strided inputs.
   - a kernel that tells the audited runs from the sampled ones (by the time between its calls) knows when the

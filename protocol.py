@@ -1373,7 +1373,8 @@ class Child:
         return 1, self._read_pid
 
     def native_timed_run(self, how, run_spin_s: float, sample_spin_s: float, write=None):
-        """One timed run by the native clock (timed_pair): "run", then the check that `how` says (see timed_run).
+        """One timed run by the native clock (timed_pair): `write` first (the run's input, before the clock starts),
+        then "run", then the check that `how` says (see timed_run).
         Returns (milliseconds, reply of the run, what the check read: its bytes, or the sample's (obj, blobs));
         None where there is no native helper. The replies' nonces, errors and limits are checked once the clock has
         stopped; a child that died while something else holds its pipe is found at the command's time limit, not by
@@ -1478,7 +1479,8 @@ def _raise_error(obj):
 
 
 class HarnessError(RuntimeError):
-    """A failure of this process's own machinery (the native helper's device reads), not of the child: a verdict
+    """A failure of this process's own machinery (the native helper's device reads, writes and memory), not of the
+    child: a verdict
     that meets it raises out of env.evaluate(), which counts it as the harness's failure, never as a reward."""
 
 
@@ -1689,6 +1691,7 @@ def timed_run(child, how, run_spin_s: float, sample_spin_s: float, write=None):
     timed = native_run(how, run_spin_s, sample_spin_s, write) if native_run is not None else None
     if timed is not None:
         return timed
+    assert write is None, "the parent's input writes need the native helper"  # (as its reads do: reads())
     spin_s = child.spin_s
     try:
         child.spin_s = run_spin_s
