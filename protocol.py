@@ -153,6 +153,7 @@ TIMED_PAIR_C = r"""
 #include <poll.h>
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <string.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -401,9 +402,10 @@ long long read_outputs(int where, int who, const char *reply, long long len, con
 long long write_inputs(int where, int who, const unsigned long long *dst, const unsigned long long *src,
                        const unsigned long long *len, long long n, long long gen, long long deadline, long long *err) {
     if (where == 1) {
-        for (long long i = 0; i < n; ++i)  /* one range at a time, in pieces of 1 GiB (a call moves under 2 GiB) */
+        for (long long i = 0; i < n; ++i)  /* one range at a time, in pieces of 8 MiB, the deadline between them */
             for (unsigned long long at = 0; at < len[i]; ) {
-                unsigned long long piece = len[i] - at < (1ULL << 30) ? len[i] - at : (1ULL << 30);
+                if (now_ns() > deadline) return -1;
+                unsigned long long piece = len[i] - at < (8ULL << 20) ? len[i] - at : (8ULL << 20);
                 struct iovec local = {(void *)(src[i] + at), piece}, remote = {(void *)(dst[i] + at), piece};
                 long long r = process_vm_writev(who, &local, 1, &remote, 1, 0);
                 if (r <= 0) { *err = r < 0 ? errno : 0; return -7; }
@@ -483,18 +485,19 @@ long long gpu_free(unsigned long long ptr, long long gen) {
    read_msg's, write_all's, read_outputs' or write_inputs' (its -7 as -10), each command having timeout_ns to be
    written and answered. lens[0], lens[1]: the reply's and the sample's lengths (or what read_msg put in *need;
    errno after -7 or -10); lens[0] is 0 until the run's reply has been read. wgen: the inputs' memory's generation
-   (gpu_alloc). */
+   (gpu_alloc). cont: ncont processes continued (SIGCONT) as the clock starts, whatever the write's result. */
 long long timed_pair(int cmd_fd, int rep_fd, const char *run, long long run_len, const char *sample,
                      long long sample_len, char *buf1, long long cap1, char *buf2, long long cap2,
                      long long spin_run, long long spin_sample, long long timeout_ns, long long *lens,
                      int where, int who, const unsigned long long *rand, long long nrand, long long k,
                      int wwhere, const unsigned long long *wdst, const unsigned long long *wsrc,
-                     const unsigned long long *wlen, long long nw, long long wgen) {
-    if (nw) {
-        long long r = write_inputs(wwhere, who, wdst, wsrc, wlen, nw, wgen, now_ns() + timeout_ns, &lens[1]);
-        if (r) return r == -7 ? -10 : r;  /* (-10: the write refused, told apart from a read's -7) */
-    }
-    long long t0 = now_ns(), w = write_all(cmd_fd, run, run_len, t0 + timeout_ns);
+                     const unsigned long long *wlen, long long nw, long long wgen, const int *cont,
+                     long long ncont) {
+    long long r = nw ? write_inputs(wwhere, who, wdst, wsrc, wlen, nw, wgen, now_ns() + timeout_ns, &lens[1]) : 0;
+    long long t0 = now_ns();
+    for (long long i = 0; i < ncont; ++i) kill(cont[i], SIGCONT);  /* (stopped for the write: stop_processes) */
+    if (r) return r == -7 ? -10 : r;  /* (-10: the write refused, told apart from a read's -7) */
+    long long w = write_all(cmd_fd, run, run_len, t0 + timeout_ns);
     if (w) return w;
     long long a = read_msg(rep_fd, buf1, cap1, spin_run, t0 + timeout_ns, &lens[0]);
     if (a < 0) return a;
@@ -543,7 +546,8 @@ def native():
                 lib.timed_pair.restype = ll
                 u64s, i = ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_int
                 lib.timed_pair.argtypes = [i, i, p, ll, p, ll, ctypes.c_void_p, ll, ctypes.c_void_p, ll, ll, ll, ll,
-                                           ctypes.POINTER(ll), i, i, u64s, ll, ll, i, u64s, u64s, u64s, ll, ll]
+                                           ctypes.POINTER(ll), i, i, u64s, ll, ll, i, u64s, u64s, u64s, ll, ll,
+                                           ctypes.POINTER(i), ll]
                 lib.read_outputs.restype = ll
                 lib.read_outputs.argtypes = [i, i, p, ll, u64s, ll, ll, ctypes.c_void_p, ll, ll, ctypes.POINTER(ll)]
                 lib.gpu_setup.argtypes = [ctypes.POINTER(ctypes.c_void_p)] + [ctypes.c_void_p] * 6 + [ll]
@@ -1120,7 +1124,8 @@ def probe_reads(child: "Child", probe) -> bool:
                 n = "no pidfd for the child's process"
             elif child.backend == "cpu":
                 n = lib.write_inputs(1, target[1], one(struct.unpack_from("<Q", table)[0]),
-                                     one(ctypes.addressof(got)), one(len(want)), 1, 0, 0, ctypes.byref(err))
+                                     one(ctypes.addressof(got)), one(len(want)), 1, 0, time.monotonic_ns() + 10**10,
+                                     ctypes.byref(err))
             else:
                 ptr, gen = ctypes.c_ulonglong(), ctypes.c_longlong()
                 n = lib.gpu_alloc(GRANULE, ctypes.byref(ptr), ctypes.create_string_buffer(64), ctypes.byref(gen))
@@ -1251,6 +1256,47 @@ def harness_pid(pgid) -> int | None:
     except (OSError, TypeError):
         pass
     return None
+
+
+def stop_processes(pid1: int, deadline: float) -> list:
+    """Stops every process of a child's PID namespace, its harness (PID 1 there) and all its descendants (an orphan
+    there is PID 1's), for the parent's write of a run's input: SIGSTOP, which no process can block or handle and
+    which reaches a namespace's PID 1 from its parent's namespace, then a wait until each of their threads is stopped
+    (a thread in a system call stops when it returns: none holds its process's memory map meanwhile). Descendants are
+    listed again until none is new (a stopped process starts none). Returns their numbers (timed_pair continues them
+    as the clock starts); ChildTimeout past `deadline` (time.monotonic()), EOFError if PID 1 is gone."""
+    def kids(pid):
+        with contextlib.suppress(OSError):
+            return [int(k) for t in os.listdir(f"/proc/{pid}/task")
+                    for k in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
+        return []
+
+    def stopped(pid):  # every thread: stopped ("T", "t") or gone ("Z", "X", no such thread)
+        with contextlib.suppress(OSError):
+            states = [Path(f"/proc/{pid}/task/{t}/stat").read_text().rsplit(")", 1)[-1].split()[:1]
+                      for t in os.listdir(f"/proc/{pid}/task")]
+            return all(not st or st[0] in "TtZX" for st in states)
+        return True
+
+    done, todo = [], [pid1]
+    while todo:
+        for pid in todo:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                if pid == pid1:
+                    raise EOFError("the child process ended") from None
+        done += todo
+        for pid in todo:
+            while not stopped(pid):
+                if time.monotonic() > deadline:
+                    for q in done:
+                        with contextlib.suppress(OSError):
+                            os.kill(q, signal.SIGCONT)
+                    raise ChildTimeout("the child's processes did not stop for the input's write")
+                os.sched_yield()
+        todo = [k for pid in done for k in kids(pid) if k not in done]
+    return done
 
 
 class Child:
@@ -1397,12 +1443,16 @@ class Child:
         wwhere, wdst, wsrc, wlen, wgen = write or (0, None, None, None, 0)
         if where == 0 and write is not None:  # (an audited run's write goes where its reads would)
             who = self.read_target()[1]
-        if wwhere == 1 and (self._pidfd is None or select.select([self._pidfd], [], [], 0)[0]):
-            raise EOFError("the child process ended")  # (no pidfd, no writes: a number alone may name another process)
+        conts = []
+        if wwhere == 1:  # its processes stopped while this process writes into it (stop_processes): no thread of
+            # the child's watches the input arrive, or holds its memory map to stall the write and compute meanwhile
+            if self._pidfd is None or select.select([self._pidfd], [], [], 0)[0]:
+                raise EOFError("the child process ended")  # (no pidfd, no writes: a number may name another process)
+            conts = stop_processes(who, time.monotonic() + (self.cmd_timeout or 60.0))
         ns = lib.timed_pair(self.cmd_w, self.rep_r, run, len(run), sample, len(sample or b""), a1, len(m1), a2, cap2,
                             int(run_spin_s * 1e9), int(sample_spin_s * 1e9), int(timeout * 1e9), lens,
                             where, who, rand_c, len(rand or ()), READS, wwhere, wdst, wsrc, wlen, len(wlen or ()),
-                            wgen)
+                            wgen, (ctypes.c_int * len(conts))(*conts), len(conts))
         if ns == -1:
             if where == 2 and lens[0] > 0:
                 _gpu_reset()  # (a gather still queued in the helper's context: dropped with it)

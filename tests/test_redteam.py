@@ -1,15 +1,18 @@
 """Red-team cases against env.py on the CPU backend: a cheat or a fault per class, each of which must be rejected (or
 handled) for the reason its comment gives. Workspaces are built the way tests/test_env.py builds them (make_ws,
 model_new), with tests/env_cases/ops.cpp as the (cached) kernel source."""
+import ctypes
+import mmap
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 import env
-from test_env import OPS, make_ws, model_new  # noqa: F401
+from test_env import OPS, PROBLEMS, make_ws, model_new  # noqa: F401
 
 
 # ------------------------------------------------------------------ 1. Python computes where the monitor cannot see
@@ -587,3 +590,103 @@ def test_a_command_to_a_child_whose_pipe_stays_full_ends_at_its_deadline(way):
     finally:
         for fd in (c.cmd_r, c.cmd_w, c.rep_r, c.rep_w):
             os.close(fd)
+
+
+# ------------------------------------------------------------------ 15. work alongside the parent's write of an input
+# Found by a red-team helper against the parent's writes (14): both kernels take the process over as 12-14 do, then
+# start threads of their own (threading, and a ctypes pointer into the module: a ctypes call releases the GIL).
+# (a) watch_the_write.cpp: a thread follows process_vm_writev page by page (a page's last float against the previous
+#     write's) and computes each page the writer has passed; forward finishes the last ~5%. Seen (relu 1024x4096,
+#     2 cores): +3 at 0.18-0.46 ms against the honest +2 at 1.05-1.24 (eager 1.66, compile 0.90).
+# (b) stall_the_write.cpp: process_vm_writev takes the child's mmap lock (read) for each batch of 1024 pages; a thread
+#     that calls mprotect on a populated region of its own holds it for writing ~20 ms a GiB a call, and stalls the
+#     parent as long as it likes: the kernel computes a @ b meanwhile. Seen (matmul 128x1024x1024): +3 at 0.29-0.56 ms
+#     against the honest +1 at 4.5 ms (eager 2.48, compile 2.53).
+# The write was before the clock, and the child ran during it. Every process of the child's PID namespace is stopped
+# (SIGSTOP, which no process can block) until the write is done, and continued as the clock starts.
+def _ws(tmp_path, problem, body, source, name, sizes):
+    ws = make_ws(tmp_path, problem, model_new(problem, body), {"ops.cpp": (CASES / source).read_text()}, name=name)
+    code = PROBLEMS[problem]
+    for a, b in sizes:
+        code = code.replace(a, b)
+    (ws / "model.py").write_text(code)
+    return ws
+
+
+def test_redteam_a_thread_computing_while_the_input_is_written_is_timed(tmp_path):
+    import protocol
+    sizes = [("BATCH = 64", "BATCH = 1024")]  # 16 MiB in, 16 MiB out
+    honest = env.evaluate(_ws(tmp_path, "relu", "cuda_extension.relu_fast(x, self.scale)", "watch_the_write.cpp", "honest",
+                              sizes), backend="cpu")
+    assert honest.reward >= 1, honest.summary()
+    if not protocol.reads("cpu"):
+        pytest.skip("the child loads each input itself here (env.py, 'does NOT protect')")
+    v = env.evaluate(_ws(tmp_path, "relu", "cuda_extension.relu_watch(x, self.scale)", "watch_the_write.cpp", "cheat",
+                         sizes), backend="cpu")
+    assert v.compiled and v.correct, v.summary()
+    # seen on 2 cores (quiet): honest +2 at 0.87-1.10 ms (its output buffer reused: 0.74-0.96 ms, +2 or +3); the watcher
+    # +3 at 0.18-0.46 ms (eager 1.66, compile 0.90)
+    assert v.reward <= honest.reward and v.runtime_ms > 0.6 * honest.runtime_ms, (honest.summary(), v.summary())
+
+
+def test_redteam_a_write_the_child_stalls_is_no_time_for_free_work(tmp_path):
+    import protocol
+    sizes = [("M, K, N = 64, 128, 96", "M, K, N = 128, 1024, 1024")]  # b: 4 MiB (two batches of the parent's write)
+    honest = env.evaluate(_ws(tmp_path, "matmul", "cuda_extension.mm_honest(a, b)", "stall_the_write.cpp", "honest",
+                              sizes), backend="cpu")
+    assert honest.reward >= 1, honest.summary()
+    if not protocol.reads("cpu"):
+        pytest.skip("the child loads each input itself here (env.py, 'does NOT protect')")
+    v = env.evaluate(_ws(tmp_path, "matmul", "cuda_extension.mm_stall(a, b)", "stall_the_write.cpp", "cheat", sizes),
+                     backend="cpu")
+    assert v.compiled and v.correct, v.summary()
+    # seen on 2 cores: honest +1 at 4.5-4.6 ms (eager 2.48, compile 2.53); stalled +3 at 0.29-0.56 ms (M=512: honest 18.1-18.8
+    # ms, stalled 0.57-0.58 ms, eager 9.96, compile 9.45); the kernel's region: 2 GiB (holds of ~40 ms)
+    assert v.reward <= honest.reward and v.runtime_ms > 0.6 * honest.runtime_ms, (honest.summary(), v.summary())
+
+
+def test_redteam_the_input_write_keeps_its_deadline():
+    """A child that holds its own mmap lock (mprotect in a loop) stalls process_vm_writev at each batch of pages; the
+    write looks at its deadline between pieces of 8 MiB, so it cannot keep the parent (and the device's timing lock)
+    past run_timeout. (64 MiB, a 1 GiB region: ~0.6 s against a 1 ms deadline when the deadline was not looked at.)
+    In a verdict the child's processes are stopped during the write (protocol.stop_processes): none runs to stall it."""
+    import protocol
+    lib = protocol.native()
+    if lib is None:
+        pytest.skip("no C compiler: no native helper")
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    n = 64 << 20
+    r, w = os.pipe()
+    r2, w2 = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the "child": a buffer, and a thread that holds its mmap lock
+        try:
+            buf = mmap.mmap(-1, n)
+            big = mmap.mmap(-1, 1 << 30, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            at = ctypes.addressof(ctypes.c_char.from_buffer(big))
+            for i in range(0, len(big), 4096):
+                big[i] = 1
+            buf[:] = b"\0" * n
+
+            def hold():
+                k = 0
+                while True:
+                    libc.mprotect(at, len(big), 1 if k % 2 else 3)
+                    k += 1
+            threading.Thread(target=hold, daemon=True).start()
+            os.write(w, str(ctypes.addressof(ctypes.c_char.from_buffer(buf))).encode().ljust(32))
+            os.read(r2, 1)
+        finally:
+            os._exit(0)
+    try:
+        addr = int(os.read(r, 32))
+        src = ctypes.create_string_buffer(n)
+        one, err = ctypes.c_ulonglong * 1, ctypes.c_longlong(0)
+        t0 = time.monotonic_ns()
+        rc = lib.write_inputs(1, pid, one(addr), one(ctypes.addressof(src)), one(n), 1, 0, t0 + 10**6, ctypes.byref(err))
+        took = (time.monotonic_ns() - t0) / 1e9
+    finally:
+        os.write(w2, b"x")
+        os.waitpid(pid, 0)
+    assert rc != 0 or took < 0.1, f"a write with a 1 ms deadline returned {rc} after {took:.2f} s"

@@ -1,0 +1,273 @@
+// tests/test_redteam.py (15a): relu_watch takes its process over through its own GOT (as python_from_kernel.cpp's
+// kernels do), then runs a thread of its own (Python's threading, calling into this module through a ctypes pointer,
+// which releases the GIL) that follows the parent's write of each run's input page by page and computes relu(x *
+// scale) on every page the writer has passed; forward finishes the rest. relu_fast is the honest kernel.
+#include <torch/extension.h>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+extern "C" char __ehdr_start;
+
+namespace {
+typedef void* O;  // a Python object
+struct Dyn { long long tag; unsigned long long val; };
+struct Rela { unsigned long long off, info; long long add; };
+struct Sym { unsigned name; unsigned char info, other; unsigned short shndx; unsigned long long value, size; };
+struct Phdr { unsigned type, flags; unsigned long long off, vaddr, paddr, filesz, memsz, align; };
+
+void* got(const char* want) {  // the resolved address of an imported function, from our own relocations
+    char* base = &__ehdr_start;
+    unsigned long long phoff = *reinterpret_cast<unsigned long long*>(base + 32);
+    unsigned short phnum = *reinterpret_cast<unsigned short*>(base + 56);
+    Phdr* ph = reinterpret_cast<Phdr*>(base + phoff);
+    Dyn* dyn = nullptr;
+    for (int i = 0; i < phnum; ++i) if (ph[i].type == 2) dyn = reinterpret_cast<Dyn*>(base + ph[i].vaddr);
+    auto at = [&](unsigned long long v) { return v < (unsigned long long)base ? base + v : reinterpret_cast<char*>(v); };
+    Sym* syms = nullptr; char* strs = nullptr; Rela* rel[2] = {nullptr, nullptr}; unsigned long long sz[2] = {0, 0};
+    for (Dyn* d = dyn; d->tag; ++d) {
+        if (d->tag == 6) syms = reinterpret_cast<Sym*>(at(d->val));
+        if (d->tag == 5) strs = at(d->val);
+        if (d->tag == 7) rel[0] = reinterpret_cast<Rela*>(at(d->val));
+        if (d->tag == 8) sz[0] = d->val;
+        if (d->tag == 23) rel[1] = reinterpret_cast<Rela*>(at(d->val));
+        if (d->tag == 2) sz[1] = d->val;
+    }
+    for (int k = 0; k < 2; ++k)
+        for (unsigned long long i = 0; rel[k] && i < sz[k] / sizeof(Rela); ++i) {
+            unsigned s = rel[k][i].info >> 32;
+            if (s && std::strcmp(strs + syms[s].name, want) == 0) return *reinterpret_cast<void**>(base + rel[k][i].off);
+        }
+    return nullptr;
+}
+
+O (*bltn)();
+O (*getitem)(O, O);
+O (*ustr)(const char*);
+O (*call)(O, ...);
+O (*ga)(O, const char*);
+const char* (*utf8)(O, long*);
+void (*clear)();
+
+O s(const char* v) { return ustr(v); }
+std::string text(O o) { long n = 0; const char* p = utf8(o, &n); return std::string(p, n); }
+
+O harness_frame() {  // the frame of protocol._child_main, whose locals hold the nonce being served
+    if (!bltn) {
+        bltn = (O(*)())got("PyEval_GetBuiltins");
+        getitem = (O(*)(O, O))got("PyObject_GetItem");
+        ustr = (O(*)(const char*))got("PyUnicode_FromString");
+        call = (O(*)(O, ...))got("PyObject_CallFunctionObjArgs");
+        ga = (O(*)(O, const char*))got("PyObject_GetAttrString");
+        utf8 = (const char* (*)(O, long*))got("PyUnicode_AsUTF8AndSize");
+        clear = (void (*)())got("PyErr_Clear");
+    }
+    O sys = call(getitem(bltn(), s("__import__")), s("sys"), nullptr);
+    O f = call(ga(sys, "_getframe"), nullptr);
+    while (f && text(ga(ga(f, "f_code"), "co_name")) != "_child_main") f = ga(f, "f_back");
+    return f;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------------------
+// Attack A: a watcher thread (started through the Python takeover: threading + a ctypes function pointer, which
+// releases the GIL) follows the parent's process_vm_writev of each timed run's input page by page and computes
+// relu(x * scale) on each page once the writer has moved past it (lag of one page: the page's copy is complete).
+// When "run" arrives, the write is over (it happened before t0): forward computes only the pages not yet done.
+// ---------------------------------------------------------------------------------------------------------------
+#include <atomic>
+#include <immintrin.h>
+#include <cstdint>
+#include <chrono>
+#include <stdexcept>
+extern "C" int sched_yield();
+
+namespace {
+std::atomic<const float*> w_x{nullptr};
+float* w_y = nullptr;
+int64_t w_n = 0, w_D = 0;
+std::vector<float> w_scale;
+std::vector<int64_t> seg_end;                 // element index one past each segment's end (segments split at 4 KiB pages)
+std::vector<uint32_t> snap[2];                // marker bits (last float of each segment) at the end of the previous write
+std::atomic<uint64_t> w_state{0};            // gen << 32 | next segment to claim
+std::atomic<int64_t> w_done{0};              // segments finished in this generation
+std::vector<uint32_t> seg_done;               // per segment: the generation (+1) the watcher last finished it in
+std::atomic<int> w_write_done{0};
+std::atomic<long long> stat_watcher{0}, stat_forward{0}, stat_runs{0};
+long long now_ns() { return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+std::atomic<long long> t_claim0{0};
+std::vector<std::string> report;
+
+torch::Tensor w_out;
+bool w_started = false;
+
+inline uint32_t bits_at(const float* x, int64_t i) { return reinterpret_cast<const volatile uint32_t*>(x)[i]; }
+
+void compute_seg(const float* x, float* y, int64_t seg) {
+    int64_t a = seg ? seg_end[seg - 1] : 0, b = seg_end[seg];
+    const float* sc = w_scale.data();
+    int64_t D = w_D, col = a % D;
+    for (int64_t i = a; i < b; ++i) {
+        float v = x[i] * sc[col];
+        y[i] = v > 0.f ? v : 0.f;
+        if (++col == D) col = 0;
+    }
+}
+}  // namespace
+
+extern "C" void rt_watch_loop() {
+    for (;;) {
+        const float* x = w_x.load(std::memory_order_acquire);
+        if (!x) { _mm_pause(); continue; }
+        uint64_t st = w_state.load(std::memory_order_acquire);
+        uint32_t gen = st >> 32;
+        int64_t i = (int64_t)(st & 0xffffffffu), nseg = (int64_t)seg_end.size();
+        if (i >= nseg) { _mm_pause(); continue; }
+        const std::vector<uint32_t>& old = snap[gen & 1];
+        // segment i is complete once the writer has changed segment i+1's marker (or i is the last and forward says so)
+        bool changed_i = bits_at(x, seg_end[i] - 1) != old[i];
+        bool next_ok = (i + 1 < nseg) ? bits_at(x, seg_end[i + 1] - 1) != old[i + 1] : false;
+        if (!(changed_i && next_ok)) { _mm_pause(); continue; }
+        if (!w_state.compare_exchange_strong(st, st + 1)) continue;  // claimed by forward (or a new generation)
+        if (i == 0) t_claim0.store(now_ns());
+        snap[(gen + 1) & 1][i] = bits_at(x, seg_end[i] - 1);
+        compute_seg(x, w_y, i);
+        stat_watcher.fetch_add(1);
+        std::atomic_thread_fence(std::memory_order_release);
+        reinterpret_cast<volatile uint32_t*>(seg_done.data())[i] = gen + 1;
+        w_done.fetch_add(1, std::memory_order_release);
+    }
+}
+
+namespace {
+void start_watcher() {
+    harness_frame();  // resolves the Python API
+    std::string code = "import ctypes, threading, sys\n"
+                       "f = ctypes.CFUNCTYPE(None)(" + std::to_string((unsigned long long)(uintptr_t)&rt_watch_loop) + ")\n"
+                       "sys.rt_keep = f\n"
+                       "threading.Thread(target=f, daemon=True).start()\n";
+    call(getitem(bltn(), s("exec")), s(code.c_str()), call(getitem(bltn(), s("dict")), nullptr), nullptr);
+    clear();
+}
+
+void arm(const torch::Tensor& x, const torch::Tensor& scale) {
+    w_x.store(nullptr);
+    // (wait for the watcher to be idle: it only touches w_x's memory after loading it non-null; give it a moment)
+    for (int k = 0; k < 100000; ++k) _mm_pause();
+    const float* px = x.data_ptr<float>();
+    w_n = x.numel(); w_D = scale.numel();
+    w_scale.assign(scale.data_ptr<float>(), scale.data_ptr<float>() + w_D);
+    seg_end.clear();
+    uintptr_t base = (uintptr_t)px;
+    for (int64_t i = 0; i < w_n;) {
+        uintptr_t page_end = ((base + 4 * i) / 4096 + 1) * 4096;
+        int64_t e = std::min<int64_t>(w_n, (int64_t)((page_end - base) / 4));
+        seg_end.push_back(e);
+        i = e;
+    }
+    w_out = torch::empty_like(x);
+    w_y = w_out.data_ptr<float>();
+    for (int k = 0; k < 2; ++k) snap[k].assign(seg_end.size(), 0);
+    seg_done.assign(seg_end.size(), 0);
+    uint32_t gen = (uint32_t)(w_state.load() >> 32) + 1;
+    for (size_t j = 0; j < seg_end.size(); ++j) snap[gen & 1][j] = bits_at(px, seg_end[j] - 1);
+    w_done.store(0);
+    w_state.store((uint64_t)gen << 32);
+    w_x.store(px, std::memory_order_release);
+}
+}  // namespace
+
+torch::Tensor relu_fast(torch::Tensor x, torch::Tensor scale) {  // honest, vectorisable, one thread
+    const int64_t n = x.numel(), D = scale.numel();
+    const float *px = x.data_ptr<float>(), *ps = scale.data_ptr<float>();
+    auto y = torch::empty_like(x);
+    float* py = y.data_ptr<float>();
+    for (int64_t r = 0; r < n / D; ++r)
+        for (int64_t j = 0; j < D; ++j) { float v = px[r * D + j] * ps[j]; py[r * D + j] = v > 0.f ? v : 0.f; }
+    return y;
+}
+
+torch::Tensor reuse_out;
+torch::Tensor relu_fast_reuse(torch::Tensor x, torch::Tensor scale) {  // honest, one thread, its output buffer reused
+    const int64_t n = x.numel(), D = scale.numel();
+    const float *px = x.data_ptr<float>(), *ps = scale.data_ptr<float>();
+    if (!reuse_out.defined() || reuse_out.sizes() != x.sizes()) reuse_out = torch::empty_like(x);
+    float* py = reuse_out.data_ptr<float>();
+    for (int64_t r = 0; r < n / D; ++r)
+        for (int64_t j = 0; j < D; ++j) { float v = px[r * D + j] * ps[j]; py[r * D + j] = v > 0.f ? v : 0.f; }
+    return reuse_out;
+}
+
+torch::Tensor relu_fast2(torch::Tensor x, torch::Tensor scale) {  // the same on 2 threads (num_threads clause)
+    const int64_t n = x.numel(), D = scale.numel();
+    const float *px = x.data_ptr<float>(), *ps = scale.data_ptr<float>();
+    auto y = torch::empty_like(x);
+    float* py = y.data_ptr<float>();
+#pragma omp parallel for num_threads(2) schedule(static)
+    for (int64_t r = 0; r < n / D; ++r)
+        for (int64_t j = 0; j < D; ++j) { float v = px[r * D + j] * ps[j]; py[r * D + j] = v > 0.f ? v : 0.f; }
+    return y;
+}
+
+template <bool REPORT>
+torch::Tensor relu_watch_t(torch::Tensor x, torch::Tensor scale) {
+    if (!w_started) { w_started = true; start_watcher(); }
+    const float* px = x.data_ptr<float>();
+    if (w_x.load() != px || w_n != x.numel()) {  // a new input buffer: compute honestly, watch it from now on
+        auto y = relu_fast(x, scale);
+        arm(x, scale);
+        return y;
+    }
+    stat_runs.fetch_add(1);
+    long long t_in = now_ns(); long long fw0 = stat_forward.load();
+    // the write is complete (it ended before the clock started): take every segment the watcher has not claimed
+    int64_t nseg = (int64_t)seg_end.size();
+    uint64_t st = w_state.load();
+    uint32_t gen = st >> 32;
+    for (;;) {
+        int64_t i = (int64_t)(st & 0xffffffffu);
+        if (i >= nseg) break;
+        if (!w_state.compare_exchange_weak(st, st + 1)) continue;
+        snap[(gen + 1) & 1][i] = bits_at(px, seg_end[i] - 1);
+        compute_seg(px, w_y, i);
+        seg_done[i] = gen + 1;
+        stat_forward.fetch_add(1);
+        w_done.fetch_add(1);
+        st = w_state.load();
+    }
+    // a segment the watcher claimed but has not finished (it may have been preempted): computed here too (the same
+    // values; the watcher's late stores write them again)
+    if (w_done.load(std::memory_order_acquire) < nseg) {
+        int64_t upto = (int64_t)(w_state.load() & 0xffffffffu);
+        for (int64_t i = 0; i < upto && i < nseg; ++i)
+            if (reinterpret_cast<volatile uint32_t*>(seg_done.data())[i] != gen + 1) { compute_seg(px, w_y, i); stat_forward.fetch_add(1); }
+    }
+    std::atomic_thread_fence(std::memory_order_acquire);
+    // segments whose marker did not change were claimed above by forward (same values, or a repeated set)
+    w_done.store(0);
+    w_state.store((uint64_t)(gen + 1) << 32);  // next generation compares against this write's markers
+    long long t_out = now_ns();
+    if (REPORT) report.push_back(std::to_string((t_in - t_claim0.load()) / 1000) + "/" + std::to_string((t_out - t_in) / 1000) + "/" + std::to_string(stat_forward.load() - fw0));
+    if (REPORT && stat_runs.load() == 21) { std::string r = "WATCH us(claim0->run)/us(in forward)/segs_by_forward nseg=" + std::to_string(nseg) + ": "; for (auto& q : report) r += q + " "; throw std::runtime_error(r); }
+    return w_out;
+}
+
+torch::Tensor relu_watch(torch::Tensor x, torch::Tensor s) { return relu_watch_t<false>(x, s); }
+torch::Tensor relu_watch_report(torch::Tensor x, torch::Tensor s) { return relu_watch_t<true>(x, s); }
+torch::Tensor watch_stats(torch::Tensor x) {
+    auto t = torch::empty({3}, torch::dtype(torch::kFloat64));
+    double* p = t.data_ptr<double>();
+    p[0] = (double)stat_watcher.load(); p[1] = (double)stat_forward.load(); p[2] = (double)stat_runs.load();
+    return t;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("relu_fast", &relu_fast);
+    m.def("relu_fast2", &relu_fast2);
+    m.def("relu_fast_reuse", &relu_fast_reuse);
+    m.def("relu_watch", &relu_watch);
+    m.def("watch_stats", &watch_stats);
+    m.def("relu_watch_report", &relu_watch_report);
+}
