@@ -44,8 +44,10 @@ What one verdict does, in order (build.py has step 3, protocol.py the children a
                gather through the IPC mapping; where neither is possible, see below, the child is asked for a
                "sample" out[o::step], o told after the run returned). Each run's input is written into the child's
                buffers by this process just before the clock starts (after the L2 is flushed): the child never holds
-               it earlier (protocol.TimedInputs; on the GPU the buffers are the native helper's, opened by the
-               child through CUDA IPC, so inputs up to the L2's size start the run in it; the same for all three).
+               it earlier (protocol.TimedInputs). On the CPU every process of the child is stopped while the write
+               goes on, and continued as the clock starts; on the GPU the buffers are the native helper's, opened by
+               the child through CUDA IPC, so inputs up to the L2's size start the run in it (the same for all
+               three).
                Every sample is compared with the reference,
                so pointer-keyed caches, work skipped after the checks, and work deferred past the run are caught or
                timed. Two more runs, which ones told to the child after each run returned, are read in full and not
@@ -109,14 +111,16 @@ What it does NOT protect against (be honest; RL will look)
     (else a child could serve the pages read as they are read: 12b). Where it is missing the child is told the
     sample's position after its run, and such a kernel can compute only the sampled elements (reward +3 at 1/64 of
     the work, measured against that exchange on the CPU): the verdicts say so once on stderr.
-  - work done alongside the write of a run's input, by native code that takes its process over as above: the
-    child holds no run's input before this process writes it, just before t0 (without that, such a kernel computed
-    the whole output while the harness loaded the input and returned it at once: reward +3 at 0.28 ms against
-    12.4 ms honest; tests/test_redteam.py, 14), but a thread or a persistent GPU kernel of its own could watch its
-    buffers and compute on the part already written while the write goes on, and until its run command arrives:
-    at most the write's time (one pass over the inputs) and a pipe's latency saved per run. Where the reads are not
-    possible, and for a task whose timed sets differ in structure (a value drawn per set), the child loads each
-    input itself, untimed, and such a kernel can compute the whole output then.
+  - on the GPU, work done alongside the write of a run's input by native code that takes its process over as
+    above: the child holds no run's input before this process writes it, just before t0 (without that, such a
+    kernel computed the whole output while the harness loaded the input and returned it at once: reward +3 at
+    0.28 ms against 12.4 ms honest; tests/test_redteam.py, 14), and on the CPU its processes are stopped during the
+    write (a thread that followed the write page by page, or stalled it by holding the memory map, won +3:
+    tests/test_redteam.py, 15); but a persistent GPU kernel of its own, which no signal stops, could watch its
+    buffers and compute on the part already copied: at most the copy's time (one pass over the inputs at the
+    device's bandwidth) saved per run. Where the reads are not possible, and for a task whose timed sets differ in
+    structure (a value drawn per set), the child loads each input itself, untimed, and such a kernel can compute
+    the whole output then.
   - another child on the same GPU that guesses the CUDA IPC handle of a candidate's outputs or input buffers (the
     driver's handles are predictable) can open them: read them, or overwrite them before the parent reads them (a
     sibling episode's run would fail). Each buffer of the native helper's is in pages of its own, so no handle

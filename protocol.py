@@ -50,9 +50,11 @@ FORK_PRELOAD = ["torch", "torch._dynamo", "protocol"]
 # the run it is about to make, and (where the parent can reach its memory: reads()) only as that run starts. One
 # exchange per run:
 #   parent: "flush" (GPU)   child: zeroes a buffer larger than the L2, synchronises, "ok"
-#   parent: writes the run's input into the child's buffers (TimedInputs: process_vm_writev; on a GPU a copy into
-#           buffers of the native helper's own that the child opened through CUDA IPC), then at once:
-#   parent: t0, "run"       child: out = fn(*buffers), made contiguous, device-wide sync, "ok" with each output
+#   parent: writes the run's input into the child's buffers (TimedInputs: process_vm_writev, every process of the
+#           child stopped meanwhile (stop_processes); on a GPU a copy into buffers of the native helper's own that the
+#           child opened through CUDA IPC), then at once:
+#   parent: t0, (continues the child,) "run"
+#                           child: out = fn(*buffers), made contiguous, device-wide sync, "ok" with each output
 #                                  tensor's address and size
 #   parent: reads READS random elements of each output from the child's memory itself (process_vm_readv; on a GPU
 #           a gather through a CUDA IPC mapping of the output's allocation); t1
@@ -1559,7 +1561,7 @@ class TimedInputs:
     run's clock starts (timed_pair), so no child holds a run's input before its run: a kernel that takes its
     process over can do nothing with an input before [t0, t1] (env.py, "does NOT protect", says what is left). On the
     CPU the sets are host tensors of ours, written into the child's own buffers with process_vm_writev (into that
-    process and no other); on a GPU they are device copies in the native helper's context, in memory no child can
+    process and no other, all of whose processes are stopped meanwhile: Child.native_timed_run); on a GPU they are device copies in the native helper's context, in memory no child can
     open, copied into buffers the helper allocated and exported to the child (CUDA IPC), each in pages of its own:
     the helper writes to no address a child named. A set's structure (shapes, dtypes, other values) must be every
     set's (InputsDiffer). Used where reads() holds (the same access to a child's memory); close() frees the device
