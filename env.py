@@ -43,15 +43,14 @@ What one verdict does, in order (build.py has step 3, protocol.py the children a
                the child's memory itself, at positions it drew and never tells (process_vm_readv; on the GPU a
                gather through the IPC mapping; where neither is possible, see below, the child is asked for a
                "sample" out[o::step], o told after the run returned). Each run's input is written into the child's
-               buffers by this process just before the clock starts (after the L2 is flushed): the child never holds
-               it earlier (protocol.TimedInputs). On the CPU every process of the child is stopped while the write
-               goes on, and continued as the clock starts; on the GPU the buffers are the native helper's, opened by
-               the child through CUDA IPC, so inputs up to the L2's size start the run in it (the same for all
-               three).
-               Every sample is compared with the reference,
-               so pointer-keyed caches, work skipped after the checks, and work deferred past the run are caught or
-               timed. Two more runs, which ones told to the child after each run returned, are read in full and not
-               timed (work skipped in a pattern a sample can miss). Median of 20 runs, each on inputs of its own.
+               buffers by this process just before the clock starts: the child never holds it earlier
+               (protocol.TimedInputs). On the CPU every process of the child is stopped while the write goes on, and
+               continued as the clock starts; on the GPU the L2 is flushed first and the buffers are the native
+               helper's, opened by the child through CUDA IPC, so inputs up to the L2's size start the run in it (the
+               same for all three). Every sample is compared with the reference, so pointer-keyed caches, work
+               skipped after the checks, and work deferred past the run are caught or timed. Two more runs, which
+               ones told to the child after each run returned, are read in full and not timed (work skipped in a
+               pattern a sample can miss). Median of 20 runs, each on inputs of its own.
                One timed section per device at a time (a lock this process holds). Every child gets the same
                threading settings (CHILD_ENV: one OpenMP thread per core but one, idle workers sleep). Baselines are
                timed while no candidate lives on the device, cached per reference with their spread, and measured
@@ -202,7 +201,8 @@ import protocol
 import scan
 from build import HEADER_EXT, SOURCE_EXT, build, error_excerpt, toolchain_id_light  # noqa: F401  (env.build: step 3)
 from protocol import (CHILD_ENV, CHILD_THREADS, PIPE_BYTES, Child, ChildError, ChildTimeout, ReplyTooLarge,  # noqa: F401
-                      _child_main, median, picks_of, recv, sample_of, send, spread, timed_runs, unpack)  # steps 4-5 (env.Child ...)
+                      _child_main, median, picks_of, recv, sample_of, send, spread, tensors_of, timed_runs,
+                      unpack)  # steps 4-5 (env.Child ...)
 from scan import ALLOWED_OPS, IMPORT_OPS, INIT_OPS  # noqa: F401  (env.IMPORT_OPS: what the module may import)
 from reward import MARGIN, reward_for  # noqa: F401  (env.reward_for: the verdict's reward)
 from sandbox import (CACHE_DIR, SandboxResult, candidate_alive, file_lock, gpu_lock_path, isolation, no_candidates,
@@ -648,14 +648,14 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
         def drive(cand, checks: bool, timed: bool) -> bool:
             """Checks and/or timed runs of one candidate child; False when the verdict is decided (v says how)."""
             # a reply may not declare more than twice the largest reference output (a candidate cannot exhaust our memory)
-            cand.reply_limit = 2 * max(sum(t.numel() * t.element_size() for t in _tensors(o)) for o in ref_outs) + (1 << 20)
+            cand.reply_limit = 2 * max(sum(t.numel() * t.element_size() for t in tensors_of(o)) for o in ref_outs) + (1 << 20)
             try:
                 _drive_candidate(v, cand, check_seeds if checks else [], ref_checks if checks else [],
                                  timed_seeds if timed else [], ref_timed, cfg, backend, lap, inputs)
             except ChildTimeout as e:
                 v.error, v.log = f"ModelNew timed out: {e}", ""
             except ReplyTooLarge as e:  # (read no further: the reply is left unread)
-                shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in _tensors(ref_outs[0]))
+                shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in tensors_of(ref_outs[0]))
                 v.error, v.log = (f"a reply of the candidate is {e.nbytes:,} bytes, over the {e.limit:,} it may send (its "
                                   f"outputs may take about twice the reference's, shape {shapes}): check the shape of "
                                   f"what forward returns"), ""
@@ -672,10 +672,10 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
                 v.error, v.log = f"the candidate's reply could not be judged ({type(e).__name__}: {str(e)[:300]})", ""
             return not (v.error or v.violations)
 
-        # The candidate overlaps its start-up with the reference's work, under the reference's hold of the device: a
-        # holder never waits for the gate (a waiting baseline holds the gate and waits for every holder).
         # the timed runs' inputs, held here and written into a child just before each run (freed after every child)
         inputs = stack.enter_context(contextlib.closing(protocol.TimedInputs(backend)))
+        # The candidate overlaps its start-up with the reference's work, under the reference's hold of the device: a
+        # holder never waits for the gate (a waiting baseline holds the gate and waits for every holder).
         first, first_msg = stack.enter_context(contextlib.ExitStack()), None
         try:
             if backend not in protocol._READS:  # decided once per process, before any candidate of it is alive (a
@@ -851,12 +851,6 @@ def _judge_full(cand: Child, ref, cfg: Config, backend: str, what: str, lap, pha
     err = compare(out, ref, cfg.atol, cfg.rtol, what)
     lap("compare")
     return [], err
-
-
-def _tensors(out):
-    if isinstance(out, torch.Tensor):
-        return [out]
-    return [t for o in out for t in _tensors(o)] if isinstance(out, (tuple, list)) else []
 
 
 class Rejected(Exception):

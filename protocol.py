@@ -875,11 +875,11 @@ def input_buffers(structure, handles, device: torch.device):
     return make(structure)
 
 
-def _flat(o) -> list:
-    """The tensors of a nested structure, in pack's order."""
-    into = []
-    _walk_tensors(o, into)
-    return into
+def tensors_of(out) -> list:
+    """The tensors of a nested output (or input set), in pack's order."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [t for o in out for t in tensors_of(o)] if isinstance(out, (tuple, list)) else []
 
 
 def _unaliased(out, ranges):
@@ -1006,7 +1006,7 @@ def _child_main(spec_path: str):
                     reply = {"ok": True, "out": pack(xs, blobs)}
             elif op == "buffers":  # where the parent writes each timed run's input (TimedInputs.attach)
                 buffers, loaded = input_buffers(cmd["inputs"], cmd.get("handles"), device), None
-                imported = [(b.data_ptr(), b.numel() * b.element_size()) for b in _flat(buffers)] \
+                imported = [(b.data_ptr(), b.numel() * b.element_size()) for b in tensors_of(buffers)] \
                     if cmd.get("handles") else []
                 table = []
                 reply, blobs = {"ok": True, "out": layout(buffers, table)}, [b"".join(table)]
@@ -1561,9 +1561,10 @@ class TimedInputs:
     run's clock starts (timed_pair), so no child holds a run's input before its run: a kernel that takes its
     process over can do nothing with an input before [t0, t1] (env.py, "does NOT protect", says what is left). On the
     CPU the sets are host tensors of ours, written into the child's own buffers with process_vm_writev (into that
-    process and no other, all of whose processes are stopped meanwhile: Child.native_timed_run); on a GPU they are device copies in the native helper's context, in memory no child can
-    open, copied into buffers the helper allocated and exported to the child (CUDA IPC), each in pages of its own:
-    the helper writes to no address a child named. A set's structure (shapes, dtypes, other values) must be every
+    process and no other, all of whose processes are stopped meanwhile: Child.native_timed_run); on a GPU they are
+    device copies in the native helper's context, in memory no child can open, copied into buffers the helper
+    allocated and exported to the child (CUDA IPC), each in pages of its own: the helper writes to no address a
+    child named. A set's structure (shapes, dtypes, other values) must be every
     set's (InputsDiffer). Used where reads() holds (the same access to a child's memory); close() frees the device
     memory, after every child that opened it has ended."""
 
@@ -1601,8 +1602,7 @@ class TimedInputs:
                     if r:
                         raise HarnessError(f"an input set could not be copied to the native helper (code {r})")
             else:
-                tensors = []
-                _walk_tensors(unpack(obj["out"], blobs), tensors)
+                tensors = tensors_of(unpack(obj["out"], blobs))
                 self.sizes = [t.numel() * t.element_size() for t in tensors]
                 ptrs = [t.data_ptr() for t in tensors]
                 self._mine.append(tensors)  # (kept alive: their memory is what is written)
@@ -1653,14 +1653,6 @@ class TimedInputs:
             for ptr, gen in self._mine:
                 native().gpu_free(ptr, gen)  # (-12, nothing freed, where the context it was in is gone)
         self._mine, self.sets, self._attached = [], [], {}
-
-
-def _walk_tensors(o, into: list):
-    if isinstance(o, torch.Tensor):
-        into.append(o)
-    elif isinstance(o, (tuple, list)):
-        for x in o:
-            _walk_tensors(x, into)
 
 
 def timed_runs(child: Child, seeds: list, cfg, check=None, audit=None, inputs: TimedInputs | None = None) -> list:
