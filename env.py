@@ -115,9 +115,9 @@ What it does NOT protect against (be honest; RL will look)
     kernel computed the whole output while the harness loaded the input and returned it at once: reward +3 at
     0.28 ms against 12.4 ms honest; tests/test_redteam.py, 14), and on the CPU its processes are stopped during the
     write (a thread that followed the write page by page, or stalled it by holding the memory map, won +3:
-    tests/test_redteam.py, 15); but a persistent GPU kernel of its own, which no signal stops, could watch its
-    buffers and compute on the part already copied: at most the copy's time (one pass over the inputs at the
-    device's bandwidth) saved per run. Where the reads are not possible, and for a task whose timed sets differ in
+    tests/test_redteam.py, 15); on the GPU it is not stopped (TODO: stop it too, once measured on a GPU), and a
+    thread or a persistent GPU kernel of its own could watch its buffers and compute on the part already copied:
+    at most the copy's time (one pass over the inputs at the device's bandwidth) saved per run. Where the reads are not possible, and for a task whose timed sets differ in
     structure (a value drawn per set), the child loads each input itself, untimed, and such a kernel can compute
     the whole output then.
   - another child on the same GPU that guesses the CUDA IPC handle of a candidate's outputs or input buffers (the
