@@ -1065,7 +1065,7 @@ CHILD_THREADS = max(1, CPUS - 1)
 CHILD_ENV = {"OMP_NUM_THREADS": str(CHILD_THREADS), "OMP_WAIT_POLICY": "passive"}
 # Baselines are cached with this in their key: a change to how a timed run is driven or clocked (either side's polling,
 # the clock, the messages) must not compare new candidates' times with baselines timed the old way.
-TIMING_VERSION = 5
+TIMING_VERSION = 6
 PIPE_BYTES = 1 << 20  # a pipe holds a whole sample (65536 elements of 8 bytes = 512 KiB): one write, one wake-up
 
 
