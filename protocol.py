@@ -1267,18 +1267,21 @@ def stop_processes(pid1: int, deadline: float) -> list:
     (a thread in a system call stops when it returns: none holds its process's memory map meanwhile). Descendants are
     listed again until none is new (a stopped process starts none). Returns their numbers (timed_pair continues them
     as the clock starts); ChildTimeout past `deadline` (time.monotonic()), EOFError if PID 1 is gone."""
+    def each_thread(pid, name):  # (a file of each of its threads; none of a thread or process that is gone)
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            return
+        for t in tids:
+            with contextlib.suppress(OSError):
+                yield Path(f"/proc/{pid}/task/{t}/{name}").read_text()
+
     def kids(pid):
-        with contextlib.suppress(OSError):
-            return [int(k) for t in os.listdir(f"/proc/{pid}/task")
-                    for k in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
-        return []
+        return [int(k) for text in each_thread(pid, "children") for k in text.split()]
 
     def stopped(pid):  # every thread: stopped ("T", "t") or gone ("Z", "X", no such thread)
-        with contextlib.suppress(OSError):
-            states = [Path(f"/proc/{pid}/task/{t}/stat").read_text().rsplit(")", 1)[-1].split()[:1]
-                      for t in os.listdir(f"/proc/{pid}/task")]
-            return all(not st or st[0] in "TtZX" for st in states)
-        return True
+        return all(text.rsplit(")", 1)[-1].split()[:1] in ([], ["T"], ["t"], ["Z"], ["X"])
+                   for text in each_thread(pid, "stat"))
 
     done, todo = [], [pid1]
     while todo:
