@@ -1828,3 +1828,41 @@ def test_timed_inputs_of_a_task_that_changes_or_varies_them(tmp_path, task):
     v = env.evaluate(ws, backend="cpu", timeout=120)
     assert v.correct and v.runtime_ms and v.reward >= 1, v.summary()
     assert time.monotonic() - t0 < 60, v.summary()
+
+
+def test_stop_processes_stops_every_thread_of_every_descendant():
+    """protocol.stop_processes (the parent's writes of timed inputs): a process, its threads, its child and that
+    child's child are all stopped, thread by thread, when it returns, and continue on SIGCONT."""
+    import signal
+    import protocol
+    code = ("import os, threading, time\n"
+            "for _ in range(3):\n    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+            "if os.fork() == 0:\n    os.fork()\n    time.sleep(60)\n    os._exit(0)\n"
+            "time.sleep(60)\n")
+    p, family = subprocess.Popen([sys.executable, "-c", code]), []
+
+    def kids(pid):
+        return [int(k) for t in os.listdir(f"/proc/{pid}/task")
+                for k in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
+
+    def states(pid):
+        return {Path(f"/proc/{pid}/task/{t}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+                for t in os.listdir(f"/proc/{pid}/task")}
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not (kids(p.pid) and kids(kids(p.pid)[0])):
+            time.sleep(0.05)
+        family = [p.pid, kids(p.pid)[0], kids(kids(p.pid)[0])[0]]
+        done = protocol.stop_processes(p.pid, time.monotonic() + 10)
+        assert sorted(done) == sorted(family) and len(os.listdir(f"/proc/{p.pid}/task")) == 4
+        assert all(states(pid) == {"T"} for pid in family)
+        for pid in done:
+            os.kill(pid, signal.SIGCONT)
+        time.sleep(0.2)
+        assert all("T" not in states(pid) for pid in family)
+    finally:
+        for pid in family[1:]:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        p.kill()
+        p.wait()
