@@ -1261,12 +1261,14 @@ def harness_pid(pgid) -> int | None:
 
 
 def stop_processes(pid1: int, deadline: float) -> list:
-    """Stops every process of a child's PID namespace, its harness (PID 1 there) and all its descendants (an orphan
-    there is PID 1's), for the parent's write of a run's input: SIGSTOP, which no process can block or handle and
-    which reaches a namespace's PID 1 from its parent's namespace, then a wait until each of their threads is stopped
-    (a thread in a system call stops when it returns: none holds its process's memory map meanwhile). Descendants are
-    listed again until none is new (a stopped process starts none). Returns their numbers (timed_pair continues them
-    as the clock starts); ChildTimeout past `deadline` (time.monotonic()), EOFError if PID 1 is gone."""
+    """Stops every process of a child's PID namespace (its harness is PID 1 there) for the parent's write of a run's
+    input: SIGSTOP, which no process can block or handle and which reaches a namespace's PID 1 from its parent's
+    namespace, then a wait until each of their threads is stopped (a thread in a system call stops when it returns:
+    none holds its process's memory map meanwhile). Members are found by scanning /proc for the namespace, not by
+    walking children: a process cannot leave its namespace, where a walk misses one that a kill moves in the tree
+    while it reads (tests/test_redteam.py, 15c). Done when a whole scan finds no member that is new or running (one
+    that another continued is stopped again). Returns their numbers (timed_pair continues them as the clock starts);
+    ChildTimeout past `deadline` (time.monotonic()), EOFError if PID 1 is gone."""
     def each_thread(pid, name):  # (a file of each of its threads; none of a thread or process that is gone)
         try:
             tids = os.listdir(f"/proc/{pid}/task")
@@ -1276,23 +1278,37 @@ def stop_processes(pid1: int, deadline: float) -> list:
             with contextlib.suppress(OSError):
                 yield Path(f"/proc/{pid}/task/{t}/{name}").read_text()
 
-    def kids(pid):
-        return [int(k) for text in each_thread(pid, "children") for k in text.split()]
-
     def stopped(pid):  # every thread: stopped ("T", "t") or gone ("Z", "X", no such thread)
         return all(text.rsplit(")", 1)[-1].split()[:1] in ([], ["T"], ["t"], ["Z"], ["X"])
                    for text in each_thread(pid, "stat"))
 
-    done, todo = [], [pid1]
-    while todo:
-        for pid in todo:
-            try:
+    try:
+        ns = os.readlink(f"/proc/{pid1}/ns/pid")
+    except OSError:
+        raise EOFError("the child process ended") from None
+    if ns == os.readlink("/proc/self/ns/pid"):
+        raise HarnessError("the child shares this process's PID namespace: its processes cannot be told apart")
+
+    def members():
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{name}/ns/pid") == ns:
+                        yield int(name)
+
+    done = set()
+    while True:
+        found = list(members())
+        if pid1 not in found:
+            raise EOFError("the child process ended")
+        running = [pid for pid in found if pid not in done or not stopped(pid)]
+        if not running:
+            return sorted(done)
+        for pid in running:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGSTOP)
-            except ProcessLookupError:
-                if pid == pid1:
-                    raise EOFError("the child process ended") from None
-        done += todo
-        for pid in todo:
+        done.update(running)
+        for pid in running:
             while not stopped(pid):
                 if time.monotonic() > deadline:
                     for q in done:
@@ -1300,8 +1316,6 @@ def stop_processes(pid1: int, deadline: float) -> list:
                             os.kill(q, signal.SIGCONT)
                     raise ChildTimeout("the child's processes did not stop for the input's write")
                 os.sched_yield()
-        todo = [k for pid in done for k in kids(pid) if k not in done]
-    return done
 
 
 class Child:

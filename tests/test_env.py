@@ -1830,16 +1830,23 @@ def test_timed_inputs_of_a_task_that_changes_or_varies_them(tmp_path, task):
     assert time.monotonic() - t0 < 60, v.summary()
 
 
-def test_stop_processes_stops_every_thread_of_every_descendant():
-    """protocol.stop_processes (the parent's writes of timed inputs): a process, its threads, its child and that
-    child's child are all stopped, thread by thread, when it returns, and continue on SIGCONT."""
+def test_stop_processes_stops_every_thread_of_every_process_of_the_namespace():
+    """protocol.stop_processes (the parent's writes of timed inputs): in a PID namespace of its own, a process, its
+    threads, its child and that child's child are all stopped, thread by thread, when it returns, and continue on
+    SIGCONT; a child in this process's own namespace is refused (its processes could not be told from ours)."""
+    import shutil
     import signal
     import protocol
     code = ("import os, threading, time\n"
             "for _ in range(3):\n    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
             "if os.fork() == 0:\n    os.fork()\n    time.sleep(60)\n    os._exit(0)\n"
             "time.sleep(60)\n")
-    p, family = subprocess.Popen([sys.executable, "-c", code]), []
+    with pytest.raises(protocol.HarnessError):
+        protocol.stop_processes(os.getpid(), time.monotonic() + 1)
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.run([unshare, "--pid", "--fork", "true"], capture_output=True).returncode:
+        pytest.skip("no PID namespace here")
+    p = subprocess.Popen([unshare, "--pid", "--fork", sys.executable, "-c", code])
 
     def kids(pid):
         return [int(k) for t in os.listdir(f"/proc/{pid}/task")
@@ -1849,20 +1856,23 @@ def test_stop_processes_stops_every_thread_of_every_descendant():
         return {Path(f"/proc/{pid}/task/{t}/stat").read_text().rsplit(")", 1)[-1].split()[0]
                 for t in os.listdir(f"/proc/{pid}/task")}
     try:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not (kids(p.pid) and kids(kids(p.pid)[0])):
+        deadline, family = time.monotonic() + 10, []
+        while time.monotonic() < deadline and len(family) < 3:
+            family = [p.pid]
+            while kids(family[-1]) and len(family) < 4:
+                family.append(kids(family[-1])[0])
+            family = family[1:]  # (unshare's own process stays outside the namespace)
             time.sleep(0.05)
-        family = [p.pid, kids(p.pid)[0], kids(kids(p.pid)[0])[0]]
-        done = protocol.stop_processes(p.pid, time.monotonic() + 10)
-        assert sorted(done) == sorted(family) and len(os.listdir(f"/proc/{p.pid}/task")) == 4
+        done = protocol.stop_processes(family[0], time.monotonic() + 10)
+        assert sorted(done) == sorted(family) and len(os.listdir(f"/proc/{family[0]}/task")) == 4, (done, family)
         assert all(states(pid) == {"T"} for pid in family)
         for pid in done:
             os.kill(pid, signal.SIGCONT)
         time.sleep(0.2)
         assert all("T" not in states(pid) for pid in family)
     finally:
-        for pid in family[1:]:
+        p.kill()
+        for pid in family:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-        p.kill()
         p.wait()

@@ -694,3 +694,21 @@ def test_redteam_the_input_write_keeps_its_deadline():
         os.write(w2, b"x")
         os.waitpid(pid, 0)
     assert rc != 0 or took < 0.1, f"a write with a 1 ms deadline returned {rc} after {took:.2f} s"
+
+
+# 15c. A walk of /proc's children lists one process at a time: a process that kills its stopped parent while the
+# walk goes on moves to the end of the harness's list after the walk read it, and is never listed. escape_the_stop.cpp
+# (a red-team helper's): the harness makes a spawner (clone(CLONE_VM)) and 399 children that exit at once (they pad the
+# walk); the spawner makes V, V makes K; K waits until V is stopped, kills it, and follows the write as watch_the_write
+# does. Seen (relu 1024x4096, 2 cores): +3 at 0.80 ms, forward doing 1 of 4097 pieces in every timed run (honest
+# relu_fast +1 at 5.65 ms, with its output reused +3 at 0.76; eager 1.68). The stop finds the namespace's members by
+# scanning /proc for its PID namespace (no process leaves it) until a whole scan finds none new or running.
+def test_redteam_a_process_that_moves_in_the_tree_is_stopped_too(tmp_path):
+    import protocol
+    sizes = [("BATCH = 64", "BATCH = 1024")]
+    v = env.evaluate(_ws(tmp_path, "relu", "cuda_extension.relu_watch(x, self.scale)", "escape_the_stop.cpp", "cheat",
+                         sizes), backend="cpu")
+    if not protocol.reads("cpu"):
+        pytest.skip("the child loads each input itself here (env.py, 'does NOT protect')")
+    assert v.compiled and v.correct, v.summary()
+    assert v.runtime_ms > 0.6 * v.eager_ms, v.summary()

@@ -1,0 +1,290 @@
+// tests/test_redteam.py (15a): relu_watch takes its process over through its own GOT (as python_from_kernel.cpp's
+// kernels do), then runs a thread of its own (Python's threading, calling into this module through a ctypes pointer,
+// which releases the GIL) that follows the parent's write of each run's input page by page and computes relu(x *
+// scale) on every page the writer has passed; forward finishes the rest. relu_fast is the honest kernel.
+#include "takeover.h"
+#ifndef RT_N
+#define RT_N 21
+#endif
+#ifndef RT_DELAY
+#define RT_DELAY 1000000
+#endif
+#ifndef RT_NS
+#define RT_NS 400
+#endif
+
+
+namespace {
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------------------
+// Attack A: a watcher thread (started through the Python takeover: threading + a ctypes function pointer, which
+// releases the GIL) follows the parent's process_vm_writev of each timed run's input page by page and computes
+// relu(x * scale) on each page once the writer has moved past it (lag of one page: the page's copy is complete).
+// When "run" arrives, the write is over (it happened before t0): forward computes only the pages not yet done.
+// ---------------------------------------------------------------------------------------------------------------
+#include <atomic>
+#include <immintrin.h>
+#include <cstdint>
+#include <chrono>
+#include <stdexcept>
+extern "C" int sched_yield();
+
+namespace {
+std::atomic<const float*> w_x{nullptr};
+float* w_y = nullptr;
+int64_t w_n = 0, w_D = 0;
+std::vector<float> w_scale;
+std::vector<int64_t> seg_end;                 // element index one past each segment's end (segments split at 4 KiB pages)
+std::vector<uint32_t> snap[2];                // marker bits (last float of each segment) at the end of the previous write
+std::atomic<uint64_t> w_state{0};            // gen << 32 | next segment to claim
+std::atomic<int64_t> w_done{0};              // segments finished in this generation
+std::vector<uint32_t> seg_done;               // per segment: the generation (+1) the watcher last finished it in
+std::atomic<int> w_write_done{0};
+std::atomic<long long> stat_watcher{0}, stat_forward{0}, stat_runs{0};
+long long now_ns() { return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+std::atomic<long long> t_claim0{0};
+std::vector<std::string> report;
+
+torch::Tensor w_out;
+bool w_started = false;
+
+inline uint32_t bits_at(const float* x, int64_t i) { return reinterpret_cast<const volatile uint32_t*>(x)[i]; }
+
+void compute_seg(const float* x, float* y, int64_t seg) {
+    int64_t a = seg ? seg_end[seg - 1] : 0, b = seg_end[seg];
+    const float* sc = w_scale.data();
+    int64_t D = w_D, col = a % D;
+    for (int64_t i = a; i < b; ++i) {
+        float v = x[i] * sc[col];
+        y[i] = v > 0.f ? v : 0.f;
+        if (++col == D) col = 0;
+    }
+}
+}  // namespace
+
+
+namespace {
+typedef long (*SC)(long, ...);
+typedef int (*CL)(int (*)(void*), void*, int, void*, ...);
+void* fptrs[2];
+SC f_sc; CL f_cl;
+constexpr int NS = RT_NS;             // sleeping helper processes (children of the harness) that lengthen the listing
+std::atomic<int> want_spawn{0};
+std::atomic<long long> stat_kills{0}, stat_esc_segs{0}, stat_cycles{0};
+char* stacks = nullptr;             // NS small stacks, then 8 rotating stacks for V and K
+constexpr long SSZ = 64 * 1024, BSZ = 512 * 1024;
+std::atomic<int> rot{0};
+long long cyc_log[64];
+long delay_ns = RT_DELAY;
+
+void nap(long ns) { long ts[2] = {ns / 1000000000, ns % 1000000000}; f_sc(35, ts, 0); }
+char* big_stack(int i) { return stacks + NS * SSZ + (long)(i % 8 + 1) * BSZ - 64; }
+
+int s_sleep(void*) { f_sc(60, 0); return 0; }  // padding: a zombie child of the harness (cheap to continue)
+
+int k_fn(void*);
+int v_fn(void*) {
+    int r = rot.fetch_add(1);
+    f_cl(k_fn, big_stack(r), 0x100 | 17, nullptr);
+    for (;;) nap(1000000000L);
+    return 0;
+}
+int s1_fn(void*) {  // the spawner: a new V (its child) whenever asked
+    for (;;) {
+        if (want_spawn.exchange(0)) {
+            int st; while (f_sc(61, -1, &st, 1 | 0x40000000, 0) > 0) {}
+            f_cl(v_fn, big_stack(rot.fetch_add(1)), 0x100 | 17, nullptr);
+        }
+        nap(50000);
+    }
+    return 0;
+}
+bool watch_step() {  // one step of the watcher (rt_watch_loop's body); false when nothing was done
+    const float* x = w_x.load(std::memory_order_acquire);
+    if (!x) return false;
+    uint64_t st = w_state.load(std::memory_order_acquire);
+    uint32_t gen = st >> 32;
+    int64_t i = (int64_t)(st & 0xffffffffu), nseg = (int64_t)seg_end.size();
+    if (i >= nseg) return false;
+    const std::vector<uint32_t>& old = snap[gen & 1];
+    bool changed_i = bits_at(x, seg_end[i] - 1) != old[i];
+    bool next_ok = (i + 1 < nseg) ? bits_at(x, seg_end[i + 1] - 1) != old[i + 1] : false;
+    if (!(changed_i && next_ok)) return false;
+    if (!w_state.compare_exchange_strong(st, st + 1)) return true;
+    if (i == 0) t_claim0.store(now_ns());
+    snap[(gen + 1) & 1][i] = bits_at(x, seg_end[i] - 1);
+    compute_seg(x, w_y, i);
+    stat_watcher.fetch_add(1);
+    std::atomic_thread_fence(std::memory_order_release);
+    reinterpret_cast<volatile uint32_t*>(seg_done.data())[i] = gen + 1;
+    w_done.fetch_add(1, std::memory_order_release);
+    return true;
+}
+int k_fn(void*) {
+    long pp = f_sc(110);
+    char path[64]; snprintf(path, sizeof path, "/proc/%ld/stat", pp);
+    for (;;) {
+        long fd = f_sc(257, -100, path, 0, 0);
+        char buf[512]; long n = fd >= 0 ? f_sc(0, fd, buf, sizeof buf - 1) : -1;
+        if (fd >= 0) f_sc(3, fd);
+        if (n <= 0) break;
+        buf[n] = 0;
+        char* p = strrchr(buf, ')');
+        if (p && p[1] == ' ' && (p[2] == 'T' || p[2] == 't')) break;
+        nap(50000);
+    }
+    long long t = now_ns();
+    while (now_ns() - t < delay_ns) _mm_pause();
+    f_sc(62, pp, 9);
+    stat_kills.fetch_add(1);
+    uint32_t gen0 = (uint32_t)(w_state.load() >> 32);
+    long long t1 = now_ns(), w0 = stat_watcher.load();
+    while ((uint32_t)(w_state.load() >> 32) == gen0 && now_ns() - t1 < 50000000LL) {
+        if ((int64_t)(w_state.load() & 0xffffffffu) + 1 >= (int64_t)seg_end.size() && w_x.load()) break;  // all but the last: leave the CPU
+        if (!watch_step()) _mm_pause();
+    }
+    stat_esc_segs.fetch_add(stat_watcher.load() - w0);
+    cyc_log[stat_cycles.load() % 64] = stat_watcher.load() - w0;
+    stat_cycles.fetch_add(1);
+    want_spawn.store(1);
+    f_sc(60, 0);
+    return 0;
+}
+
+void start_watcher() {
+    harness_frame();  // resolves the Python API
+    std::string code = "import ctypes\nL = ctypes.CDLL(None)\n"
+                       "a = (ctypes.c_void_p * 2).from_address(" + std::to_string((unsigned long long)(uintptr_t)fptrs) + ")\n"
+                       "a[0] = ctypes.cast(L.syscall, ctypes.c_void_p).value\n"
+                       "a[1] = ctypes.cast(L['clone'], ctypes.c_void_p).value\n";
+    call(getitem(bltn(), s("exec")), s(code.c_str()), call(getitem(bltn(), s("dict")), nullptr), nullptr);
+    clear();
+    f_sc = (SC)fptrs[0]; f_cl = (CL)fptrs[1];
+    stacks = new char[NS * SSZ + 9 * BSZ];
+    f_cl(s1_fn, stacks + SSZ - 64, 0x100 | 17, nullptr);
+    for (int i = 1; i < NS; ++i) f_cl(s_sleep, stacks + (long)(i + 1) * SSZ - 64, 0x100 | 17, nullptr);
+    want_spawn.store(1);
+}
+}  // namespace
+namespace {
+void arm(const torch::Tensor& x, const torch::Tensor& scale) {
+    w_x.store(nullptr);
+    // (wait for the watcher to be idle: it only touches w_x's memory after loading it non-null; give it a moment)
+    for (int k = 0; k < 100000; ++k) _mm_pause();
+    const float* px = x.data_ptr<float>();
+    w_n = x.numel(); w_D = scale.numel();
+    w_scale.assign(scale.data_ptr<float>(), scale.data_ptr<float>() + w_D);
+    seg_end.clear();
+    uintptr_t base = (uintptr_t)px;
+    for (int64_t i = 0; i < w_n;) {
+        uintptr_t page_end = ((base + 4 * i) / 4096 + 1) * 4096;
+        int64_t e = std::min<int64_t>(w_n, (int64_t)((page_end - base) / 4));
+        seg_end.push_back(e);
+        i = e;
+    }
+    w_out = torch::empty_like(x);
+    w_y = w_out.data_ptr<float>();
+    for (int k = 0; k < 2; ++k) snap[k].assign(seg_end.size(), 0);
+    seg_done.assign(seg_end.size(), 0);
+    uint32_t gen = (uint32_t)(w_state.load() >> 32) + 1;
+    for (size_t j = 0; j < seg_end.size(); ++j) snap[gen & 1][j] = bits_at(px, seg_end[j] - 1);
+    w_done.store(0);
+    w_state.store((uint64_t)gen << 32);
+    w_x.store(px, std::memory_order_release);
+}
+}  // namespace
+
+torch::Tensor relu_fast(torch::Tensor x, torch::Tensor scale) {  // honest, vectorisable, one thread
+    const int64_t n = x.numel(), D = scale.numel();
+    const float *px = x.data_ptr<float>(), *ps = scale.data_ptr<float>();
+    auto y = torch::empty_like(x);
+    float* py = y.data_ptr<float>();
+    for (int64_t r = 0; r < n / D; ++r)
+        for (int64_t j = 0; j < D; ++j) { float v = px[r * D + j] * ps[j]; py[r * D + j] = v > 0.f ? v : 0.f; }
+    return y;
+}
+
+torch::Tensor reuse_out;
+torch::Tensor relu_fast_reuse(torch::Tensor x, torch::Tensor scale) {  // honest, one thread, its output buffer reused
+    const int64_t n = x.numel(), D = scale.numel();
+    const float *px = x.data_ptr<float>(), *ps = scale.data_ptr<float>();
+    if (!reuse_out.defined() || reuse_out.sizes() != x.sizes()) reuse_out = torch::empty_like(x);
+    float* py = reuse_out.data_ptr<float>();
+    for (int64_t r = 0; r < n / D; ++r)
+        for (int64_t j = 0; j < D; ++j) { float v = px[r * D + j] * ps[j]; py[r * D + j] = v > 0.f ? v : 0.f; }
+    return reuse_out;
+}
+
+torch::Tensor relu_fast2(torch::Tensor x, torch::Tensor scale) {  // the same on 2 threads (num_threads clause)
+    const int64_t n = x.numel(), D = scale.numel();
+    const float *px = x.data_ptr<float>(), *ps = scale.data_ptr<float>();
+    auto y = torch::empty_like(x);
+    float* py = y.data_ptr<float>();
+#pragma omp parallel for num_threads(2) schedule(static)
+    for (int64_t r = 0; r < n / D; ++r)
+        for (int64_t j = 0; j < D; ++j) { float v = px[r * D + j] * ps[j]; py[r * D + j] = v > 0.f ? v : 0.f; }
+    return y;
+}
+
+template <bool REPORT>
+torch::Tensor relu_watch_t(torch::Tensor x, torch::Tensor scale) {
+    if (!w_started) { w_started = true; start_watcher(); }
+    const float* px = x.data_ptr<float>();
+    if (w_x.load() != px || w_n != x.numel()) {  // a new input buffer: compute honestly, watch it from now on
+        auto y = relu_fast(x, scale);
+        arm(x, scale);
+        return y;
+    }
+    stat_runs.fetch_add(1);
+    long long t_in = now_ns(); long long fw0 = stat_forward.load();
+    // the write is complete (it ended before the clock started): take every segment the watcher has not claimed
+    int64_t nseg = (int64_t)seg_end.size();
+    uint64_t st = w_state.load();
+    uint32_t gen = st >> 32;
+    for (;;) {
+        int64_t i = (int64_t)(st & 0xffffffffu);
+        if (i >= nseg) break;
+        if (!w_state.compare_exchange_weak(st, st + 1)) continue;
+        snap[(gen + 1) & 1][i] = bits_at(px, seg_end[i] - 1);
+        compute_seg(px, w_y, i);
+        seg_done[i] = gen + 1;
+        stat_forward.fetch_add(1);
+        w_done.fetch_add(1);
+        st = w_state.load();
+    }
+    // a segment the watcher claimed but has not finished (it may have been preempted): computed here too (the same
+    // values; the watcher's late stores write them again)
+    if (w_done.load(std::memory_order_acquire) < nseg) {
+        int64_t upto = (int64_t)(w_state.load() & 0xffffffffu);
+        for (int64_t i = 0; i < upto && i < nseg; ++i)
+            if (reinterpret_cast<volatile uint32_t*>(seg_done.data())[i] != gen + 1) { compute_seg(px, w_y, i); stat_forward.fetch_add(1); }
+    }
+    std::atomic_thread_fence(std::memory_order_acquire);
+    // segments whose marker did not change were claimed above by forward (same values, or a repeated set)
+    w_done.store(0);
+    w_state.store((uint64_t)(gen + 1) << 32);  // next generation compares against this write's markers
+    long long t_out = now_ns();
+    if (REPORT) report.push_back(std::to_string(stat_forward.load() - fw0));
+    if (REPORT && stat_runs.load() == RT_N) { std::string r = "ESC kills=" + std::to_string(stat_kills.load()) + " cycles=" + std::to_string(stat_cycles.load()) + " escsegs=" + std::to_string(stat_esc_segs.load()) + " watcher=" + std::to_string(stat_watcher.load()) + " nseg=" + std::to_string(nseg) + " fwdsegs: "; for (auto& q : report) r += q + " "; r += " CYC:"; for (int c = 0; c < stat_cycles.load() && c < 64; ++c) r += " " + std::to_string(cyc_log[c]); throw std::runtime_error(r); }
+    return w_out;
+}
+
+torch::Tensor relu_watch(torch::Tensor x, torch::Tensor s) { return relu_watch_t<false>(x, s); }
+torch::Tensor relu_watch_report(torch::Tensor x, torch::Tensor s) { return relu_watch_t<true>(x, s); }
+torch::Tensor watch_stats(torch::Tensor x) {
+    auto t = torch::empty({3}, torch::dtype(torch::kFloat64));
+    double* p = t.data_ptr<double>();
+    p[0] = (double)stat_watcher.load(); p[1] = (double)stat_forward.load(); p[2] = (double)stat_runs.load();
+    return t;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("relu_fast", &relu_fast);
+    m.def("relu_fast2", &relu_fast2);
+    m.def("relu_fast_reuse", &relu_fast_reuse);
+    m.def("relu_watch", &relu_watch);
+    m.def("watch_stats", &watch_stats);
+    m.def("relu_watch_report", &relu_watch_report);
+}
