@@ -44,8 +44,8 @@ What one verdict does, in order (build.py has step 3, protocol.py the children a
                gather through the IPC mapping; where neither is possible, see below, the child is asked for a
                "sample" out[o::step], o told after the run returned). Each run's input is written into the child's
                buffers by this process just before the clock starts: the child never holds it earlier
-               (protocol.TimedInputs). On the CPU every process of the child is stopped while the write goes on, and
-               continued as the clock starts; on the GPU the L2 is flushed first and the buffers are the native
+               (protocol.TimedInputs). On the CPU every process of the child's PID namespace is stopped while the write
+               goes on, and continued as the clock starts; on the GPU the L2 is flushed first and the buffers are the native
                helper's, opened by the child through CUDA IPC, so inputs up to the L2's size start the run in it (the
                same for all three). Every sample is compared with the reference, so pointer-keyed caches, work
                skipped after the checks, and work deferred past the run are caught or timed. Two more runs, which

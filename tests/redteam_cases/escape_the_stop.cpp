@@ -1,7 +1,7 @@
-// tests/test_redteam.py (15a): relu_watch takes its process over through its own GOT (as python_from_kernel.cpp's
-// kernels do), then runs a thread of its own (Python's threading, calling into this module through a ctypes pointer,
-// which releases the GIL) that follows the parent's write of each run's input page by page and computes relu(x *
-// scale) on every page the writer has passed; forward finishes the rest. relu_fast is the honest kernel.
+// tests/test_redteam.py (15c): relu_watch of watch_the_write.cpp (a thread of its own follows the parent's write of
+// each run's input and computes behind it), run by a process that escapes the parent's stop of the child: the
+// harness makes a spawner (clone(CLONE_VM)) and 399 children that exit at once; the spawner makes V, V makes K;
+// K waits until V is stopped and kills it, which moves K in the process tree while the parent walks it.
 #include "takeover.h"
 #ifndef RT_N
 #define RT_N 21
