@@ -607,7 +607,8 @@ def test_a_command_to_a_child_whose_pipe_stays_full_ends_at_its_deadline(way):
 # (SIGSTOP, which no process can block) until the write is done, and continued as the clock starts.
 def _ws(tmp_path, problem, body, source, name, sizes):
     ws = make_ws(tmp_path, problem, model_new(problem, body), {"ops.cpp": (CASES / source).read_text(),
-                                                               "takeover.h": TAKEOVER}, name=name)
+                                                               "takeover.h": TAKEOVER,
+                                                               "watcher.h": (CASES / "watcher.h").read_text()}, name=name)
     code = PROBLEMS[problem]
     for a, b in sizes:
         code = code.replace(a, b)
