@@ -46,15 +46,13 @@ class Checker:
         self.fds = [self.lock_fd, cand_r, self.cand_w, self.res_r, res_w]
         self.child_fds = [self.lock_fd, cand_r, res_w]  # ours are closed once the child has them (started)
         extra, caches = env.compile_caches()  # shared by all children: each graph and jiterator kernel compiles once
+        # (and in the child's own process: 12 children each starting inductor's pool of a process per core would swamp the CPUs)
         if cfg.composer == "llm":  # code an LLM wrote does not get to write caches that env.py's reference loads
-            extra = {k: str(Path(self.dir, Path(v).name)) for k, v in extra.items()}
+            extra = {k: str(Path(self.dir, Path(v).name)) if Path(v) in caches else v for k, v in extra.items()}
             caches = []
         # CPU: one thread per child (workers use the cores; OpenMP teams on a busy machine make timings erratic).
         threads = 1 if backend == "cpu" else max(1, (os.cpu_count() or 1) // max(1, cfg.workers))
         extra.update(OMP_NUM_THREADS=str(threads), OMP_WAIT_POLICY="passive", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        # no inductor compile-worker pool per child: the workers already compile in parallel, and 12 children
-        # each starting a pool of one process per core (each importing torch) would swamp the CPUs
-        extra["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
         self.timeout = cfg.task_timeout_s or (60 if backend == "cuda" else 150)
         self.lock_limit = min(15.0, self.timeout / 2)  # a legitimate task holds the lock for a second or three
         spec = {"dir": str(Path(self.dir).resolve()), "backend": backend, "window_ms": list(cfg.window_ms),

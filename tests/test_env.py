@@ -324,6 +324,20 @@ def sandboxed_python(way, code, cwd, timeout, **kw):
 
 
 @pytest.mark.parametrize("way", ["exec", "fork"])
+def test_trusted_children_compile_in_their_own_process_with_the_shared_caches(tmp_path, way):
+    """A reference child's torch.compile uses the shared inductor cache and no compile-worker pool (a process per
+    core, each importing torch, for the one graph a child compiles): the settings reach a child through the
+    sandbox's allow-listed environment, forked from the fork server as verdict children are."""
+    (tmp_path / "box").mkdir()
+    extra, writable = env.compile_caches()
+    probe = ("import torch._inductor.config as c, os\n"
+             "print('threads', c.compile_threads, 'cache', os.environ.get('TORCHINDUCTOR_CACHE_DIR'))\n")
+    r = sandboxed_python(way, probe, tmp_path / "box", 120, writable=writable, env=extra)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"threads 1 cache {env.CACHE_DIR / 'inductor'}" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("way", ["exec", "fork"])
 def test_sandbox_contains_fork_bomb_network_and_writes(tmp_path, way):
     cwd = tmp_path / "box"
     cwd.mkdir()
