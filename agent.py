@@ -218,6 +218,23 @@ def default_model_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL
 
 
+def embedded_tokenizer():
+    """The embedded model's tokenizer (and chat template), converted from GGUF once and cached (the GGUF
+    conversion takes ~20 s, the cached copy ~2 s; a machine with the cached copy needs no GGUF for it)."""
+    from transformers import AutoTokenizer
+    cache = env.CACHE_DIR / "tokenizer-smollm2-135m-instruct"
+    if not (cache / "tokenizer.json").is_file():
+        src = default_model_path()
+        tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+        tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+        tok.save_pretrained(str(tmp))
+        try:
+            os.replace(tmp, cache)
+        except OSError:  # another process won the race
+            shutil.rmtree(tmp, ignore_errors=True)
+    return AutoTokenizer.from_pretrained(str(cache))
+
+
 class HFPolicy:
     """A local transformers causal LM. generate() is batched: FastEngine for Llama-family models,
     model.generate otherwise (engine="hf" forces it)."""

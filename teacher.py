@@ -259,7 +259,9 @@ class ChatTeacher(ToolTeacher):
 def load_tokenizer(model: str | None = None):
     """The student's tokenizer: the embedded SmolLM2 (model None), a folder or hub id, or a .gguf file."""
     from transformers import AutoTokenizer
-    path = agent.default_model_path() if model is None else Path(model)
+    if model is None:
+        return agent.embedded_tokenizer()
+    path = Path(model)
     if str(path).endswith(".gguf"):
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     if path.is_dir() and (adapter := agent.find_adapter(path)) is not None:  # a train.py run: its base's tokenizer

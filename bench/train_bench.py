@@ -200,7 +200,7 @@ def bench_trl(name, device, dtype, B, P, R, a) -> dict:
 
 
 def _tokenizer():
-    tok = train.tiny_tokenizer()
+    tok = agent.embedded_tokenizer()
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok

@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import synth_diag  # noqa: E402
+import agent  # noqa: E402
 import train  # noqa: E402
 import test_train  # noqa: E402
 
@@ -232,7 +233,7 @@ def test_big_model_configs_are_the_published_ones():
     import torch
     from transformers import AutoModelForCausalLM
     import big_model
-    tok = train.tiny_tokenizer()
+    tok = agent.embedded_tokenizer()
     want = {"qwen7b": (3584, 18944, 28, 28, 4, 152064, False, 7_615_616_512),
             "qwen1.5b": (1536, 8960, 28, 12, 2, 151936, True, 1_543_714_304)}
     for name, (h, i, n, heads, kv, vocab, tied, params) in want.items():

