@@ -608,6 +608,7 @@ def test_a_command_to_a_child_whose_pipe_stays_full_ends_at_its_deadline(way):
 def _ws(tmp_path, problem, body, source, name, sizes):
     ws = make_ws(tmp_path, problem, model_new(problem, body), {"ops.cpp": (CASES / source).read_text(),
                                                                "takeover.h": TAKEOVER,
+                                                               "watch_state.h": (CASES / "watch_state.h").read_text(),
                                                                "watcher.h": (CASES / "watcher.h").read_text()}, name=name)
     code = PROBLEMS[problem]
     for a, b in sizes:
