@@ -48,7 +48,7 @@ class Checker:
         extra, caches = env.compile_caches()  # shared by all children: each graph and jiterator kernel compiles once
         # (and in the child's own process: 12 children each starting inductor's pool of a process per core would swamp the CPUs)
         if cfg.composer == "llm":  # code an LLM wrote does not get to write caches that env.py's reference loads
-            extra = {k: str(Path(self.dir, Path(v).name)) if Path(v) in caches else v for k, v in extra.items()}
+            extra = {k: str(Path(self.dir, Path(v).name)) if k.endswith(("_DIR", "_PATH")) else v for k, v in extra.items()}
             caches = []
         # CPU: one thread per child (workers use the cores; OpenMP teams on a busy machine make timings erratic).
         threads = 1 if backend == "cpu" else max(1, (os.cpu_count() or 1) // max(1, cfg.workers))

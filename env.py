@@ -293,9 +293,10 @@ def compile_caches(write: bool = True) -> tuple[dict, list[Path]]:
     folder every child compiles it again, because a child's HOME is its own folder). write=False (candidates):
     inductor's and Triton's to read, no folder to write, and no NVRTC one (torch warns on an unwritable one;
     the child's own HOME serves instead). Inductor compiles in the child's own process: a child compiles one
-    graph, and inductor's default pool (a process per core, each importing torch) costs more than it saves,
-    most of all with many verdicts in flight (H100: a fresh process's first compiled call 3.9 s with a pool of
-    16, 2.0 s without; a first verdict alone gains less than its noise; docs/results.md)."""
+    graph, and inductor's default pool starts a process per core, each importing torch, in every reference
+    child; with verdicts in flight that is expected to cost more than it saves (not measured in flight; an H100's
+    fresh process: first compiled call 3.9 s with a pool of 16, 2.0 s without; a first verdict alone gains less
+    than its noise; docs/results.md)."""
     dirs = {"TORCHINDUCTOR_CACHE_DIR": CACHE_DIR / "inductor", "TRITON_CACHE_DIR": CACHE_DIR / "triton"}
     if write:
         dirs["PYTORCH_KERNEL_CACHE_PATH"] = CACHE_DIR / "nvrtc"

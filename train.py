@@ -84,7 +84,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -385,7 +384,11 @@ def teacher_demos(ctx: Ctx) -> tuple[list, int]:
         policy = None
         for c in tqdm(range(0, len(mine), n), desc="sft teacher", unit="chunk", disable=not ctx.main or len(mine) <= n):
             out = parts / f"rank{ctx.rank}" / f"chunk-{c // n:04d}"
-            if (out / "demos.jsonl").is_file():
+            if (out / "demos.jsonl").is_file():  # done before (a resumed or carried run): the same tasks, or stop here
+                done = out / ("trajectories.jsonl" if (out / "trajectories.jsonl").is_file() else "demos.jsonl")
+                if not {chunk_key(e) for e in agent.load_episodes(done)} <= {chunk_key(t) for t in mine[c:c + n]}:
+                    raise env.UsageError(f"{out} holds teacher episodes of other tasks than this run's chunk (another dataset "
+                                         f"or tasks_per_step?): remove {parts}, or run with the settings that made it")
                 continue
             (out / "trajectories.jsonl").unlink(missing_ok=True)  # an interrupted run's partial episodes
             policy = policy or teacher.load_teacher(ctx.backend, url=cfg.teacher_url, teacher_model=cfg.teacher_model,
@@ -404,6 +407,11 @@ def teacher_demos(ctx: Ctx) -> tuple[list, int]:
         ctx.say(f"sft: reusing the demonstrations in {path}")
     n_eps = sum(len(agent.load_episodes(f)) for f in parts.glob("rank*/chunk-*/trajectories.jsonl"))
     return agent.load_episodes(path), n_eps
+
+
+def chunk_key(x: dict) -> tuple:
+    """What ties a teacher episode to its task (a task, or an episode of it): its id and its chain of operators."""
+    return x["task_id"], tuple(x.get("ops") or ())
 
 
 def ppo_stage(ctx: Ctx, stage: str, n_steps: int, resume: bool):

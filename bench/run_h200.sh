@@ -16,7 +16,7 @@
 #   bash bench/run_h200.sh sample-read OUT # may the parent read a sandboxed child's memory here (process_vm_readv)? cost
 #   bash bench/run_h200.sh cuda-agent OUT  # CUDA Agent's compile.sh / verification / profiling beside env.py
 #   bash bench/run_h200.sh model OUT       # the embedded model from two carried parts (.gm1, then .gm2: two calls)
-#   bash bench/run_h200.sh learning OUT    # the staged run in small (sft ... ppo, held-out rows); twice to finish
+#   bash bench/run_h200.sh learning OUT    # the staged run in small (sft ... ppo, held-out rows); several calls (.learn/run)
 #   bash bench/run_h200.sh rollout   OUT   # rollout speed (HF generate vs FastEngine), with a kernel profile
 #   bash bench/run_h200.sh update    OUT   # PPO update vs TRL (135M and 1.4B)
 #   bash bench/run_h200.sh big-1.5b  OUT   # train.py --stage all at Qwen2.5-Coder-1.5B's shape (random weights), its table
@@ -135,7 +135,7 @@ learning)
      --set window_lo_ms=$lo --set window_hi_ms=$hi"
   # LEARN_SET: more train.py flags (e.g. "--skip warmup,rft,critic,ppo --set sft_tasks=20"), after these
   r=""; [ -f /tmp/run-sft/config.json ] && r="--resume"
-  if [ -z "$r" ] && [ -d .learn/run/data ]; then mkdir -p /tmp/run-sft && cp -rn .learn/run/* /tmp/run-sft/; fi
+  if [ -z "$r" ] && [ -d .learn/run/data ]; then rm -rf /tmp/run-sft && mkdir -p /tmp/run-sft && cp -r .learn/run/. /tmp/run-sft/; fi
   step 540 learning python3 train.py --stage all --run-dir /tmp/run-sft $S $r ${LEARN_SET:-}
   mkdir -p "$OUT/learning" && cp /tmp/run-sft/stages.jsonl /tmp/run-sft/stages.png /tmp/run-sft/metrics.jsonl "$OUT/learning/" 2>/dev/null
   tar czf "$OUT/learning/learn.tgz" -C /tmp/run-sft --exclude=workspaces data sft/teacher 2>/dev/null

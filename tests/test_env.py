@@ -326,8 +326,8 @@ def sandboxed_python(way, code, cwd, timeout, **kw):
 @pytest.mark.parametrize("way", ["exec", "fork"])
 def test_trusted_children_compile_in_their_own_process_with_the_shared_caches(tmp_path, way):
     """A reference child's torch.compile uses the shared inductor cache and no compile-worker pool (a process per
-    core, each importing torch, for the one graph a child compiles): the settings reach a child through the
-    sandbox's allow-listed environment, forked from the fork server as verdict children are."""
+    core, each importing torch, for the one graph a child compiles): the settings env.py passes (run_sandboxed's
+    env=) reach a child exec'ed, or forked from the fork server as verdict children are."""
     (tmp_path / "box").mkdir()
     extra, writable = env.compile_caches()
     probe = ("import torch._inductor.config as c, os\n"

@@ -365,3 +365,29 @@ def test_a_machine_where_nothing_runs_stops_soon_with_one_line(tmp_path, monkeyp
     assert rc == 2 and err[-1].startswith("synth.py: error: all ") and "CUDA error: OS call failed" in err[-1], err[-3:]
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()  # nothing stale to resume from
     assert 20 <= len(calls) <= 21, calls  # the first 20 results, and the one the other worker was checking
+
+
+@pytest.mark.parametrize("composer", ["llm", "rule"])
+def test_filter_children_of_llm_written_tasks_get_private_caches(monkeypatch, composer):
+    """Tasks an LLM composed run with caches of their own (the shared inductor, Triton and NVRTC caches feed env.py's
+    reference children), and nothing shared to write; every other compile setting is kept (one compile process)."""
+    import checker
+    seen = {}
+    monkeypatch.setattr(checker.env, "run_sandboxed", lambda argv, cwd, **kw: seen.update(kw, cwd=cwd))
+    r, w = os.pipe()
+    c = checker.Checker(synth.Config(composer=composer, window_ms=(0.1, 10.0)), "cpu", r, [sys.executable, "-c", "pass"])
+    c.thread.join(10)
+    try:
+        shared, _ = env.compile_caches()
+        assert seen["env"]["TORCHINDUCTOR_COMPILE_THREADS"] == "1"
+        for key, value in shared.items():
+            if key.endswith(("_DIR", "_PATH")):
+                if composer == "llm":
+                    assert Path(seen["env"][key]).parent == Path(c.dir), (key, seen["env"][key])
+                else:
+                    assert seen["env"][key] == value
+        assert (seen["writable"] == []) == (composer == "llm"), seen["writable"]
+    finally:
+        c.close()
+        os.close(r)
+        os.close(w)

@@ -520,6 +520,26 @@ def test_ablations_skip_rft_and_skip_critic(tmp_path, relu_dataset):
 
 
 @pytest.mark.slow
+def test_a_teacher_chunk_of_other_tasks_stops_the_run(tmp_path, elem_dataset):
+    """A run folder's finished teacher chunks are reused (a resumed run, or demonstrations carried from another
+    machine), but only for the tasks they were made on: a chunk of another dataset or another tasks_per_step stops
+    the run with one line instead of training on demonstrations it did not ask for, or skipping tasks."""
+    import shutil
+    rd = tmp_path / "run"
+    shutil.copytree(elem_dataset, rd / "data")
+    chunk = rd / "sft" / "teacher" / "rank0" / "chunk-0000"
+    chunk.mkdir(parents=True)
+    other = {"task_id": "train/00000", "ops": ["another", "chain"], "tokens": [], "loss_mask": [], "turns": [], "reward": 1}
+    for name in ("demos.jsonl", "trajectories.jsonl"):
+        (chunk / name).write_text(json.dumps(other) + "\n")
+    r = run_cli(["--stage", "all", "--preset", "tiny", "--backend", "cpu", "--run-dir", str(rd),
+                 "--skip", "warmup,rft,critic,ppo"], timeout=600)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    err = r.stderr.strip().splitlines()[-1]
+    assert "chunk-0000 holds teacher episodes of other tasks" in err and "remove" in err, r.stderr[-2000:]
+    assert not (rd / "demos.jsonl").exists()
+
+
 def test_sft_with_teacher_url_on_loopback_server(tmp_path, elem_dataset):
     """--teacher-url / --teacher-model: a chat server writes the demonstrations (here it serves the scripted
     teacher's files for the one training task of the tiny preset). The server is shown the training task only,
