@@ -55,6 +55,10 @@ class Build:
     # sources judged under the whole header: they include a header the light one (LIGHT_HEADER) leaves out, or failed
     # under it with an error that involves torch
     whole_header: list = dataclasses.field(default_factory=list)
+    # seconds per step of a successful build: "scan P" (preprocess + scan) and "compile P" per source compiled (sources
+    # run side by side, so they overlap; P's two run one after the other), "toolchain" and "precompiled header" (made once per machine and torch),
+    # "link", "module checks"
+    steps: dict = dataclasses.field(default_factory=dict)
 
 
 _TOOLCHAIN: dict = {}
@@ -346,6 +350,7 @@ def build(files: dict, backend: str, timeout: float = 600.0, light: bool = True)
 def _build(files: dict, backend: str, timeout: float, light: bool) -> Build:
     t0 = time.monotonic()
     tc = toolchain(backend)
+    steps = {"toolchain": time.monotonic() - t0}
     sources = sorted(p for p in files if Path(p).suffix in SOURCE_EXT)
     if not sources:
         return Build(False, None, "no kernel sources: write kernels/*.cpp" + (" or *.cu" if backend == "cuda" else ""), 0, [])
@@ -365,7 +370,9 @@ def _build(files: dict, backend: str, timeout: float, light: bool) -> Build:
     # header (LIGHT_HEADER), and is judged under the whole one where the two could differ for it (scan_first, compile_one).
     uses_pch = {p for p in sources if p.endswith(".cpp") and includes_torch(p, files)
                 and not (objdir / f"{keys[p]}.json").exists()}  # (a cached object needs no compiling)
+    t = time.monotonic()
     pch = torch_pch(tc, left(), light=light) if uses_pch else None
+    steps["precompiled header"] = time.monotonic() - t
     whole_gch = CACHE_DIR / "pch" / tc["pch_id"] / "torch" / "extension.h.gch"  # (built only when a source needs it)
     # (the folders of our headers named torch/extension.h, if GCC passes a .gch by)
     roots = tc["roots"] + [str(whole_gch.parent.parent), *([str(pch.parent.parent)] if pch else [])]
@@ -484,7 +491,9 @@ def _build(files: dict, backend: str, timeout: float, light: bool) -> Build:
         state, scanned, pending, scan_errors, n_scanned = threading.Lock(), threading.Event(), [], [], [0]
 
         def scan_and_compile(p):
+            t = time.monotonic()
             errs, bad = scan_first(p)
+            steps[f"scan {p}"] = time.monotonic() - t
             with state:
                 scan_errors.extend(errs)
                 violations.extend(bad)
@@ -492,7 +501,9 @@ def _build(files: dict, backend: str, timeout: float, light: bool) -> Build:
                 if n_scanned[0] == len(sources):
                     scanned.set()
             if not errs and not bad:
+                t = time.monotonic()
                 compile_one(p)
+                steps[f"compile {p}"] = time.monotonic() - t
 
         with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
             list(pool.map(scan_and_compile, sources))
@@ -512,11 +523,12 @@ def _build(files: dict, backend: str, timeout: float, light: bool) -> Build:
         so = CACHE_DIR / "so" / link_key / "cuda_extension.so"
         if not so.exists():
             so.parent.mkdir(parents=True, exist_ok=True)
-            part = tmp / "cuda_extension.so"
+            part, t = tmp / "cuda_extension.so", time.monotonic()
             cmd = [tc["cxx"][0], "-shared", *[str(objdir / f"{keys[p]}.o") for p in sources], "-o", str(part), *tc["ldflags"]]
             r = run_sandboxed(cmd, tmp, left(), mem_gb=None, writable=[objdir])
             if r.returncode != 0:
                 return Build(False, None, "link failed:\n" + error_excerpt(r.stderr + r.stdout), time.monotonic() - t0, rebuilt)
+            steps["link"], t = time.monotonic() - t, time.monotonic()
             # What the module imports is what it can call, whatever the sources spelled (scan.check_imports).
             # and a system call needs no import: only an instruction, which no compiler emits for C++ or CUDA code
             # (the two reads of the module run side by side)
@@ -529,12 +541,15 @@ def _build(files: dict, backend: str, timeout: float, light: bool) -> Build:
             bad = scan.check_imports([l.split(None, 1)[-1] for l in r.stdout.splitlines() if l.strip()], IMPORT_OPS) \
                 if r.returncode == 0 else [f"the linked module cannot be read by nm: {error_excerpt(r.stderr)}"]
             bad += scan.check_instructions(rd.stdout) if rd.returncode == 0 else ["the linked module cannot be disassembled"]
+            steps["module checks"] = time.monotonic() - t
             if bad:
                 return Build(False, None, "\n".join(bad), time.monotonic() - t0, rebuilt, bad)
             mine = so.with_suffix(f".{uuid.uuid4().hex}.part")  # builds of the same sources may link at the same time
             shutil.copy(part, mine)
             os.replace(mine, so)
-    return Build(True, so, "", time.monotonic() - t0, rebuilt, pch=sorted(pch_of), whole_header=sorted(fell_back))
+    return Build(True, so, "", time.monotonic() - t0, rebuilt, pch=sorted(pch_of), whole_header=sorted(fell_back),
+                 steps={k: round(v, 3) for k, v in steps.items()  # (a cached source was neither scanned nor compiled)
+                        if not k.startswith(("scan ", "compile ")) or k.split(" ", 1)[1] in rebuilt})
 
 
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)

@@ -6,7 +6,7 @@ scratch each time, as KernelBench does), side by side in one run. Prints a table
     python bench/env_bench.py --backend cuda --no-naive --workers 12   # and verdicts per hour, 12 in flight
 
 Measures: cold compile of a small kernel (CUDA-Agent layout: pure kernel + torch binding), rebuild after
-editing one kernel, full verdict time with the build cached (first with baselines to time, then steady
+editing one kernel (each split into its steps: env.Build.steps), full verdict time with the build cached (first with baselines to time, then steady
 state), the spread (max/min) of runtime_ms over 5 repeated verdicts of the same >= 0.5 ms kernel, the timing floor
 (a 1-element task's candidate and eager runtime by the verdict's protocol, and eager in-process; on a GPU also
 eager by CUDA events, KernelBench's timer, for that task and the >= 0.5 ms one), and where a
@@ -119,6 +119,9 @@ if not args.cache:
     print(f"  compiled from the precompiled header: {', '.join(b.pch) or 'none'}", flush=True)
     row("env.py cold build (same kernel, CUDA-Agent layout)", b.seconds, "s",
         "" if args.no_naive else f"<= {naive_s / 3:.3g} s (1/3 of naive)")
+    for step, s in b.steps.items():  # where it goes (the sources' scans and compiles run side by side; the
+        if s:                          # toolchain and the precompiled header were made above)
+            row(f"  cold build: {step}", s, "s")
     if not args.no_naive:
         row("  ratio to naive", b.seconds / naive_s, "x", "<= 0.33")
     # the same build, nothing cached (a comment changes every key), under the whole header alone
@@ -132,6 +135,9 @@ if not args.cache:
     b2 = env.build(files, backend)
     assert b2.ok and b2.rebuilt == [kname], (b2.rebuilt, b2.log)
     row("rebuild after editing one kernel", b2.seconds, "s", "<= 3 s")
+    for step, s in b2.steps.items():
+        if s:
+            row(f"  rebuild: {step}", s, "s")
 
 # 4./5. full verdicts of a ~1 ms kernel (naive fp32 matmul 1024^3 on the H200), build cached
 ws = matmul_ws(work / "ws", cuda)

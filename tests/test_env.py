@@ -304,6 +304,19 @@ def test_a_cu_whose_compiled_text_differs_from_the_scanned_one_is_refused(monkey
     assert "kernels/op.cu" not in b.rebuilt, b.rebuilt
 
 
+def test_a_build_says_where_its_time_went():
+    """Build.steps (bench/env_bench.py's split of a cold build): each compiled source's scan and compile, the link and
+    the module's checks, which run one after the other for one source; a cached build has none of them."""
+    files = {"kernels/ops.cpp": OPS + f"\n// nonce {os.urandom(8).hex()}\n"}
+    b = env.build(files, "cpu")
+    assert b.ok and b.rebuilt == ["kernels/ops.cpp"], b.log
+    chain = ("scan kernels/ops.cpp", "compile kernels/ops.cpp", "link", "module checks")
+    assert set(chain) <= set(b.steps) and all(b.steps[k] > 0 for k in chain), b.steps
+    assert sum(b.steps[k] for k in chain) <= b.seconds + 0.01, (b.steps, b.seconds)
+    again = env.build(files, "cpu")
+    assert again.ok and again.rebuilt == [] and not set(chain) & set(again.steps), again.steps
+
+
 def test_a_refused_build_caches_none_of_its_objects():
     """Sources compile before every scan of the build is in, but an object enters the cache only once they all
     passed: a build that one source's violation refuses reports nothing compiled and leaves nothing to reuse."""
