@@ -184,10 +184,13 @@ def same_host_text(compiled: Path, scanned: Path) -> bool:
 
 _PCH_FAILED: set = set()
 
-# What a binding file costs to compile is mostly per-file work that torch's headers cause even precompiled (template
-# instantiations, code for the inline functions their static initialisers use): ~10 s on 2 cores for an empty file
-# under the whole <torch/extension.h>, ~7 s under this header, where the C++ frontend's modules, optimisers, data
-# loaders and autograd functions (most of torch/all.h, which bindings rarely use) are left out. It holds
+# What a binding file costs to compile is mostly per-file work that torch's headers cause even precompiled: GCC
+# writes a precompiled header before it instantiates the templates that the header's inline functions use, so every
+# file instantiates them again (-ftime-report's "phase lang. deferred"), and pybind11 3's headers define static type
+# data whose functions every file compiles. An empty file on 2 cores, -O3: 7.4-8.7 s under the whole
+# <torch/extension.h>, 4.6-5.1 s under this header (pybind11's headers alone 3.3 s, ATen's 0.9 s; -O1 would take
+# 3.9 s, -O0 3.6 s), where the C++ frontend's modules, optimisers, data loaders and autograd functions (most of
+# torch/all.h, which bindings rarely use) are left out. It holds
 # torch/python.h (tensors, ATen, pybind11 and torch's casters), at::parallel_for, torch/utils.h (NoGradGuard,
 # get_num_threads, and the profiler's global names), torch/mps.h (its global names), and the headers that define
 # every other macro of the whole header. torch_pch checks that the macros are the same, name for name and value for

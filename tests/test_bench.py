@@ -391,3 +391,28 @@ def test_sample_read_probe_reads_a_sandboxed_child():
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "sample_read_probe.py"), "--repeats", "0"],
                        capture_output=True, text=True)
     assert r.returncode == 1 and "--repeats must be >= 1" in r.stderr
+
+
+def test_verdict_phases_splits_first_and_later_profiles(tmp_path):
+    """bench/verdict_phases.py on two made-up episodes (verdicts as env.Verdict serialises them): an episode's first
+    profile is counted apart from its later ones, the final score apart from its tool calls, and a phase a verdict
+    did not reach counts as 0 s for it."""
+    import env
+    v = lambda s, **ph: env.Verdict(backend="cpu", seconds=s, phases=ph).to_dict()
+    turn = lambda tool, verdict: {"tool": tool, "verdict": verdict}
+    eps = [{"turns": [turn("write_file", None), turn("compile", v(4.0, build=4.0)),
+                      turn("profile", v(30.0, **{"reference outputs": 20.0, "baselines": 1.0})),
+                      turn("profile", v(6.0, **{"reference outputs": 4.0}))], "verdict": v(8.0, **{"reference outputs": 5.0})},
+           {"turns": [turn("profile", v(10.0, **{"reference outputs": 6.0, "baselines": 3.0}))], "verdict": v(12.0)}]
+    (tmp_path / "chunk").mkdir()
+    (tmp_path / "chunk" / "trajectories.jsonl").write_text("".join(json.dumps(e) + "\n" for e in eps) + "not json\n")
+    out = bench("verdict_phases.py", str(tmp_path), "--json", str(tmp_path / "m.json"))
+    assert "verdicts of 6 tool calls and final scores, from 1 file(s)" in out
+    assert "| verdicts | 1 | 1 | 2 | 2 | 1 | 1 | 2 | 2 |" in out  # compile, profile first, profile later, final
+    assert "| whole verdict | 4.00 | 4.00 | 20.00 | 20.00 | 6.00 | 6.00 | 10.00 | 10.00 |" in out
+    assert "| baselines | 0.00 | 0.00 | 2.00 | 2.00 | 0.00 | 0.00 | 0.00 | 0.00 |" in out  # (not reached: 0 s)
+    m = json.loads((tmp_path / "m.json").read_text())
+    assert m["profile, first"]["reference outputs"] == 13.0 and m["final score"]["reference outputs"] == 2.5
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "verdict_phases.py"), str(tmp_path / "chunk" / "none.jsonl")],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "no such file" in r.stderr and "Traceback" not in r.stderr
