@@ -20,8 +20,9 @@ What one verdict does, in order (build.py has step 3, protocol.py the children a
                preprocessor (-dD: macro bodies stay where they were defined) and its tokens checked
                (scan.py: allowed includes and pragmas only, no doors out of the process, no compute ops by
                name, no Python object model, exactly one real PYBIND11_MODULE); then compiled on its own (nvcc
-               for .cu, g++ for .cpp from the scanned text, -O3, OpenMP on the CPU backend; <torch/extension.h>,
-               or a lighter header by that name, precompiled: build.py) into a content-hash cache and linked
+               -O3 for .cu; g++ for .cpp from the scanned text: -O3 and OpenMP on the CPU backend, whose .cpp
+               files are the kernels, -O1 for the CUDA backend's host glue; <torch/extension.h>, or a lighter
+               header by that name, precompiled: build.py) into a content-hash cache and linked
                into one module `cuda_extension`, whose imported symbols (C functions from an allow-list; no
                PyTorch compute operator, thread, process, file or dispatcher entry, whatever the source
                spelled) and machine code (no system call instruction) are checked. Editing one kernel rebuilds only that object. A build counts as a
@@ -631,7 +632,7 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
         # The reference's outputs load the device like a candidate does: no other verdict times a baseline meanwhile
         # (in training many rollouts of one task reach this together, and the first one's baselines are cached).
         ref_busy = stack.enter_context(contextlib.ExitStack())
-        lap("reference outputs")  # (the run folder's set-up counts with the reference's work)
+        lap("reference start")  # (the run folder's set-up counts with the reference's start)
         ref_busy.enter_context(candidate_alive(backend))
         lap("wait device")  # every wait for a device lock or the baselines' gate: bench/env_bench.py --workers
 
@@ -692,9 +693,11 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
         cand = start_candidate(ref_busy.pop_all(), first)
         try:
             first_msg = first_msg or ref.answer()[0]
+            lap("reference start")  # (its process, model and input sizes; the candidate's folder and start overlap it)
             n_sets = first_msg["timed_sets"]
             timed_seeds = timed_seeds[:n_sets]
             ref_outs = [unpack(*ref.answer()) for _ in check_seeds + timed_seeds]
+            lap("reference outputs")  # (computed, and moved to this process)
             if timed and protocol.reads(backend):
                 try:
                     inputs.take(ref, timed_seeds)
@@ -709,7 +712,7 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
             v.error = f"the reference model.py failed: {ref.why_dead() if isinstance(e, EOFError) else e}"
             return
         ref_checks, ref_timed = ref_outs[:len(check_seeds)], ref_outs[len(check_seeds):]
-        lap("reference outputs")
+        lap("timed inputs")  # (the timed runs' input sets, taken from the reference into buffers of ours)
         timing = (f"timing-{protocol.TIMING_VERSION}-{'native' if protocol.native() else 'python'}-"
                   f"{'reads' if protocol.reads(backend) else 'sample'}")  # (how the runs are driven, clocked, checked)
         base_key = hashlib.sha256(f"{ref_code}\0{backend}\0{toolchain_id_light(backend)}\0{cfg.n_timed}\0"
@@ -733,6 +736,7 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
             try:
                 # torch.compile compiles at its first run (seconds of CPU work): here, while the device is not held
                 with candidate_alive(backend):  # for timing and no other verdict waits on us
+                    lap("wait device")  # (and the checked candidate's exit)
                     # a reference child of its own for the baselines: no outputs, only the timed sets' inputs
                     ref = start_reference(timed_seeds, 0, outputs=False)
                     if ref.answer()[0]["timed_sets"] != len(timed_seeds):
@@ -740,7 +744,7 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
                     ref.ask({"op": "use", "fn": "compile"})
                     ref.ask({"op": "load", "seed": timed_seeds[0]})
                     ref.ask({"op": "run"})
-                lap("reference outputs")  # (torch.compile's compile)
+                lap("baseline compile")  # (the baselines' reference child and torch.compile's compile)
                 with no_candidates(backend), file_lock(gpu_lock_path(backend)):
                     lap("wait device")
                     times = {}

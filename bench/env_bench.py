@@ -10,8 +10,9 @@ editing one kernel (each split into its steps: env.Build.steps), full verdict ti
 state), the spread (max/min) of runtime_ms over 5 repeated verdicts of the same >= 0.5 ms kernel, the timing floor
 (a 1-element task's candidate and eager runtime by the verdict's protocol, and eager in-process; on a GPU also
 eager by CUDA events, KernelBench's timer, for that task and the >= 0.5 ms one), and where a
-verdict's time goes (env.Verdict.phases: scan, build, reference outputs, baselines, candidate start, checks,
-timed runs, compare (the comparisons of whole outputs), waits for the device's locks).
+verdict's time goes (env.Verdict.phases: scan, build, reference start, reference outputs, timed inputs, baseline
+compile, baselines, candidate start, checks, timed runs, compare (the comparisons of whole outputs), waits for the
+device's locks).
 
 --workers N adds verdicts in flight, as train.py's rollouts run them (threads, one workspace copy per episode):
 M = max(2N, 8) profile verdicts of the cached task from 1 thread, then from N threads (builds overlap, timing is

@@ -141,8 +141,9 @@ learning)
   tar czf "$OUT/learning/learn.tgz" -C /tmp/run-sft --exclude=workspaces data sft/teacher 2>/dev/null
   # the episodes behind the rows: held-out ones per stage, the teacher's (kept or not), compressed
   (cd /tmp/run-sft && tar czf "$OUT/learning/episodes.tgz" eval/*/rank*.jsonl sft/teacher/*/*/trajectories.jsonl 2>/dev/null)
-  # where the teacher's and the held-out episodes' verdicts spent their time (phase medians, first vs later profiles)
-  python3 bench/verdict_phases.py /tmp/run-sft/sft/teacher /tmp/run-sft/eval 2>&1 | tee "$OUT/learning/verdict-phases.txt"
+  # where the teacher's verdicts and the held-out episodes' spent their time (phase medians, first vs later profiles)
+  for d in sft/teacher eval; do echo "== $d"; python3 bench/verdict_phases.py /tmp/run-sft/$d 2>&1; done \
+    | tee "$OUT/learning/verdict-phases.txt"
   ;;
 big-1.5b|big-7b)
   # issue 19: every stage of `train.py --stage all` on random bf16 weights of Qwen2.5-Coder-{1.5B,7B}-Instruct's exact

@@ -1,15 +1,18 @@
 """Where a run's verdicts spent their time: every verdict that episodes saved (env.Verdict.phases of each `compile`,
-`verify` and `profile` tool call, and of the episode's final score), read back from trajectories and evaluation
-files. Prints one table: per kind of verdict, how many, and the median and mean seconds of each phase.
+`verify` and `profile` tool call, and of the episode's final score), read back from the episode files of a
+train.py run (trajectories, demonstrations, rollouts, held-out episodes). Prints one table: per kind of verdict,
+how many, and the median and mean seconds of each phase.
 
     python bench/verdict_phases.py runs/default/sft/teacher      # the teacher's chunks (every *.jsonl under it)
-    python bench/verdict_phases.py runs/default                  # a whole run: teacher, rollouts, evaluations
+    python bench/verdict_phases.py runs/default/eval             # the held-out episodes of every stage
     python bench/verdict_phases.py a.jsonl b.jsonl --json phases.json
 
-A profile's first verdict of a task times the baselines (eager, torch.compile) and waits for every live candidate
-to finish first; later ones reuse them, so the two are counted apart ("profile, first" is an episode's first
-profile call). Verdicts run side by side in training (8 tool calls in parallel per rank by default): the phases
-include waiting for the device and for the CPU, which a verdict alone (bench/env_bench.py) does not.
+An episode is counted once, however many files hold it (a run keeps each episode in more than one: a chunk's
+trajectories and demonstrations, an evaluation's rows and its agent's trajectories), by its workspace. An
+episode's first profile call is counted apart from its later ones: it times the task's baselines (eager,
+torch.compile) unless they are cached, after every live candidate has finished. Verdicts run side by side in
+training (train.py's tool_workers per rank): the phases include waiting for the device and the CPU, which a
+verdict alone (bench/env_bench.py) does not.
 """
 import argparse
 import json
@@ -31,8 +34,9 @@ def episode_files(paths):
             raise SystemExit(f"verdict_phases.py: error: {p}: no such file or folder")
 
 
-def verdicts(path):
-    """(kind, verdict dict) for every timed verdict of every episode in one .jsonl file."""
+def verdicts(path, seen: set):
+    """(kind, verdict dict) for every timed verdict of every episode in one .jsonl file that is not in `seen` (the
+    workspaces of the episodes read so far; this file's are added)."""
     for line in path.read_text().splitlines():
         try:
             ep = json.loads(line)
@@ -40,9 +44,15 @@ def verdicts(path):
             continue
         if not isinstance(ep, dict) or not isinstance(ep.get("turns"), list):
             continue
+        if ep.get("workspace"):  # (an episode's workspace folder is its own: the key of its copies)
+            if ep["workspace"] in seen:
+                continue
+            seen.add(ep["workspace"])
         profiles = 0
         for t in ep["turns"]:
-            v = t.get("verdict") if isinstance(t, dict) else None
+            if not isinstance(t, dict):
+                continue
+            v = t.get("verdict")
             if t.get("tool") in TOOLS and isinstance(v, dict) and isinstance(v.get("phases"), dict):
                 kind = t["tool"]
                 if kind == "profile":
@@ -81,10 +91,10 @@ def main(argv=None):
     ap.add_argument("paths", nargs="+", help="trajectories / evaluation .jsonl files, or folders holding them")
     ap.add_argument("--json", help="also write {kind: {phase: median}} here")
     a = ap.parse_args(argv)
-    by_kind, files = {}, 0
+    by_kind, files, seen = {}, 0, set()
     for f in episode_files(a.paths):
         files += 1
-        for kind, v in verdicts(f):
+        for kind, v in verdicts(f, seen):
             by_kind.setdefault(kind, []).append(v)
     if not by_kind:
         print(f"verdict_phases.py: error: no verdict with phases in {files} file(s)", file=sys.stderr)

@@ -55,7 +55,7 @@ def test_big_verdict_prints_a_row_of_phases_per_verdict():
     head = next(line for line in out.splitlines() if line.startswith("| task |"))
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "M | " in line]
     assert [r[2] for r in rows] == ["1", "2"] and all(r[4] in ("+1", "+2", "+3") for r in rows), out
-    assert "| reference outputs |" in head and "| checks |" in head and "| timed runs |" in head, out
+    assert all(f"| {p} |" in head for p in ("reference start", "reference outputs", "timed inputs", "checks", "timed runs")), out
     cols = [c.strip() for c in head.strip("|").split("|")]
     compare = [float(r[cols.index("compare")].strip(" |")) for r in rows]  # its 8 comparisons of whole outputs
     assert all(0 <= x < float(r[3]) for x, r in zip(compare, rows)), out  # (a few ms here: it may print 0.00)
@@ -395,19 +395,21 @@ def test_sample_read_probe_reads_a_sandboxed_child():
 
 def test_verdict_phases_splits_first_and_later_profiles(tmp_path):
     """bench/verdict_phases.py on two made-up episodes (verdicts as env.Verdict serialises them): an episode's first
-    profile is counted apart from its later ones, the final score apart from its tool calls, and a phase a verdict
-    did not reach counts as 0 s for it."""
+    profile is counted apart from its later ones, the final score apart from its tool calls, a phase a verdict did
+    not reach counts as 0 s for it, and an episode that a second file holds too (a chunk's demos.jsonl) counts once."""
     import env
     v = lambda s, **ph: env.Verdict(backend="cpu", seconds=s, phases=ph).to_dict()
     turn = lambda tool, verdict: {"tool": tool, "verdict": verdict}
-    eps = [{"turns": [turn("write_file", None), turn("compile", v(4.0, build=4.0)),
+    eps = [{"workspace": "/w/0", "turns": ["not a turn", turn("write_file", None), turn("compile", v(4.0, build=4.0)),
                       turn("profile", v(30.0, **{"reference outputs": 20.0, "baselines": 1.0})),
                       turn("profile", v(6.0, **{"reference outputs": 4.0}))], "verdict": v(8.0, **{"reference outputs": 5.0})},
-           {"turns": [turn("profile", v(10.0, **{"reference outputs": 6.0, "baselines": 3.0}))], "verdict": v(12.0)}]
+           {"workspace": "/w/1", "turns": [turn("profile", v(10.0, **{"reference outputs": 6.0, "baselines": 3.0}))],
+            "verdict": v(12.0)}]
     (tmp_path / "chunk").mkdir()
     (tmp_path / "chunk" / "trajectories.jsonl").write_text("".join(json.dumps(e) + "\n" for e in eps) + "not json\n")
+    (tmp_path / "chunk" / "demos.jsonl").write_text(json.dumps(eps[1]) + "\n")  # (the same episode again)
     out = bench("verdict_phases.py", str(tmp_path), "--json", str(tmp_path / "m.json"))
-    assert "verdicts of 6 tool calls and final scores, from 1 file(s)" in out
+    assert "verdicts of 6 tool calls and final scores, from 2 file(s)" in out
     assert "| verdicts | 1 | 1 | 2 | 2 | 1 | 1 | 2 | 2 |" in out  # compile, profile first, profile later, final
     assert "| whole verdict | 4.00 | 4.00 | 20.00 | 20.00 | 6.00 | 6.00 | 10.00 | 10.00 |" in out
     assert "| baselines | 0.00 | 0.00 | 2.00 | 2.00 | 0.00 | 0.00 | 0.00 | 0.00 |" in out  # (not reached: 0 s)

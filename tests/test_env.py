@@ -441,6 +441,17 @@ def test_binding_files_compile_from_the_precompiled_torch_header():
     assert sorted(b.rebuilt) == sorted(files.keys() - {"binding_registry.h"})
 
 
+def test_the_cuda_backends_host_glue_compiles_at_O1_its_kernels_at_O3():
+    """On the CUDA backend g++ compiles host glue only (.cpp: checks, allocation, the launcher's call), nvcc the GPU
+    code: -O1 for the glue makes a binding file's compile ~25% shorter at no cost per call (build.toolchain). The CPU
+    backend's .cpp files are its kernels: -O3."""
+    if shutil.which(builder.toolchain("cuda")["nvcc"][0]) is None:
+        pytest.skip("no nvcc")
+    cu, cpu = builder.toolchain("cuda"), builder.toolchain("cpu")
+    opt = lambda cmd: [a for a in cmd if a.startswith("-O")]
+    assert opt(cu["cxx"]) == ["-O1"] and opt(cu["nvcc"]) == ["-O3"] and opt(cpu["cxx"]) == ["-O3"]
+
+
 def test_the_light_header_defines_every_macro_of_the_whole_one():
     """A workspace's `#if` reads the same under the light header as under <torch/extension.h>: torch_pch offers it
     only where the macros are the same, and on this toolchain they are."""

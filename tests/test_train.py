@@ -388,6 +388,21 @@ def test_sft_note_says_how_many_epochs_its_loss_covers(tmp_path):
     assert note([]) == "demonstrations 2 of 2 teacher episodes (2 tasks)"
 
 
+def test_ppo_note_says_when_the_actor_was_never_updated(tmp_path):
+    """A PPO or warm-up batch whose rewards are all equal leaves the actor as it was (rl.py): a held-out row after
+    a stage that never updated it must say so, or its differences read as the stage's effect (they are the
+    verdicts' noise: the same greedy kernels, timed again)."""
+    def note(stage, skipped):
+        recs = [{"stage": stage, "step": i + 1, "reward": -1.0, "pg_skipped": float(s)} for i, s in enumerate(skipped)]
+        recs.append({"event": "stage_end", "stage": stage, "reward": -1.0})
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        return stages.stage_note(tmp_path, stage)
+    assert note("ppo", [1, 1]) == ("2 steps; training reward -1.000; the actor was not updated at any step (no batch "
+                                   "had two different rewards)")
+    assert note("warmup", [1, 0, 1]) == "3 steps; training reward -1.000; the actor was updated at 1 of 3 steps"
+    assert note("ppo", [0, 0]) == "2 steps; training reward -1.000"
+
+
 def test_sft_trains_only_on_model_tokens():
     """The update of the sft stage (rl.sft_epoch on demonstration episodes) learns from the teacher's tokens
     (loss_mask 1) only: its loss is the mean NLL of exactly those tokens; an episode that differs only in tool
