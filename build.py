@@ -194,11 +194,11 @@ _PCH_FAILED: set = set()
 # file instantiates them again (-ftime-report's "phase lang. deferred"), and pybind11 3's headers define static type
 # data whose functions every file compiles. An empty file on 2 cores, -O3: 7.4-8.7 s under the whole
 # <torch/extension.h>, 4.6-5.1 s under this header (pybind11's headers alone 3.3 s, ATen's 0.9 s; at -O1, the CUDA
-# backend's level (toolchain), 3.9 s, -O0 3.6 s), where the C++ frontend's modules, optimisers, data loaders and autograd functions (most of
-# torch/all.h, which bindings rarely use) are left out. It holds
-# torch/python.h (tensors, ATen, pybind11 and torch's casters), at::parallel_for, torch/utils.h (NoGradGuard,
-# get_num_threads, and the profiler's global names), torch/mps.h (its global names), and the headers that define
-# every other macro of the whole header. torch_pch checks that the macros are the same, name for name and value for
+# backend's level (toolchain), 3.9 s, -O0 3.6 s), where the C++ frontend's modules, optimisers, data loaders and
+# autograd functions (most of torch/all.h, which bindings rarely use) are left out. It holds torch/python.h
+# (tensors, ATen, pybind11 and torch's casters), at::parallel_for, torch/utils.h (NoGradGuard, get_num_threads, and
+# the profiler's global names), torch/mps.h (its global names), and the headers that define every other macro of the
+# whole header. torch_pch checks that the macros are the same, name for name and value for
 # value, so no `#if` of a workspace reads differently under it, and records the headers it leaves out: a source
 # whose text enters one of them (included after the light header, it would be parsed under the workspace's macros,
 # where the whole header has parsed it already), or whose compile fails with an error that involves torch
