@@ -59,7 +59,7 @@ def stage_note(run_dir: Path, stage: str) -> str:
         return f"kept {end.get('kept')} of {end.get('episodes')} own episodes"
     if stage == "critic":
         return f"critic explained variance {num(end.get('ev_before'))} -> {num(end.get('ev'))}"
-    note = f"{len(steps)} steps; training reward {num(end.get('reward'))}"
+    note = f"{len(steps)} step{'' if len(steps) == 1 else 's'}; training reward {num(end.get('reward'))}"
     # (a batch without two different rewards leaves the actor as it was: rl.py. A row after a stage that never
     # updated it differs from the row before by the verdicts' noise only, and must not read as the stage's effect.)
     skipped = sum(bool(r.get("pg_skipped")) for r in steps)

@@ -400,7 +400,7 @@ def test_ppo_note_says_when_the_actor_was_never_updated(tmp_path):
     assert note("ppo", [1, 1]) == ("2 steps; training reward -1.000; the actor was not updated at any step (no batch "
                                    "had two different rewards)")
     assert note("warmup", [1, 0, 1]) == "3 steps; training reward -1.000; the actor was updated at 1 of 3 steps"
-    assert note("ppo", [0, 0]) == "2 steps; training reward -1.000"
+    assert note("ppo", [0, 0]) == "2 steps; training reward -1.000" and note("ppo", [0]) == "1 step; training reward -1.000"
 
 
 def test_sft_trains_only_on_model_tokens():
