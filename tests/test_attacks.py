@@ -379,6 +379,26 @@ def test_attack_kernel_speaking_the_pipe_protocol_is_refused(tmp_path, monkeypat
     assert v.reward == -1 and not v.correct and "no command" in (v.error or ""), v.summary()
 
 
+def test_honest_arithmetic_helpers_are_not_refused():
+    """C++ that computes in the module itself may import the compiler's and libm's arithmetic helpers: complex
+    functions (std::complex's exp, log, sqrt are libm's cexp, clog, csqrt; its product and quotient libgcc's
+    __muldc3 / __divdc3) and 128-bit integer arithmetic and conversions (__divti3, __floatuntidf). They compute and
+    return; refusing them gave an honest kernel -1."""
+    src = MODULE + (
+        "#include <complex>\n#include <cstdint>\n"
+        "double honest(double x, double y, unsigned __int128 n, __int128 d) {\n"
+        "  std::complex<double> z(x, y), w(y, x);\n"
+        "  z = std::exp(z) * w / std::log(w) + std::sqrt(z);\n"
+        "  return z.real() + (double)n + (double)(d / (__int128)(y + 3)) + __builtin_popcountll((unsigned long long)n);\n}\n")
+    b = env.build({"kernels/x.cpp": src}, "cpu")
+    assert b.ok, b.log
+    helpers = ["cexp", "cexpf", "clog", "csqrt", "cpow", "cabs", "carg", "__muldc3", "__mulsc3", "__divdc3", "__divsc3",
+               "__divti3", "__udivti3", "__modti3", "__umodti3", "__floatuntidf", "__floattidf", "__fixdfti",
+               "__fixunsdfti", "__popcountdi2", "__clzdi2"]
+    assert scan.check_imports(helpers, scan.IMPORT_OPS) == []
+    assert scan.check_imports(["cexecve", "__divti3_door", "csystem"], scan.IMPORT_OPS)  # (the names, not a prefix)
+
+
 def test_attack_c_imports_come_from_an_allow_list():
     honest = ["memcpy", "strlen", "malloc", "free", "expf", "tanhf", "__expf_finite", "fprintf", "fflush", "stderr",
               "stdout", "snprintf", "__snprintf_chk", "__cxa_atexit", "_Unwind_Resume", "pthread_mutex_lock",
