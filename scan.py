@@ -596,9 +596,10 @@ C_IMPORTS_RE = re.compile(
     r"nearbyint|fmod|remainder|remquo|copysign|nan|frexp|ldexp|modf|scalbl?n|nextafter|nexttoward|sincos|isinf|isnan|"
     r"finite|signbit|fpclassify|c(exp|log|log10|pow|sqrt|abs|arg|proj|a?(sin|cos|tan)h?|real|imag)|conj)[fl]?(_finite)?|"
     # the compiler's own arithmetic helpers (libgcc), which compute and return: complex products and quotients
-    # (std::complex's * and /), 128-bit integer division and conversions, bit counts, integer powers
-    r"__(mul|div)[sdxt]c3|__u?(div|mod)ti3|__muloti4|__float(un)?ti[sdxt]f|__fix(uns)?[sdxt]fti|"
-    r"__(popcount|clz|ctz|ffs|parity)[sdt]i2|__powi[sdx]f2|"
+    # (std::complex's * and /), 128-bit integer division and conversions, half-precision conversions, bit counts,
+    # integer powers
+    r"__(mul|div)[hsdxt]c3|__u?(div|mod)ti3|__u?divmodti4|__muloti4|__float(un)?ti[hsdxt]f|__fix(uns)?[hsdxt]fti|"
+    r"__extendhf[sdxt]f2|__trunc[sdxt]fhf2|__(popcount|clz|ctz|ffs|parity)[sdt]i2|__powi[sdx]f2|"
     # OpenMP, as `#pragma omp` compiles: a region that joins its team before it returns (GOMP_parallel*, not the
     # GOMP_1.0 GOMP_parallel*_start, whose workers run on after the kernel returns: a thread of its own), and the
     # work-sharing, synchronisation and task calls made inside one
