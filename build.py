@@ -56,8 +56,8 @@ class Build:
     # under it with an error that involves torch
     whole_header: list = dataclasses.field(default_factory=list)
     # seconds per step of a successful build: "scan P" (preprocess + scan) and "compile P" per source compiled (sources
-    # run side by side, so they overlap; P's two run one after the other), "toolchain" and "precompiled header" (made once per machine and torch),
-    # "link", "module checks"
+    # run side by side, so they overlap; P's two run one after the other), "toolchain" and "precompiled header" (made
+    # once per machine and torch), "link", "module checks"
     steps: dict = dataclasses.field(default_factory=dict)
 
 

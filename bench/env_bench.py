@@ -62,6 +62,13 @@ def row(name, value, unit, target=""):
     print(f"  {name}: {value:.3g} {unit}", flush=True)
 
 
+def step_rows(what, b):
+    """A build's split (env.Build.steps; the sources' scans and compiles run side by side), its non-zero steps."""
+    for step, s in b.steps.items():
+        if s:
+            row(f"  {what}: {step}", s, "s")
+
+
 # 1. naive: load_inline with torch/extension.h, from scratch
 from torch.utils.cpp_extension import load_inline  # noqa: E402
 
@@ -120,9 +127,7 @@ if not args.cache:
     print(f"  compiled from the precompiled header: {', '.join(b.pch) or 'none'}", flush=True)
     row("env.py cold build (same kernel, CUDA-Agent layout)", b.seconds, "s",
         "" if args.no_naive else f"<= {naive_s / 3:.3g} s (1/3 of naive)")
-    for step, s in b.steps.items():  # where it goes (the sources' scans and compiles run side by side; the
-        if s:                          # toolchain and the precompiled header were made above)
-            row(f"  cold build: {step}", s, "s")
+    step_rows("cold build", b)  # (the toolchain and the precompiled header were made above: ~0 here)
     if not args.no_naive:
         row("  ratio to naive", b.seconds / naive_s, "x", "<= 0.33")
     # the same build, nothing cached (a comment changes every key), under the whole header alone
@@ -136,9 +141,7 @@ if not args.cache:
     b2 = env.build(files, backend)
     assert b2.ok and b2.rebuilt == [kname], (b2.rebuilt, b2.log)
     row("rebuild after editing one kernel", b2.seconds, "s", "<= 3 s")
-    for step, s in b2.steps.items():
-        if s:
-            row(f"  rebuild: {step}", s, "s")
+    step_rows("rebuild", b2)
 
 # 4./5. full verdicts of a ~1 ms kernel (naive fp32 matmul 1024^3 on the H200), build cached
 ws = matmul_ws(work / "ws", cuda)
