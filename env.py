@@ -227,7 +227,8 @@ class Config:
     n_checks: int = 5
     n_timed: int = 20  # timed runs, each on an input set of its own (unless the inputs exceed input_budget_mb)
     n_audits: int = 2  # extra runs among the timed ones whose WHOLE output is checked; their time is not counted
-    warmup: int = 3
+    warmup: int = 3  # untimed runs before the timed ones, at least ...
+    warmup_ms: float = 0.0  # ... and until they add up to this many milliseconds (clocks leave their idle state)
     mem_gb: float = 16.0  # host memory limit of a candidate child
     stage: str = "profile"  # compile | verify | profile
     input_budget_mb: float = 1024.0  # distinct fresh input sets kept for timing
@@ -238,7 +239,8 @@ class Verdict:
     compiled: bool = False
     correct: bool = False
     reward: int = -1
-    runtime_ms: float | None = None
+    runtime_ms: float | None = None  # the median of the timed runs ...
+    run_spread: float | None = None  # ... and their p90 / p10 (how noisy this measurement was)
     eager_ms: float | None = None
     compile_ms: float | None = None
     speedup_eager: float | None = None
@@ -831,7 +833,7 @@ def _drive_candidate(v, cand, check_seeds, ref_checks, timed_seeds, ref_timed, c
     v.violations += bad
     if v.violations or v.error:
         return
-    v.runtime_ms = median(times)
+    v.runtime_ms, v.run_spread = median(times), spread(times)
     lap("timed runs")
 
 
