@@ -90,6 +90,16 @@ def test_env_bench_verdicts_in_flight(tmp_path):
     assert "cold build" not in out  # (the test cache may hold it: not measured)
 
 
+def test_timing_spread_rows_per_setting():
+    """One row per (warm-up, idle) setting, each from its own verdicts of the same kernel."""
+    out = bench("timing_spread.py", "--backend", "cpu", "--verdicts", "2", "--warmup-ms", "0,5", "--idle-s", "0")
+    assert out.count("| warmup 0 ms | idle 0 s |") == 2 and out.count("| warmup 5 ms | idle 0 s |") == 2
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith(("| 0 | 0 |", "| 5 | 0 |"))]
+    assert len(rows) == 2 and all(float(r[3].rstrip("x")) >= 1.0 for r in rows), out
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "timing_spread.py"), "--warmup-ms", "a"], capture_output=True, text=True)
+    assert r.returncode == 2 and "comma-separated numbers" in r.stderr
+
+
 def test_cuda_agent_bench_says_what_it_needs(tmp_path):
     """bench/cuda_agent_bench.py (CUDA Agent's own scripts beside env.py) runs on a GPU only: elsewhere, and for a
     folder that is not their agent_workdir, one line says why (the GPU run: bash bench/run_h200.sh cuda-agent)."""

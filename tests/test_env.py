@@ -1452,6 +1452,24 @@ def test_red_team_fast_runs_never_repeat_an_input_set(monkeypatch):
     assert len(timed_loads) == len(set(timed_loads)), f"{len(timed_loads)} timed runs over {len(set(timed_loads))} input sets"
 
 
+def test_warm_up_runs_until_warmup_ms_of_work(monkeypatch):
+    """warmup_ms: untimed runs until they add up to that much work (a device's clocks leave their idle state), never
+    fewer than `warmup` and never more than MAX_WARMUP; the timed runs are as many as without it."""
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(protocol, "_clock", lambda: next(ticks) * 1e-3)  # every run takes 1 ms by the parent's clock
+    runs = []
+
+    class Recorder:
+        def ask(self, obj, reuse=False):
+            runs.append(obj["op"] == "run")
+            return {}, []
+
+    for warmup_ms, warm in [(0.0, 3), (10.0, 10), (2.0, 3), (1e9, protocol.MAX_WARMUP)]:
+        runs.clear()
+        times = env.timed_runs(Recorder(), list(range(20)), env.Config(warmup_ms=warmup_ms))
+        assert len(times) == 20 and sum(runs) == warm + 20, (warmup_ms, sum(runs))
+
+
 def test_timed_exchanges_poll_for_replies_and_only_they(monkeypatch):
     """While timed_runs drives a child, the parent polls for its replies (a sleeping reader's wake-up would be on the
     clock); before and after, it sleeps (other verdicts' threads share this process). A child polls for commands."""
