@@ -197,7 +197,10 @@ PRESETS = {
     # One H200 with the embedded 135M model: 64 training tasks for the teacher, 32 held out, sized for 0.3-3 ms in
     # eager (0.5-2.4 ms measured): at synth.py's 1-100 ms a verdict moves GB-sized outputs (~50 s), and the
     # teacher's first 8 episodes took over 7 minutes; at this window 16 took 4 min 22 s (docs/results.md).
-    "default": dict(window_lo_ms=0.3, window_hi_ms=3.0),
+    # Rollouts at temperature 0.7: after sft on 40 demonstrations, PPO's sampled episodes at 1.0 were never correct
+    # (0 of 20: equal rewards, no update), at 0.7 7 of 20 were (an H100, docs/results.md); the policy's log-probs are
+    # taken at the same temperature (rl.action_logprobs), so the ratio and the KL are those of what was sampled.
+    "default": dict(window_lo_ms=0.3, window_hi_ms=3.0, temperature=0.7),
     # The paper's hyper-parameters (actor lr 3e-6, critic lr 6e-6, gamma 1, lambda 0.95, eps 0.2/0.28,
     # 150 PPO steps) with batch, context and turns scaled to one 8-GPU node (paper: batch 1024, 128k
     # context, 150 turns), on the paper's task mix (the scripted teacher solves none of it: --teacher-url).
