@@ -333,6 +333,24 @@ def test_teacher_demonstrations_score_reward_and_are_token_exact(tasks, tok, tmp
     print(teacher.summary(eps))
 
 
+def test_teacher_plans_start_with_one_template_per_kind(tasks):
+    """Every episode's first kernel is its kind's first variant at 256 threads (one template for a small student to
+    learn); a second variant, drawn, follows in some episodes: the demonstrations still differ."""
+    import random
+    codes = [t["code"] for t in tasks]
+    for backend in ("cuda", "cpu"):
+        seconds = set()
+        for code in codes:
+            red = kind(E.parse(code)) != "elementwise"
+            first = E.VARIANTS_FOR[(backend, red)][0]
+            for k in range(8):
+                plan = teacher.choose_plan(code, backend, random.Random(f"0-{E.task_hash(code)}-{k}"))
+                assert plan[0] == (first, 256 if backend == "cuda" else 0) and 1 <= len(plan) <= 2, plan
+                seconds |= {p for p in plan[1:]}
+                assert all(v in E.VARIANTS_FOR[(backend, red)][1:] for v, _ in plan[1:])
+        assert len(seconds) >= 2, seconds
+
+
 def test_teacher_script_keeps_the_fastest_variant():
     code = find(lambda s: kind(s) == "elementwise")["code"]
     plan = [("flat", 0), ("rows", 0)]
