@@ -50,7 +50,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # the in-process timer, thr
 
 import env  # noqa: E402
 env.torch.set_num_threads(env.CHILD_THREADS)  # (and as many threads)
-from workspaces import event_ms, matmul_ws  # noqa: E402  (bench/)
+from workspaces import event_ms, floor_ws, matmul_ws  # noqa: E402  (bench/)
 
 backend = env.resolve_backend(args.backend)
 cuda = backend == "cuda"
@@ -156,13 +156,8 @@ for i in range(args.repeats + 1):
 # 6. the timing floor: a 1-element task (relu of one float) through the same protocol, candidate and eager alike.
 # Every verdict pays it (two pipe round trips, the sample copy, the candidate's dispatch monitor); the trusted
 # in-process timer (env.time_callable, no pipes) on the same eager model says how much of it is the protocol.
-floor = work / "floor"
-shutil.copytree(ws / "kernels", floor / "kernels")
-relu_1 = (ROOT / "examples" / "relu.py").read_text().replace("BATCH = 64", "BATCH = 1").replace("DIM = 4096", "DIM = 1")
-(floor / "model.py").write_text(relu_1)
-(floor / "model_new.py").write_text("import torch\nimport torch.nn as nn\nimport cuda_extension\n\n\nclass ModelNew(nn.Module):\n"
-                                    "    def __init__(self, dim):\n        super().__init__()\n        self.scale = nn.Parameter(torch.randn(dim))\n\n"
-                                    "    def forward(self, x):\n        return cuda_extension.relu_scale(x, self.scale)\n")
+floor = floor_ws(work / "floor", ws)
+relu_1 = (floor / "model.py").read_text()
 floors = []
 for i in range(3):
     v = env.evaluate(floor, backend=backend)

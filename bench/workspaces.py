@@ -1,9 +1,11 @@
 """What the env benches share: their verdict task, a naive matmul (tests/env_cases), ~1 ms on the H200 (1024^3 fp32)
-and 256x512x256 on the CPU backend, with its kernel sources and a ModelNew that calls it; and KernelBench's timer."""
+and 256x512x256 on the CPU backend, with its kernel sources and a ModelNew that calls it; the timing floor's
+1-element task; and KernelBench's timer."""
 import statistics
 from pathlib import Path
 
-CASES = Path(__file__).resolve().parents[1] / "tests" / "env_cases"
+ROOT = Path(__file__).resolve().parents[1]
+CASES = ROOT / "tests" / "env_cases"
 MODEL_NEW = ("import torch\nimport torch.nn as nn\nimport cuda_extension\n\n\nclass ModelNew(nn.Module):\n"
              "    def __init__(self):\n        super().__init__()\n\n"
              "    def forward(self, a, b):\n        return cuda_extension.matmul(a, b)\n")
@@ -19,6 +21,20 @@ def matmul_ws(ws: Path, cuda: bool) -> Path:
         (ws / "model.py").write_text((CASES / "matmul.py").read_text().replace("M, K, N = 64, 128, 96", "M, K, N = 256, 512, 256"))
         (ws / "kernels" / "ops.cpp").write_text((CASES / "ops.cpp").read_text())
     (ws / "model_new.py").write_text(MODEL_NEW)
+    return ws
+
+
+def floor_ws(ws: Path, matmul: Path) -> Path:
+    """The timing floor's task: relu of one float (examples/relu.py at 1 x 1), with the matmul workspace's kernels
+    (they hold relu_scale too): what every verdict's protocol costs around a kernel that does nothing."""
+    import shutil
+    shutil.copytree(matmul / "kernels", ws / "kernels")
+    relu = (ROOT / "examples" / "relu.py").read_text()
+    (ws / "model.py").write_text(relu.replace("BATCH = 64", "BATCH = 1").replace("DIM = 4096", "DIM = 1"))
+    (ws / "model_new.py").write_text(
+        "import torch\nimport torch.nn as nn\nimport cuda_extension\n\n\nclass ModelNew(nn.Module):\n"
+        "    def __init__(self, dim):\n        super().__init__()\n        self.scale = nn.Parameter(torch.randn(dim))\n\n"
+        "    def forward(self, x):\n        return cuda_extension.relu_scale(x, self.scale)\n")
     return ws
 
 
