@@ -1672,14 +1672,14 @@ class TimedInputs:
         self._mine, self.sets, self._attached = [], [], {}
 
 
-MAX_WARMUP = 200  # untimed runs at most before the timed ones (timed_runs)
+MAX_WARMUP = 200  # untimed runs at most before the timed ones: a verdict's time stays bounded (timed_runs)
 
 
 def timed_runs(child: Child, seeds: list, cfg, check=None, audit=None, inputs: TimedInputs | None = None) -> list:
     """Times fn over the input sets `seeds` in turn with the parent's clock, after untimed runs (cfg.warmup,
     cfg.warmup_ms): n_timed runs, and never more runs than there are sets unless fewer sets fit in input_budget_mb (a
-    repeated set lets a cache keyed on its values answer without computing). check(k, values, where) sees each run's sampled elements
-    (checked_values: picks_of(reference, where) gives the reference's elements they must match).
+    repeated set lets a cache keyed on its values answer without computing). check(k, values, where) sees each run's
+    sampled elements (checked_values: picks_of(reference, where) gives the reference's elements they must match).
     With `audit`, n_audits more runs are made, and which of them are audits is told to the child only after each run
     has returned: audit(k) checks that run's whole output, and its time is not counted. A kernel that skips work on some timed
     runs, in a pattern the sample could miss, cannot know which runs are read in full. Milliseconds per run.
@@ -1715,8 +1715,9 @@ def _timed_runs(child: Child, seeds: list, cfg, check, audit, inputs) -> list:
 
     write = load(0)
     # Untimed runs, driven as the timed runs are (the reads' first mappings and pages are made here): at least
-    # `warmup` of them, and as many more as make warmup_ms of work, so that a short kernel meets a device (or core)
-    # that has left its idle clocks before the clock starts (MAX_WARMUP caps a kernel faster than the clock).
+    # `warmup` of them, and more until their times by this clock (the protocol's included) add up to warmup_ms, so
+    # that a short kernel meets a device (or core) that has left its idle clocks (MAX_WARMUP bounds the verdict's
+    # time for a kernel much shorter than warmup_ms).
     i, spent = 0, 0.0
     while i < cfg.warmup or (spent < cfg.warmup_ms and i < MAX_WARMUP):
         if i and write is not None:

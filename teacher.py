@@ -16,10 +16,10 @@ trained on like the student's own (loss on the teacher's tokens, never on the ob
 ScriptedTeacher solves any task of the elementwise family (elementwise.py): it reads the chain from the task's
 code, writes the fixed binding, a fused kernel that calls the op library the workspace starts with
 (elementwise.provided_files) and model_new.py, compiles, profiles (a profile checks before it times: no verify
-first), then tries its other planned variants (naive / grid-stride / float4 / block sizes; block- or warp-per-row /
-two kernels for reductions; OpenMP flat / by rows / with a row buffer on CPU) and keeps the fastest. Its first
-kernel is the same template for every task of a kind (choose_plan: one template to learn); the second variant, in
-half of the episodes, is drawn, so demonstrations differ in speed and RL has something left to find.
+first). Its first kernel is one template per kind (choose_plan: a thread per element; a block per row for
+reductions; on CPU one OpenMP loop, or passes over each row); in half of the episodes one other variant follows
+(grid-stride or float4, at a drawn block size; a warp per row or two kernels; OpenMP by rows or with a row buffer)
+and the faster is kept, so demonstrations differ in speed and RL has something left to find.
 Its memory of an episode is the conversation itself (recorded per token prefix): each turn replays the script
 on the observations so far, and the plan is read back from its own first turn.
 
@@ -134,10 +134,10 @@ def parse_plan(text: str) -> list:
 def choose_plan(code: str, backend: str, rng: random.Random) -> list:
     """An episode's variants, in order: the kind's first variant (E.VARIANTS_FOR: the simplest, and the shortest
     text) at 256 threads in every episode, then, in half of them, one other variant at a block size drawn at random.
-    One first kernel per kind gives a small student one template to learn per kind: with the first drawn from 3
-    templates x 3 block sizes, 18 reductions among 40 demonstrations left the 135M model building none of 8
-    held-out reductions (docs/results.md). The second variants keep demonstrations of different speeds: a faster
-    kernel for RL to find."""
+    One first kernel per kind gives a small student one template to learn per kind: after 40 demonstrations whose
+    first kernels were drawn from 3 templates x 3 block sizes (18 of them reductions), the 135M model built none
+    of 8 held-out reductions (6d42ee3's run, docs/results.md). The second variants keep demonstrations of
+    different speeds: a faster kernel for RL to find."""
     red = E.split(E.parse(code))[1] is not None
     dim = re.search(r"^DIM = (\d+)$", code, re.M)
     # float4 needs rows of a multiple of 4 values (every composed task's DIM; not every task parse() accepts)
@@ -351,7 +351,7 @@ def main(argv=None):
     ap.add_argument("--tasks", required=True, help="a synth.py output folder (--family elementwise) or one task .py file")
     ap.add_argument("--split", default="train")
     ap.add_argument("--limit", type=int, default=0, help="use the first N tasks (0: all)")
-    ap.add_argument("--samples", type=int, default=1, help="episodes per task (each draws its own plan of variants)")
+    ap.add_argument("--samples", type=int, default=1, help="episodes per task (each draws its own second variant, in half of them)")
     ap.add_argument("--backend", default="auto", choices=["auto", "cuda", "cpu"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default=None, help="the student, whose tokenizer the demonstrations use (default: embedded)")

@@ -131,7 +131,7 @@ class Config:
     eval_tasks: int = 32  # held-out tasks scored after every stage (never given to the teacher)
     # sft: teacher demonstrations on the training tasks
     sft_tasks: int = 64  # training tasks the teacher works (0: all)
-    sft_samples: int = 1  # teacher episodes per task (each draws its own plan of kernel variants)
+    sft_samples: int = 1  # teacher episodes per task (each draws its own second kernel variant, in half of them)
     sft_epochs: int = 8  # the teacher's fixed texts (binding, header) must be reproduced token for token: many steps
     sft_single_turn: bool = True  # every demonstration also in the warm-up's single-turn format (teacher.single_turn_demo)
     sft_lr: float = 5e-4  # LoRA on a 135M model; the paper's stages use lower rates on a 230B model

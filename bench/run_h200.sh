@@ -134,7 +134,7 @@ learning)
      --set warmup_steps=2 --set tasks_per_step=10 --set rft_tasks=8 --set ppo_steps=2 --set critic_epochs=10
      --set window_lo_ms=$lo --set window_hi_ms=$hi"
   # LEARN_SET: more train.py flags (e.g. "--skip warmup,rft,critic,ppo --set sft_tasks=20"), after these; on a machine
-  # still warm from such a call, LEARN_SET="--skip warmup,rft,critic --set temperature=0.7" continues that run with PPO
+  # still warm from such a call, LEARN_SET="--skip warmup,rft,critic" continues that run with PPO
   r=""; [ -f /tmp/run-sft/config.json ] && r="--resume"
   if [ -z "$r" ] && [ -d .learn/run/data ]; then rm -rf /tmp/run-sft && mkdir -p /tmp/run-sft && cp -r .learn/run/. /tmp/run-sft/; fi
   step 540 learning python3 train.py --stage all --run-dir /tmp/run-sft $S $r ${LEARN_SET:-}

@@ -16,8 +16,6 @@ On the CPU there are no events: the host and verdict columns only. --accurate-ma
 the accurate math functions (VARIANT+accurate), against the op library's special-function-unit math.
 """
 import argparse
-import importlib.machinery
-import importlib.util
 import json
 import math
 import os
@@ -53,7 +51,7 @@ import torch  # noqa: E402
 import elementwise as E  # noqa: E402
 import env  # noqa: E402
 env.torch.set_num_threads(env.CHILD_THREADS)  # (and as many threads)
-from workspaces import event_ms  # noqa: E402  (bench/)
+from workspaces import event_ms, load_extension  # noqa: E402  (bench/)
 
 backend = env.resolve_backend(args.backend)
 cuda = backend == "cuda"
@@ -74,15 +72,6 @@ def pick_tasks(n: int) -> list[dict]:
     if len(got) < n:
         raise SystemExit(f"teacher_speed.py: only {len(got)} of {n} tasks composed in the window {args.window}")
     return got
-
-
-def load_extension(so_path: Path):
-    """The built module under the name model_new.py imports (trusted here: the teacher's own kernels)."""
-    loader = importlib.machinery.ExtensionFileLoader("cuda_extension", str(so_path))
-    spec = importlib.util.spec_from_loader("cuda_extension", loader)
-    mod = importlib.util.module_from_spec(spec)
-    loader.exec_module(mod)
-    return mod
 
 
 def measure(fn, sets) -> tuple[float, float]:

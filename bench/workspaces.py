@@ -1,6 +1,9 @@
 """What the env benches share: their verdict task, a naive matmul (tests/env_cases), ~1 ms on the H200 (1024^3 fp32)
 and 256x512x256 on the CPU backend, with its kernel sources and a ModelNew that calls it; the timing floor's
 1-element task; and KernelBench's timer."""
+import importlib.machinery
+import importlib.util
+import shutil
 import statistics
 from pathlib import Path
 
@@ -27,7 +30,6 @@ def matmul_ws(ws: Path, cuda: bool) -> Path:
 def floor_ws(ws: Path, matmul: Path) -> Path:
     """The timing floor's task: relu of one float (examples/relu.py at 1 x 1), with the matmul workspace's kernels
     (they hold relu_scale too): what every verdict's protocol costs around a kernel that does nothing."""
-    import shutil
     shutil.copytree(matmul / "kernels", ws / "kernels")
     relu = (ROOT / "examples" / "relu.py").read_text()
     (ws / "model.py").write_text(relu.replace("BATCH = 64", "BATCH = 1").replace("DIM = 4096", "DIM = 1"))
@@ -38,8 +40,17 @@ def floor_ws(ws: Path, matmul: Path) -> Path:
     return ws
 
 
-def event_ms(fn, inputs, runs: int = 100, warmup: int = 5) -> float:
-    """KernelBench's timer: CUDA events recorded on the stream around each run, median ms. The device's time for the
+def load_extension(so_path: Path):
+    """A built module under the name model_new.py imports, in this process (a bench's own kernels: trusted)."""
+    loader = importlib.machinery.ExtensionFileLoader("cuda_extension", str(so_path))
+    spec = importlib.util.spec_from_loader("cuda_extension", loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
+def event_times(fn, inputs, runs: int = 100, warmup: int = 5) -> list:
+    """KernelBench's timer: CUDA events recorded on the stream around each run, ms per run. The device's time for the
     kernels of one run, without launching them from the host or learning that they ended; not what the reward uses
     (README, "What a runtime is")."""
     import torch
@@ -55,4 +66,9 @@ def event_ms(fn, inputs, runs: int = 100, warmup: int = 5) -> float:
             b.record()
             torch.cuda.synchronize()
             ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    return ts
+
+
+def event_ms(fn, inputs, runs: int = 100, warmup: int = 5) -> float:
+    """The median of event_times."""
+    return statistics.median(event_times(fn, inputs, runs, warmup))

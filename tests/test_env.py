@@ -1049,6 +1049,21 @@ def test_baselines_are_timed_while_no_candidate_lives(tmp_path, monkeypatch):
     assert len(ref_times) == 2 and len(cand_times) == 1 and cand_times[0] > max(ref_times), events
 
 
+def test_baselines_are_timed_as_the_candidate_is(tmp_path):
+    """A candidate's runs are compared with baselines timed under the same warm-up: baselines cached under one
+    warm-up are not served to a verdict under another, which times and caches its own."""
+    nonce = f"\n# baseline nonce {os.urandom(8).hex()}\n"
+    ws = make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)"))
+    (ws / "model.py").write_text(RELU + nonce)
+    cached = lambda: set((env.CACHE_DIR / "baselines").glob("*.json"))
+    seen = cached()
+    for warmup_ms, new_files in [(0.0, 1), (0.0, 0), (5.0, 1)]:
+        v = env.evaluate(ws, backend="cpu", warmup_ms=warmup_ms)
+        assert v.correct and v.eager_ms, v.summary()
+        assert len(cached() - seen) == new_files, warmup_ms
+        seen = cached()
+
+
 def test_a_wrong_candidate_costs_no_baselines(tmp_path, monkeypatch):
     """The first profile of a task checks the candidate before anything is timed: a wrong answer is -1 without
     torch.compile's compile and the baselines' runs (most of a first verdict), and caches no baselines."""
@@ -1464,7 +1479,7 @@ def test_warm_up_runs_until_warmup_ms_of_work(monkeypatch):
             runs.append(obj["op"] == "run")
             return {}, []
 
-    for warmup_ms, warm in [(0.0, 3), (10.0, 10), (2.0, 3), (1e9, protocol.MAX_WARMUP)]:
+    for warmup_ms, warm in [(0.0, 3), (9.5, 10), (2.5, 3), (1e9, protocol.MAX_WARMUP)]:
         runs.clear()
         times = env.timed_runs(Recorder(), list(range(20)), env.Config(warmup_ms=warmup_ms))
         assert len(times) == 20 and sum(runs) == warm + 20, (warmup_ms, sum(runs))
