@@ -533,6 +533,8 @@ def evaluate(workspace, backend: str = "auto", reference: str | None = None, cfg
     t_start = time.monotonic()
     ws = Path(workspace)
     backend = resolve_backend(backend if backend != "auto" else cfg.backend)
+    if not (math.isfinite(cfg.warmup_ms) and cfg.warmup_ms >= 0):
+        raise UsageError(f"warmup_ms must be a finite number >= 0, not {cfg.warmup_ms}")
     if not ws.is_dir():
         raise UsageError(f"no such workspace: {ws}")
     if reference is None and not (ws / "model.py").is_file():
@@ -718,7 +720,7 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
         timing = (f"timing-{protocol.TIMING_VERSION}-{'native' if protocol.native() else 'python'}-"
                   f"{'reads' if protocol.reads(backend) else 'sample'}")  # (how the runs are driven, clocked, checked)
         base_key = hashlib.sha256(f"{ref_code}\0{backend}\0{toolchain_id_light(backend)}\0{cfg.n_timed}\0"
-                                  f"{cfg.warmup}\0{cfg.warmup_ms}\0"
+                                  f"{cfg.warmup}\0{float(cfg.warmup_ms)}\0{protocol.MAX_WARMUP}\0"
                                   f"{sorted(CHILD_ENV.items())}\0{timing}".encode()).hexdigest()[:24]
         base_file = CACHE_DIR / "baselines" / f"{base_key}.json"
         cached = json.loads(base_file.read_text()) if base_file.exists() else None

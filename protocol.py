@@ -1672,7 +1672,7 @@ class TimedInputs:
         self._mine, self.sets, self._attached = [], [], {}
 
 
-MAX_WARMUP = 200  # untimed runs at most before the timed ones: a verdict's time stays bounded (timed_runs)
+MAX_WARMUP = 200  # untimed runs at most before the timed ones (timed_runs): a kernel of microseconds makes no more
 
 
 def timed_runs(child: Child, seeds: list, cfg, check=None, audit=None, inputs: TimedInputs | None = None) -> list:
@@ -1716,8 +1716,8 @@ def _timed_runs(child: Child, seeds: list, cfg, check, audit, inputs) -> list:
     write = load(0)
     # Untimed runs, driven as the timed runs are (the reads' first mappings and pages are made here): at least
     # `warmup` of them, and more until their times by this clock (the protocol's included) add up to warmup_ms, so
-    # that a short kernel meets a device (or core) that has left its idle clocks (MAX_WARMUP bounds the verdict's
-    # time for a kernel much shorter than warmup_ms).
+    # that a short kernel meets a device (or core) that has left its idle clocks (MAX_WARMUP bounds the number of
+    # runs for a kernel much shorter than warmup_ms; the verdict's time is bounded by cfg.timeout, as ever).
     i, spent = 0, 0.0
     while i < cfg.warmup or (spent < cfg.warmup_ms and i < MAX_WARMUP):
         if i and write is not None:

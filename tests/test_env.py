@@ -1062,6 +1062,9 @@ def test_baselines_are_timed_as_the_candidate_is(tmp_path):
         assert v.correct and v.eager_ms, v.summary()
         assert len(cached() - seen) == new_files, warmup_ms
         seen = cached()
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(env.UsageError, match="warmup_ms"):
+            env.evaluate(ws, backend="cpu", warmup_ms=bad)
 
 
 def test_a_wrong_candidate_costs_no_baselines(tmp_path, monkeypatch):
