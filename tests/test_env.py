@@ -1085,6 +1085,23 @@ def test_a_wrong_candidate_costs_no_baselines(tmp_path, monkeypatch):
     assert events.count(("time", "reference")) == 2, events  # measured now, by the first correct candidate
 
 
+def test_children_allocate_large_blocks_the_same_way_whatever_came_before():
+    """A 16 MiB block of a child comes from the heap and stays there once freed (CHILD_ENV's allocator thresholds):
+    with glibc's moving thresholds it was mapped and unmapped on every run or not, by what the process had freed
+    before, and a CPU baseline's time with it (relu 1024x4096: eager 12 ms or 1.7 ms)."""
+    probe = ("import ctypes\n"
+             "class M(ctypes.Structure):\n    _fields_ = [(n, ctypes.c_size_t) for n in ('arena ordblks smblks hblks hblkhd "
+             "usmblks fsmblks uordblks fordblks keepcost'.split())]\n"
+             "libc = ctypes.CDLL('libc.so.6'); libc.mallinfo2.restype = M; libc.malloc.restype = ctypes.c_void_p\n"
+             "before = libc.mallinfo2().hblks; p = libc.malloc(16 << 20); mapped = libc.mallinfo2().hblks - before\n"
+             "libc.free(ctypes.c_void_p(p)); kept = libc.mallinfo2().fordblks\n"
+             "print(mapped, kept >= 16 << 20)\n")
+    run = lambda extra: subprocess.run([sys.executable, "-c", probe], env={**os.environ, **extra}, capture_output=True,
+                                       text=True, check=True).stdout.split()
+    assert run({}) == ["1", "False"]  # glibc's defaults: mapped, and given back when freed
+    assert run(env.CHILD_ENV) == ["0", "True"]
+
+
 def test_every_child_gets_the_same_threading_settings(tmp_path, monkeypatch):
     """Candidate and reference (eager, torch.compile) children run under the same harness settings, idle OpenMP
     workers sleeping (a spinning one, preempted on a busy host, made every candidate parallel region wait ~ms)."""
