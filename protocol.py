@@ -1062,11 +1062,11 @@ def _child_main(spec_path: str):
 # eager's 1-element ops open no parallel region, so the spin fell on the candidate alone).
 CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # the cores we may use
 CHILD_THREADS = max(1, CPUS - 1)
-# glibc's allocator with fixed thresholds: by default a freed block of >= 128 KiB raises the threshold under which
-# blocks come from the heap, and the heap's free top is given back to the system: whether a model's 16 MiB output
-# costs page faults every run (relu 1024x4096 on 2 cores: eager 12 ms against 1.7 ms) depended on what the child had
-# allocated and freed before (torch.compile's compile from a cold cache, or not). Blocks up to 32 MiB (glibc's most)
-# come from the heap, which keeps up to 1 GiB free: every child's runs meet the same allocator.
+# glibc's allocator with fixed thresholds. By its defaults a freed block of >= 128 KiB raises the threshold under
+# which blocks come from the heap, and the heap's free top goes back to the system, so whether a model's 16 MiB
+# output costs page faults in every run (relu 1024x4096 on 2 cores: eager 12 ms against 1.7 ms) depends on what the
+# child allocated and freed before (torch.compile's compile from a cold cache, or from a warm one). Here blocks up
+# to 32 MiB (glibc's most) come from the heap, which keeps up to 1 GiB free: every child's runs meet one allocator.
 CHILD_ENV = {"OMP_NUM_THREADS": str(CHILD_THREADS), "OMP_WAIT_POLICY": "passive",
              "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824"}
 # Baselines are cached with this in their key: a change to how a timed run is driven or clocked (either side's polling,
