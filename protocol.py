@@ -1071,7 +1071,7 @@ CHILD_ENV = {"OMP_NUM_THREADS": str(CHILD_THREADS), "OMP_WAIT_POLICY": "passive"
              "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824"}
 # Baselines are cached with this in their key: a change to how a timed run is driven or clocked (either side's polling,
 # the clock, the messages) must not compare new candidates' times with baselines timed the old way.
-TIMING_VERSION = 6
+TIMING_VERSION = 7
 PIPE_BYTES = 1 << 20  # a pipe holds a whole sample (65536 elements of 8 bytes = 512 KiB): one write, one wake-up
 
 
@@ -1683,8 +1683,9 @@ MAX_WARMUP = 200  # untimed runs at most before the timed ones (timed_runs): a k
 
 def timed_runs(child: Child, seeds: list, cfg, check=None, audit=None, inputs: TimedInputs | None = None) -> list:
     """Times fn over the input sets `seeds` in turn with the parent's clock, after untimed runs (cfg.warmup,
-    cfg.warmup_ms): n_timed runs, and never more runs than there are sets unless fewer sets fit in input_budget_mb (a
-    repeated set lets a cache keyed on its values answer without computing). check(k, values, where) sees each run's
+    cfg.warmup_ms) on the last set: n_timed runs, and never more runs than there are sets besides the warm-up's
+    unless fewer sets fit in input_budget_mb (a repeated set lets a cache keyed on its values answer without
+    computing). check(k, values, where) sees each run's
     sampled elements (checked_values: picks_of(reference, where) gives the reference's elements they must match).
     With `audit`, n_audits more runs are made, and which of them are audits is told to the child only after each run
     has returned: audit(k) checks that run's whole output, and its time is not counted. A kernel that skips work on some timed
@@ -1719,15 +1720,18 @@ def _timed_runs(child: Child, seeds: list, cfg, check, audit, inputs) -> list:
             return ("read", *target, struct.unpack(f"<{READS * MAX_OUTPUTS}Q", os.urandom(8 * READS * MAX_OUTPUTS)))
         return "sample", secrets.randbelow(1 << 30)
 
-    write = load(0)
     # Untimed runs, driven as the timed runs are (the reads' first mappings and pages are made here): at least
     # `warmup` of them, and more until their times by this clock (the protocol's included) add up to warmup_ms, so
     # that a short kernel meets a device (or core) that has left its idle clocks (MAX_WARMUP bounds the number of
-    # runs for a kernel much shorter than warmup_ms; the verdict's time is bounded by cfg.timeout, as ever).
+    # runs for a kernel much shorter than warmup_ms; the verdict's time is bounded by cfg.timeout, as ever). They
+    # run on the last set, which the timed runs reach only when there are no more sets than runs: a cache keyed on
+    # input values meets no timed set it has computed (the caller draws one set more than it times).
+    warm = len(seeds) - 1
+    write = load(warm)
     i, spent = 0, 0.0
     while i < cfg.warmup or (spent < cfg.warmup_ms and i < MAX_WARMUP):
         if i and write is not None:
-            load(0)
+            load(warm)
         spent += timed_run(child, check_of_a_run(), child.spin_s, max(child.spin_s, SAMPLE_SPIN_S), write)[0]
         i += 1
     times = []
