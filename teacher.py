@@ -154,10 +154,13 @@ def script(code: str, backend: str, plan: list):
     _, red, _ = E.split(steps)
     ext = "cu" if backend == "cuda" else "cpp"
     op_path = f"kernels/op.{ext}"
-    chain = " -> ".join(st["op"] for st in steps)
+    # The reduction is tagged where the chain names it, and named again where the template is chosen: a small
+    # student decides the kind next to the op's own name (untagged, the 135M model wrote "sum -> silu ...: no
+    # reduction" after 20 demonstrations, and the elementwise template).
+    chain = " -> ".join(f"{st['op']} (reduction)" if st is red else st["op"] for st in steps)
     shape = re.findall(r"^(BATCH|SEQ_LEN|DIM) = (\d+)$", code, re.M)
-    how = ("one reduction over the last dimension, so one fused kernel works row by row: statistics first, then "
-           "every element" if red else "no reduction, so one fused kernel reads x once and writes y once")
+    how = (f"one reduction, {red['op']}, over the last dimension, so one fused kernel works row by row: statistics "
+           f"first, then every element" if red else "no reduction, so one fused kernel reads x once and writes y once")
     yield call(f"The reference computes {chain} on x of shape ({', '.join(f'{n}={v}' for n, v in shape)}): {how}. "
                f"Layout: a fixed binding (kernels/binding.cpp: checks, raw pointers, one call of launch) and the chain in "
                f"{op_path}, which includes the provided op library ({E.HEADER_PATH[backend]}): per op, its Model.forward "

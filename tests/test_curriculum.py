@@ -352,6 +352,23 @@ def test_teacher_plans_start_with_one_template_per_kind(tasks):
         assert len(seconds) >= 2 and 0.25 <= lengths.count(2) / len(lengths) <= 0.75, (seconds, lengths)  # about half
 
 
+def test_teacher_names_each_reduction_where_it_names_the_op(tasks):
+    """The first thought tags a reduction in the chain itself ("sum (reduction) -> silu") and names it in the choice
+    of template: a small student decides the kind next to the op's own name, not from the whole chain at once
+    (after 20 demonstrations the 135M model wrote "sum -> silu ...: no reduction" and the elementwise template)."""
+    for t in tasks:
+        steps = E.parse(t["code"])
+        _, red, _ = E.split(steps)
+        first = next(teacher.script(t["code"], "cpu", [("flat" if red is None else "passes", 0)]))
+        thought = first.split("<tool_call>")[0] if "<tool_call>" in first else first
+        chain = " -> ".join(f"{st['op']} (reduction)" if st is red else st["op"] for st in steps)
+        assert f"computes {chain} on x" in thought, thought
+        if red is None:
+            assert "(reduction)" not in thought and ": no reduction, so" in thought, thought
+        else:
+            assert thought.count("(reduction)") == 1 and f": one reduction, {red['op']}, over the last dimension" in thought, thought
+
+
 def test_teacher_script_keeps_the_fastest_variant():
     code = find(lambda s: kind(s) == "elementwise")["code"]
     plan = [("flat", 0), ("rows", 0)]
