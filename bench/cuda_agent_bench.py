@@ -7,7 +7,8 @@ CUDA only: their scripts need a GPU. Their workspace (model.py, model_new.py, bi
 kernels/, utils/) is copied as it is; both sides score the same files. Rows, median of --repeats seconds:
   build          theirs: `bash utils/compile.sh` (it deletes its build folder every time); env.py: a cold build
                  (empty cache), then a rebuild after editing one kernel
-  check          theirs: `python -m utils.verification`; env.py: a verdict at --stage verify, build cached
+  check          theirs: `python -m utils.verification`; env.py: a verdict at --stage verify, build cached (after
+                 one more, the process's first, whose one-time set-ups are reported on their own)
   profile        theirs: `python -m utils.profiling`; env.py: a verdict at --stage profile, build and baselines cached
   per hour       --workers verdicts in flight over copies of the workspace. Theirs: verification then profiling,
                  all on the GPU at once (nothing serialises their timing); env.py: profile verdicts (its own lock
@@ -86,13 +87,15 @@ rows.append(("rebuild after editing one kernel", median(t_build), median(rebuild
 # 2. one check, one profile (build cached on both sides; env.py's first profile also times its baselines)
 t_check = [theirs(ws_t, sys.executable, "-m", "utils.verification")[0] for _ in range(args.repeats)]
 t_prof, their_out = zip(*[theirs(ws_t, sys.executable, "-m", "utils.profiling") for _ in range(args.repeats)])
+first_check = env.evaluate(ws_o, backend="cuda", stage="verify")  # (this process's first verdict: one-time set-ups)
 o_check = [env.evaluate(ws_o, backend="cuda", stage="verify") for _ in range(args.repeats)]
 first = env.evaluate(ws_o, backend="cuda", stage="profile")
 o_prof = [env.evaluate(ws_o, backend="cuda", stage="profile") for _ in range(args.repeats)]
-for v in (*o_check, first, *o_prof):
+for v in (first_check, *o_check, first, *o_prof):
     if not v.correct:
         sys.exit(f"cuda_agent_bench.py: env.py's verdict on their workspace: {v.summary()}")
-rows.append(("check (correctness)", median(t_check), median([v.seconds for v in o_check]), ""))
+rows.append(("check (correctness)", median(t_check), median([v.seconds for v in o_check]),
+             f"env.py's first verdict in this process (its one-time set-ups): {first_check.seconds:.2f} s"))
 rows.append(("profile, baselines cached", median(t_prof), median([v.seconds for v in o_prof]),
              f"env.py's first profile of the task (times its baselines): {first.seconds:.2f} s"))
 
