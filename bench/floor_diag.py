@@ -68,7 +68,9 @@ def drive(mode, model_new, extra, model, pipe_bytes, polls=(protocol.CHILD_SPIN_
     """Medians (ms) of this process's clock (Python's) around "run", around "sample", both, their minimum, and the
     native clock's run + sample (protocol.timed_pair), the same run with the parent's own reads of the outputs
     instead of the sample, and with the input written by the parent just before the clock too (protocol.TimedInputs:
-    the verdict's figure where protocol.reads() allows them; nan elsewhere).
+    the verdict's figure where protocol.reads() allows them; nan elsewhere), with its p90 / p10, and the same run's
+    exchange alone (an audited run's span: no check on the clock) with its p90 / p10: the reads' share of the floor
+    and of its jitter.
     polls: seconds the child polls for a command, this process for a run's reply (None: as timed_runs) and for a
     sample's."""
     sample_spin = polls[2]
@@ -116,7 +118,7 @@ def drive(mode, model_new, extra, model, pipe_bytes, polls=(protocol.CHILD_SPIN_
             t_sample.append((t2 - t1) * 1e3)
         # the verdict's figure: one call of protocol.timed_pair per run (the split above is Python's clock), with the
         # sample exchange, and with the parent's own reads of the outputs (protocol.READS per output) where allowed
-        native, reads, written, target = [], [], [], child.read_target()
+        native, reads, written, run_only, target = [], [], [], [], child.read_target()
         for i in range(args.runs):
             child.ask({"op": "load", "seed": seeds[i % 2]})
             timed = child.native_timed_run(("sample", secrets.randbelow(1 << 30)), child.spin_s,
@@ -147,12 +149,20 @@ def drive(mode, model_new, extra, model, pipe_bytes, polls=(protocol.CHILD_SPIN_
                 timed = child.native_timed_run(("read", *target, rand), child.spin_s, max(child.spin_s, sample_spin),
                                                writes[i % 2])
                 written.append(timed[0])
+                # the same run with no check on the clock (an audited run's span: the run exchange alone), so the
+                # reads' share, and which of the two jitters, can be told apart
+                if backend == "cuda":
+                    child.ask({"op": "flush"})
+                timed = child.native_timed_run(("audit", True), child.spin_s, max(child.spin_s, sample_spin),
+                                               writes[(i + 1) % 2])
+                run_only.append(timed[0])
             child.close()
             inputs.close()
         med, nan = statistics.median, float("nan")
         return (med(t_run), med(t_sample), med([a + s for a, s in zip(t_run, t_sample)]),
                 min(a + s for a, s in zip(t_run, t_sample)), med(native), med(reads) if reads else nan,
-                med(written) if written else nan)
+                med(written) if written else nan, protocol.spread(written) if written else nan,
+                med(run_only) if run_only else nan, protocol.spread(run_only) if run_only else nan)
     finally:
         protocol.CHILD_ENV, protocol.PIPE_BYTES, protocol.CHILD_SPIN_S = HARNESS, PIPE, SPIN
         child.spin_s = 0.0
@@ -191,7 +201,8 @@ for name, *how in ROWS:
     r = drive(*how)
     out.append((name, *r))
     print(f"  {name}: run {r[0]:.4f} ms, sample {r[1]:.4f} ms, total {r[2]:.4f} ms (min {r[3]:.4f}), native {r[4]:.4f}, "
-          f"native with reads {r[5]:.4f}, inputs written too {r[6]:.4f}", flush=True)
+          f"native with reads {r[5]:.4f}, inputs written too {r[6]:.4f} (p90/p10 {r[7]:.3f}), its run exchange alone "
+          f"{r[8]:.4f} (p90/p10 {r[9]:.3f})", flush=True)
 # The trusted in-process timer (env.time_callable: no pipes, no monitor, this process's threads) on eager, per task.
 dev = "cuda" if backend == "cuda" else "cpu"
 for name, code in (("eager in-process (env.time_callable), 1 element", ONE), ("eager in-process, 64x4096", BIG),
@@ -202,12 +213,13 @@ for name, code in (("eager in-process (env.time_callable), 1 element", ONE), ("e
     exec(compile(code, name, "exec"), ns)
     m = ns["Model"](*ns["get_init_inputs"]()).to(dev).eval()
     t, _ = env.time_callable(m, [[x.to(dev) for x in ns["get_inputs"]()] for _ in range(4)], n_timed=args.runs)
-    out.append((name, t, float("nan"), t, float("nan"), float("nan"), float("nan"), float("nan")))
+    out.append((name, t, float("nan"), t, *[float("nan")] * 7))
     print(f"  {name}: {t:.4f} ms", flush=True)
 print(f"\n## timing floor, relu_scale, 1 element unless said ({backend}, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}, "
       f"{args.runs} runs each)\n")
 print("| child / setting | run (ms) | sample (ms) | run + sample, median (ms) | min (ms) | native clock, median (ms) | "
-      "native clock, parent reads (ms) | the same, inputs written by the parent (ms) |\n|---|---|---|---|---|---|---|---|")
-for name, a, s, t, m, n, r, w in out:
-    print(f"| {name} | {a:.4f} | {s:.4f} | {t:.4f} | {m:.4f} | {n:.4f} | {r:.4f} | {w:.4f} |")
+      "native clock, parent reads (ms) | the same, inputs written by the parent: the verdict's run (ms) | its p90/p10 | "
+      "its run exchange alone (ms) | p90/p10 |\n|---|---|---|---|---|---|---|---|---|---|---|")
+for name, a, s, t, m, n, r, w, ws, o, os_ in out:
+    print(f"| {name} | {a:.4f} | {s:.4f} | {t:.4f} | {m:.4f} | {n:.4f} | {r:.4f} | {w:.4f} | {ws:.3f} | {o:.4f} | {os_:.3f} |")
 shutil.rmtree(work, ignore_errors=True)
