@@ -90,6 +90,17 @@ def test_env_bench_verdicts_in_flight(tmp_path):
     assert "cold build" not in out  # (the test cache may hold it: not measured)
 
 
+def test_floor_diag_prints_its_table():
+    """bench/floor_diag.py: one row per child / setting asked for, every column of the table; the verdict's run and
+    its run exchange alone are nan where the parent may not read a child's memory (this machine), numbers elsewhere."""
+    out = bench("floor_diag.py", "--runs", "4", "--only", "candidate, relu_scale kernel,in-process, 1 element")
+    rows = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in out.splitlines() if line.startswith("| ")}
+    assert "its run exchange alone (ms)" in out and len(rows["child / setting"]) == 10, out
+    kernel = [float(x.strip(" |")) for x in rows["candidate, relu_scale kernel"]]
+    assert len(kernel) == 10 and 0 < kernel[0] < kernel[2] and kernel[4] > 0, out  # run < run + sample; native clock
+    assert float(rows["eager in-process (env.time_callable), 1 element"][0]) > 0, out
+
+
 def test_timing_spread_rows_per_setting():
     """One row per (warm-up, idle) setting of the kernel's verdicts and one of the floor task's, each from its own
     verdicts, interleaved round by round."""
