@@ -132,7 +132,8 @@ What it does NOT protect against (be honest; RL will look)
   - an OpenMP worker still runs the kernel's own code outside the monitor's thread (it may call only the
     allocation and view operators the module imports).
   - a content-keyed output cache when the inputs are so large that fewer distinct input sets than timed
-    runs fit in `input_budget_mb`: the sets are then reused in turn.
+    runs (and the warm-up's) fit in `input_budget_mb`: the sets are then reused in turn, the warm-up's among them
+    (the rule binds above ~45 MB a set at the default budget: most tasks of synth.py's 1-100 ms window on a GPU).
   - reduced precision inside a kernel that stays within atol/rtol (and the RMS bound) passes, as in the paper.
   - the time includes making each output contiguous in row-major order, so an output that is a view (a
     transposed result) is copied whole inside the timed run, the reference's as much as the candidate's: eager's

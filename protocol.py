@@ -1062,13 +1062,17 @@ def _child_main(spec_path: str):
 # eager's 1-element ops open no parallel region, so the spin fell on the candidate alone).
 CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # the cores we may use
 CHILD_THREADS = max(1, CPUS - 1)
-# glibc's allocator with fixed thresholds. By its defaults a freed block of >= 128 KiB raises the threshold under
+# glibc's allocator, one way for every block. By its defaults a freed block of >= 128 KiB raises the threshold under
 # which blocks come from the heap, and the heap's free top goes back to the system, so whether a model's 16 MiB
 # output costs page faults in every run (relu 1024x4096 on 2 cores: eager 12 ms against 1.7 ms) depends on what the
-# child allocated and freed before (torch.compile's compile from a cold cache, or from a warm one). Here blocks up
-# to 32 MiB (glibc's most) come from the heap, which keeps up to 1 GiB free: every child's runs meet one allocator.
+# child allocated and freed before (torch.compile's compile from a cold cache, or from a warm one); and a block over
+# 32 MiB (the most that threshold takes) is mapped afresh on every allocation, so eager paid a new output's page
+# faults every run where a candidate that keeps its output buffer paid none (relu 2048x4096: 14.2 ms against 2.15:
+# reward 3 for the same work). Here no block is mapped on its own (mmap_max=0: every size from the heap) and the
+# heap keeps what is freed (the trim threshold: 2^62 bytes): a fresh block costs what a kept one does, after the
+# first run. (The memory stays the child's, under its own limit.)
 CHILD_ENV = {"OMP_NUM_THREADS": str(CHILD_THREADS), "OMP_WAIT_POLICY": "passive",
-             "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824"}
+             "GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4611686018427387904"}
 # Baselines are cached with this in their key: a change to how a timed run is driven or clocked (either side's polling,
 # the clock, the messages) must not compare new candidates' times with baselines timed the old way.
 TIMING_VERSION = 7
