@@ -19,7 +19,10 @@ code, writes the fixed binding, a fused kernel that calls the op library the wor
 first). Its first kernel is one template per kind (choose_plan: a thread per element; a block per row for
 reductions; on CPU one OpenMP loop, or passes over each row); in half of the episodes one other variant follows
 (grid-stride or float4, at a drawn block size; a warp per row or two kernels; OpenMP by rows or with a row buffer)
-and the faster is kept, so demonstrations differ in speed and RL has something left to find.
+and the faster is kept, so demonstrations differ in speed and RL has something left to find. In a share of the
+episodes (MISTAKES) it plays one turn wrong on purpose, a student's typical mistake, and the turns after it recover
+(Unlearned): that turn's tokens are masked out of the demonstration, so the student learns the recovery, never the
+mistake.
 Its memory of an episode is the conversation itself (recorded per token prefix): each turn replays the script
 on the observations so far, and the plan is read back from its own first turn.
 
@@ -148,8 +151,38 @@ def choose_plan(code: str, backend: str, rng: random.Random) -> list:
     return plan
 
 
-def script(code: str, backend: str, plan: list):
-    """The teacher's episode as a generator: yields the text of each turn, receives each observation."""
+# A student that saw only correct turns does not recover: after 20 demonstrations the 135M model finished after
+# its first compile error, and finished with a broken second variant that replaced a correct first kernel (H100,
+# docs/results.md, session 26). Demonstrations need failures to recover from; the failures must not be learned.
+MISTAKES = 0.25  # share of the teacher's episodes with one mistake played on purpose
+
+
+class Unlearned(str):
+    """The text of a turn the teacher plays wrong on purpose: make_demos masks its tokens out of the demonstration,
+    and the turns after it, which recover, are trained on as any other."""
+
+
+def wrong_template(steps: list[dict], backend: str) -> str:
+    """The elementwise template on a chain with a reduction, the reduction called as if the op library had it
+    (op_<name>): what the student writes when it takes a reduction for an elementwise op. It does not compile."""
+    _, red, _ = E.split(steps)
+    i, stand_in = steps.index(red), {"op": "relu"}  # a library op in the reduction's place, rendered, then replaced
+    src = E.kernel_source(steps[:i] + [stand_in] + steps[i + 1:], backend)
+    line = f"  // x = {E.torch_line(stand_in)}\n  v = op_relu(v);\n"
+    parts = src.split(line)
+    k = sum(st == stand_in for st in steps[:i])  # (the same op earlier in the chain: rendered the same)
+    parts[k:k + 2] = [parts[k] + f"  // x = {E.torch_line(red)}\n  v = op_{red['op']}(v);\n" + parts[k + 1]]
+    src = line.join(parts)
+    named = lambda ops: " -> ".join(st["op"] for st in ops)
+    return src.replace(named(steps[:i] + [stand_in] + steps[i + 1:]), named(steps), 1)  # (the first line's chain)
+
+
+def script(code: str, backend: str, plan: list, mistake: bool = False):
+    """The teacher's episode as a generator: yields the text of each turn, receives each observation. With
+    `mistake`, one turn is played wrong (an Unlearned text): on a chain with a reduction, the first kernel is the
+    elementwise template (wrong_template: a compile error, then the row kernel); on one without, with two
+    variants and two ops or more, the second variant leaves out the chain's last op (wrong values at the profile's
+    checks, then the first kernel written back)."""
     steps = E.parse(code)
     _, red, _ = E.split(steps)
     ext = "cu" if backend == "cuda" else "cpp"
@@ -166,13 +199,23 @@ def script(code: str, backend: str, plan: list):
                f"{op_path}, which includes the provided op library ({E.HEADER_PATH[backend]}): per op, its Model.forward "
                f"line and its C. Variants to try, in order: {plan_text(plan, backend)}.",
                "write_file", path="kernels/binding.cpp", content=E.binding(backend))
-    best, current = None, None  # best: (ms, name, source, numbers)
+    wrong_first = mistake and red is not None
+    wrong_second = mistake and red is None and len(plan) > 1 and len(steps) > 1
+    best, current, current_ok = None, None, False  # best: (ms, name, source, numbers)
     for i, (v, block) in enumerate(plan):
         name = f"{v}/{block}" if backend == "cuda" else v
         src = E.kernel_source(steps, backend, v, block or 256)
         why = "" if i == 0 else f"Next variant, {name}: "
-        yield call(f"{why}{E.VARIANTS[v]}.", "write_file", path=op_path, content=src)
-        current = src
+        if i == 0 and wrong_first:
+            first = E.VARIANTS_FOR[(backend, False)][0]
+            current = wrong_template(steps, backend)
+            yield Unlearned(call(f"{E.VARIANTS[first]}.", "write_file", path=op_path, content=current))
+        elif i == 1 and wrong_second:
+            current = E.kernel_source(steps[:-1], backend, v, block or 256)
+            yield Unlearned(call(f"{why}{E.VARIANTS[v]}.", "write_file", path=op_path, content=current))
+        else:
+            yield call(f"{why}{E.VARIANTS[v]}.", "write_file", path=op_path, content=src)
+            current = src
         if i == 0:
             ps = E.params(steps)
             y_shape = "x's shape" if E.keeps_shape(red) else f"one value per row ({E.torch_line(red)} removes the last dimension)"
@@ -180,6 +223,11 @@ def script(code: str, backend: str, plan: list):
                        f"the kernel; it allocates y of {y_shape}{' and per-row statistics' if red else ''}.",
                        "write_file", path="model_new.py", content=E.model_new(code, steps, backend))
             obs = yield call("Compile.", "compile")
+            if current != src and not obs.startswith("compiled OK"):  # the mistake's compile error: the row kernel
+                yield call(f"op_{red['op']} is not in the op library: {red['op']} is the reduction, so one fused kernel "
+                           f"works row by row: {name}, {E.VARIANTS[v]}.", "write_file", path=op_path, content=src)
+                current = src
+                obs = yield call("Compile.", "compile")
             if not obs.startswith("compiled OK"):
                 continue
             # no verify first: profile checks before it times (a wrong kernel's profile stops at the checks), and a
@@ -191,22 +239,26 @@ def script(code: str, backend: str, plan: list):
         if "the reference model.py failed" in obs:  # the harness's side (e.g. a timeout on a loaded machine): once more
             obs = yield call("The reference failed, not my kernel: profile again.", "profile")
         got = profile_numbers(obs)
-        if got and got["ms"] is not None and (best is None or got["ms"] < best[0]):
+        current_ok = bool(got and got["ms"] is not None)
+        if current_ok and current == src and (best is None or got["ms"] < best[0]):
             best = (got["ms"], name, src, got)
     if best is None:
         yield call("No variant is correct; stop here.", "finish")
         return
     ms, name, src, got = best
     if src != current:
-        yield call(f"{name} was the fastest ({ms:.4g} ms): write it back.", "write_file", path=op_path, content=src)
+        yield call(f"{name} was the fastest ({ms:.4g} ms): write it back." if current_ok else
+                   f"That variant is wrong: write back {name}, the correct one ({ms:.4g} ms).",
+                   "write_file", path=op_path, content=src)
     yield call(f"Done: {name} is correct, {ms:.4g} ms ({got['eager']}x eager, {got['compile']}x torch.compile).",
                "finish")
 
 
 class ScriptedTeacher(ToolTeacher):
-    def __init__(self, tokenizer, backend: str, seed: int = 0):
+    def __init__(self, tokenizer, backend: str, seed: int = 0, mistakes: float = MISTAKES):
         super().__init__(tokenizer, backend)
-        self.seed = seed
+        self.seed, self.mistakes = seed, mistakes
+        self.unlearned = set()  # (task hash, content) of the files written wrong on purpose: make_demos masks them
 
     def reply(self, code, history, temperature=0.0):
         try:
@@ -219,13 +271,17 @@ class ScriptedTeacher(ToolTeacher):
             plan = choose_plan(code, self.backend, random.Random(f"{self.seed}-{E.task_hash(code)}-{k}"))
         else:
             plan = parse_plan(history[0][0])
-        gen = script(code, self.backend, plan)
+        # drawn from what the replay knows (the task and the plan its first turn names): the same on every turn
+        key = f"{self.seed}-mistake-{E.task_hash(code)}-{plan_text(plan, self.backend)}"
+        gen = script(code, self.backend, plan, mistake=random.Random(key).random() < self.mistakes)
         text = next(gen)
         try:
             for _, obs in history:  # replay: the same script on the same observations reaches this turn
                 text = gen.send(obs)
         except StopIteration:
             return call("The episode is over.", "finish")
+        if isinstance(text, Unlearned):
+            self.unlearned.add((E.task_hash(code), agent.parse_tool_call(text)[1]["content"]))
         return text
 
 
@@ -331,6 +387,13 @@ def make_demos(policy, tasks: list[dict], backend: str, out_dir, samples: int = 
     out = Path(out_dir)
     run_kw = {"max_turns": 16, "max_context": 16384, "max_new_tokens": 4096, "temperature": 0.0, **run_kw}
     eps = agent.run_episodes(policy, [t for t in tasks for _ in range(samples)], backend=backend, out_dir=out, **run_kw)
+    code_of = {t["task_id"]: t["code"] for t in tasks}
+    for ep in eps:  # the turns the teacher played wrong on purpose are not learned (Unlearned)
+        for t in ep["turns"]:
+            args = t.get("args") if isinstance(t.get("args"), dict) else {}
+            if t["tool"] == "write_file" and (E.task_hash(code_of[ep["task_id"]]), args.get("content")) in getattr(
+                    policy, "unlearned", ()):
+                ep["loss_mask"][t["start"]:t["end"]] = [0] * (t["end"] - t["start"])
     demos = [ep for ep in eps if is_demonstration(ep)]
     agent.save_episodes(out / "demos.jsonl", demos)
     return demos, eps

@@ -333,6 +333,31 @@ def test_teacher_demonstrations_score_reward_and_are_token_exact(tasks, tok, tmp
     print(teacher.summary(eps))
 
 
+@pytest.mark.slow
+def test_teacher_mistakes_are_recovered_and_masked(tasks, tok, tmp_path):
+    """A teacher that plays a mistake in every episode it can: env.py scores each episode >= 1 all the same (the
+    wrong template does not compile, the broken variant fails its checks, the turns after them recover), and the
+    wrong files' turns, and only they, are out of the demonstrations' loss mask."""
+    pol = teacher.ScriptedTeacher(tok, "cpu", seed=1, mistakes=1.0)
+    demos, eps = teacher.make_demos(pol, tasks, "cpu", tmp_path, samples=1, progress=False, eval_timeout=900,
+                                    max_context=32768)
+    assert len(demos) == 3 and all(ep["reward"] >= 1 for ep in eps), [(ep["ops"], ep["verdict"]) for ep in eps]
+    masked_turns = 0
+    for ep in agent.load_episodes(tmp_path / "demos.jsonl"):
+        steps = E.parse({x["task_id"]: x["code"] for x in tasks}[ep["task_id"]])
+        for t in ep["turns"]:
+            wrong = (E.task_hash({x["task_id"]: x["code"] for x in tasks}[ep["task_id"]]),
+                     (t.get("args") or {}).get("content")) in pol.unlearned
+            assert set(ep["loss_mask"][t["start"]:t["end"]]) == ({0} if wrong else {1}), (ep["ops"], t["tool"])
+            masked_turns += wrong
+        red = E.split(steps)[1]
+        tools_ = [t["tool"] for t in ep["turns"]]
+        if red is not None:  # the wrong template, its compile error, the row kernel
+            assert tools_[:6] == ["write_file"] * 3 + ["compile", "write_file", "compile"], tools_
+            assert "compiled OK" not in ep["turns"][3]["observation"] and "compiled OK" in ep["turns"][5]["observation"]
+    assert masked_turns >= 2  # (the two reductions; the elementwise task has one only where its plan has two variants)
+
+
 def test_teacher_plans_start_with_one_template_per_kind(tasks):
     """Every episode's first kernel is its kind's first variant at 256 threads (one template for a small student to
     learn); a second variant, drawn, follows in some episodes: the demonstrations still differ."""
@@ -391,6 +416,77 @@ def test_teacher_script_keeps_the_fastest_variant():
                                                           "finish"]
     assert calls[-2][1]["content"] == calls[1][1]["content"] and "Variant flat" in calls[-2][1]["content"]
     assert "flat is correct, 1 ms (2.0x eager" in text
+
+
+def play(gen, answer):
+    """(name, args, Unlearned?, text) of every turn of a teacher script, each observation answer(name, args, k)."""
+    calls, text = [], next(gen)
+    while True:
+        name, args, err = agent.parse_tool_call(text)
+        assert err is None, text
+        calls.append((name, args, isinstance(text, teacher.Unlearned), text))
+        if name == "finish":
+            return calls
+        text = gen.send(answer(name, args, len(calls)))
+
+
+OK_PROFILE = ("reward +1 | compiled True | correct True\nruntime 1.0 ms | eager 1.2 ms | compile 3 ms | speedup vs eager "
+              "1.2x | vs compile 3x")
+BAD_PROFILE = "reward -1 | compiled True | correct False\nerror: check 1/5: 900/1000 values differ"
+
+
+def test_teacher_mistake_on_a_reduction_is_the_elementwise_template_then_the_row_kernel():
+    """With a mistake, a reduction's first kernel is the elementwise template calling op_<reduction> (Unlearned);
+    its compile error is followed by the row kernel, written as in an episode without the mistake."""
+    code = find(lambda s: kind(s) != "elementwise")["code"]
+    steps = E.parse(code)
+    red = E.split(steps)[1]["op"]
+    compiles = lambda name, args, k: (("compiled OK (1.0s)" if "op_" + red + "(v)" not in state["op"] else
+                                       f"compilation failed: 'op_{red}' was not declared in this scope")
+                                      if name == "compile" else OK_PROFILE if name == "profile" else "wrote")
+    state = {"op": ""}
+
+    def answer(name, args, k):
+        if name == "write_file" and args["path"].startswith("kernels/op"):
+            state["op"] = args["content"]
+        return compiles(name, args, k)
+
+    calls = play(teacher.script(code, "cpu", [("passes", 0)], mistake=True), answer)
+    assert [c[0] for c in calls] == ["write_file"] * 3 + ["compile", "write_file", "compile", "profile", "finish"], calls
+    assert [c[2] for c in calls] == [False, True] + [False] * 6, calls  # only the wrong kernel is Unlearned
+    assert f"op_{red}(v)" in calls[1][1]["content"] and calls[1][1]["content"] == teacher.wrong_template(steps, "cpu")
+    assert calls[4][1]["content"] == E.kernel_source(steps, "cpu", "passes")
+    assert calls[4][3].startswith(f"op_{red} is not in the op library: {red} is the reduction"), calls[4][3]
+    right = play(teacher.script(code, "cpu", [("passes", 0)]), lambda n, a, k: compiles(n, a, k) if n != "compile" else
+                 "compiled OK (1.0s)")
+    assert right[1][1]["content"] == calls[4][1]["content"]  # the recovery writes what an episode without it writes
+
+
+def test_teacher_mistake_on_a_second_variant_writes_the_first_back():
+    """With a mistake and two variants, the second leaves out the chain's last op (Unlearned); its profile fails and
+    the first kernel is written back, said as such, then finish."""
+    code = find(lambda s: kind(s) == "elementwise" and len(s) >= 2)["code"]
+    steps = E.parse(code)
+    state = {"op": ""}
+
+    def answer(name, args, k):
+        if name == "write_file" and args["path"].startswith("kernels/op"):
+            state["op"] = args["content"]
+        if name == "profile":
+            return OK_PROFILE if state["op"] == E.kernel_source(steps, "cpu", "flat") else BAD_PROFILE
+        return "compiled OK (1.0s)" if name == "compile" else "wrote"
+
+    calls = play(teacher.script(code, "cpu", [("flat", 0), ("rows", 0)], mistake=True), answer)
+    assert [c[0] for c in calls] == ["write_file"] * 3 + ["compile", "profile", "write_file", "profile", "write_file",
+                                                          "finish"], calls
+    assert [c[2] for c in calls].count(True) == 1 and calls[5][2], calls
+    assert calls[5][1]["content"] == E.kernel_source(steps[:-1], "cpu", "rows")
+    assert calls[7][1]["content"] == E.kernel_source(steps, "cpu", "flat") and calls[7][3].startswith(
+        "That variant is wrong: write back flat, the correct one"), calls[7][3]
+    # no mistake: the same plan keeps the faster, correct variant and says why
+    calls = play(teacher.script(code, "cpu", [("flat", 0), ("rows", 0)]), lambda n, a, k: OK_PROFILE if n == "profile"
+                 else "compiled OK (1.0s)" if n == "compile" else "wrote")
+    assert not any(c[2] for c in calls) and calls[-1][0] == "finish"
 
 
 @pytest.mark.slow
