@@ -618,7 +618,8 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
     rng = secrets.SystemRandom()
     seed0 = rng.randrange(2**31)
     check_seeds = [rng.randrange(2**31) for _ in range(cfg.n_checks)]
-    timed_seeds = [rng.randrange(2**31) for _ in range(max(cfg.n_timed, 2) + cfg.n_audits + 1)] if timed else []  # (+1: the warm-up's)
+    # one set more than the timed runs: the warm-up's (protocol.timed_runs)
+    timed_seeds = [rng.randrange(2**31) for _ in range(max(cfg.n_timed, 2) + cfg.n_audits + 1)] if timed else []
     common = dict(backend=backend, seed0=seed0)
 
     with tempfile.TemporaryDirectory(prefix="run-", dir=CACHE_DIR) as run, contextlib.ExitStack() as stack:

@@ -1066,11 +1066,11 @@ CHILD_THREADS = max(1, CPUS - 1)
 # which blocks come from the heap, and the heap's free top goes back to the system, so whether a model's 16 MiB
 # output costs page faults in every run (relu 1024x4096 on 2 cores: eager 12 ms against 1.7 ms) depends on what the
 # child allocated and freed before (torch.compile's compile from a cold cache, or from a warm one); and a block over
-# 32 MiB (the most that threshold takes) is mapped afresh on every allocation, so eager paid a new output's page
-# faults every run where a candidate that keeps its output buffer paid none (relu 2048x4096: 14.2 ms against 2.15:
-# reward 3 for the same work). Here no block is mapped on its own (mmap_max=0: every size from the heap) and the
-# heap keeps what is freed (the trim threshold: 2^62 bytes): a fresh block costs what a kept one does, after the
-# first run. (The memory stays the child's, under its own limit.)
+# 32 MiB (the most that threshold takes) is mapped afresh on every allocation, so eager pays a new output's page
+# faults every run where a candidate that keeps its output buffer pays none (relu 2048x4096 by those defaults: 14.2
+# ms against 2.15, reward 3 for the same work). Here no block is mapped on its own (mmap_max=0: every size from the
+# heap) and the heap keeps what is freed (the trim threshold: 2^62 bytes): a fresh block costs what a kept one does,
+# after the first run. (The memory stays the child's, under its own limit.)
 CHILD_ENV = {"OMP_NUM_THREADS": str(CHILD_THREADS), "OMP_WAIT_POLICY": "passive",
              "GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4611686018427387904"}
 # Baselines are cached with this in their key: a change to how a timed run is driven or clocked (either side's polling,

@@ -1091,7 +1091,7 @@ def test_a_wrong_candidate_costs_no_baselines(tmp_path, monkeypatch):
 @pytest.mark.parametrize("mib", [16, 64, 256])
 def test_children_allocate_large_blocks_the_same_way_whatever_came_before(mib):
     """A block of any size comes from a child's heap and stays there once freed (CHILD_ENV's allocator settings). By
-    glibc's defaults a block was mapped and unmapped on every run or not, by what the process had freed before
+    glibc's defaults a block is mapped and unmapped on every run or not, by what the process has freed before
     (relu 1024x4096 on 2 cores: eager 12 ms or 1.7 ms); and a block over the most its threshold takes (32 MiB) is
     mapped afresh every time: eager pays the page faults of a new output every run, while a candidate that keeps its
     output buffer pays none (a red team's relu 2048x4096, 32 MiB: 2.15 ms against eager's 14.2: reward 3)."""
