@@ -308,7 +308,7 @@ def test_every_cpu_variant_is_correct(tasks):
 
 @pytest.mark.slow
 def test_teacher_demonstrations_score_reward_and_are_token_exact(tasks, tok, tmp_path):
-    pol = teacher.ScriptedTeacher(tok, "cpu", seed=1)
+    pol = teacher.ScriptedTeacher(tok, "cpu", seed=1, mistakes=0.0)  # (the mistakes: their own test below)
     # eval_timeout: torch.compile of the reference on a loaded 2-core machine can take minutes
     # max_context: this byte-level tokenizer spends a token per character (3x SmolLM2's)
     demos, eps = teacher.make_demos(pol, tasks, "cpu", tmp_path, samples=1, progress=False, eval_timeout=900,
