@@ -1728,8 +1728,9 @@ def _timed_runs(child: Child, seeds: list, cfg, check, audit, inputs) -> list:
     # `warmup` of them, and more until their times by this clock (the protocol's included) add up to warmup_ms, so
     # that a short kernel meets a device (or core) that has left its idle clocks (MAX_WARMUP bounds the number of
     # runs for a kernel much shorter than warmup_ms; the verdict's time is bounded by cfg.timeout, as ever). They
-    # run on the last set, which the timed runs reach only when there are no more sets than runs: a cache keyed on
-    # input values meets no timed set it has computed (the caller draws one set more than it times).
+    # run on the last set, which the timed runs reach only when there are no more sets than runs (the caller draws
+    # one set more than it times): where the input budget allows it, a cache keyed on input values meets no timed set
+    # it has computed (where it does not, sets repeat anyway: env.py's docstring).
     warm = len(seeds) - 1
     write = load(warm)
     i, spent = 0, 0.0

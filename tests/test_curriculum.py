@@ -343,11 +343,11 @@ def test_teacher_mistakes_are_recovered_and_masked(tasks, tok, tmp_path):
                                     max_context=32768)
     assert len(demos) == 3 and all(ep["reward"] >= 1 for ep in eps), [(ep["ops"], ep["verdict"]) for ep in eps]
     masked_turns = 0
+    code_of = {x["task_id"]: x["code"] for x in tasks}
     for ep in agent.load_episodes(tmp_path / "demos.jsonl"):
-        steps = E.parse({x["task_id"]: x["code"] for x in tasks}[ep["task_id"]])
+        steps = E.parse(code_of[ep["task_id"]])
         for t in ep["turns"]:
-            wrong = (E.task_hash({x["task_id"]: x["code"] for x in tasks}[ep["task_id"]]),
-                     (t.get("args") or {}).get("content")) in pol.unlearned
+            wrong = (E.task_hash(code_of[ep["task_id"]]), (t.get("args") or {}).get("content")) in pol.unlearned
             assert set(ep["loss_mask"][t["start"]:t["end"]]) == ({0} if wrong else {1}), (ep["ops"], t["tool"])
             masked_turns += wrong
         red = E.split(steps)[1]
@@ -394,32 +394,8 @@ def test_teacher_names_each_reduction_where_it_names_the_op(tasks):
             assert thought.count("(reduction)") == 1 and f": one reduction, {red['op']}, over the last dimension" in thought, thought
 
 
-def test_teacher_script_keeps_the_fastest_variant():
-    code = find(lambda s: kind(s) == "elementwise")["code"]
-    plan = [("flat", 0), ("rows", 0)]
-    gen = teacher.script(code, "cpu", plan)
-    obs = {"compile": "compiled OK (1.0s)", "verify": "reward +1 | compiled True | correct True",
-           "profile": ["reward +2 | compiled True | correct True\nruntime 1.0 ms | eager 2 ms | compile 3 ms | "
-                       "speedup vs eager 2x | vs compile 3x",
-                       "reward +1 | compiled True | correct True\nruntime 4.0 ms | eager 2 ms | compile 3 ms | "
-                       "speedup vs eager 0.5x | vs compile 0.75x"]}
-    calls, text = [], next(gen)
-    while True:
-        name, args, err = agent.parse_tool_call(text)
-        assert err is None
-        calls.append((name, args))
-        if name == "finish":
-            break
-        o = obs["profile"].pop(0) if name == "profile" else obs.get(name, "wrote")
-        text = gen.send(o)
-    assert [c[0] for c in calls] == ["write_file"] * 3 + ["compile", "profile", "write_file", "profile", "write_file",
-                                                          "finish"]
-    assert calls[-2][1]["content"] == calls[1][1]["content"] and "Variant flat" in calls[-2][1]["content"]
-    assert "flat is correct, 1 ms (2.0x eager" in text
-
-
 def play(gen, answer):
-    """(name, args, Unlearned?, text) of every turn of a teacher script, each observation answer(name, args, k)."""
+    """(name, args, Unlearned?, text) of every turn of a teacher script, each observation answer(name, args)."""
     calls, text = [], next(gen)
     while True:
         name, args, err = agent.parse_tool_call(text)
@@ -427,7 +403,24 @@ def play(gen, answer):
         calls.append((name, args, isinstance(text, teacher.Unlearned), text))
         if name == "finish":
             return calls
-        text = gen.send(answer(name, args, len(calls)))
+        text = gen.send(answer(name, args))
+
+
+def test_teacher_script_keeps_the_fastest_variant():
+    code = find(lambda s: kind(s) == "elementwise")["code"]
+    plan = [("flat", 0), ("rows", 0)]
+    obs = {"compile": "compiled OK (1.0s)", "verify": "reward +1 | compiled True | correct True",
+           "profile": ["reward +2 | compiled True | correct True\nruntime 1.0 ms | eager 2 ms | compile 3 ms | "
+                       "speedup vs eager 2x | vs compile 3x",
+                       "reward +1 | compiled True | correct True\nruntime 4.0 ms | eager 2 ms | compile 3 ms | "
+                       "speedup vs eager 0.5x | vs compile 0.75x"]}
+    calls = play(teacher.script(code, "cpu", plan),
+                 lambda name, args: obs["profile"].pop(0) if name == "profile" else obs.get(name, "wrote"))
+    text = calls[-1][3]
+    assert [c[0] for c in calls] == ["write_file"] * 3 + ["compile", "profile", "write_file", "profile", "write_file",
+                                                          "finish"]
+    assert calls[-2][1]["content"] == calls[1][1]["content"] and "Variant flat" in calls[-2][1]["content"]
+    assert "flat is correct, 1 ms (2.0x eager" in text
 
 
 OK_PROFILE = ("reward +1 | compiled True | correct True\nruntime 1.0 ms | eager 1.2 ms | compile 3 ms | speedup vs eager "
@@ -441,15 +434,15 @@ def test_teacher_mistake_on_a_reduction_is_the_elementwise_template_then_the_row
     code = find(lambda s: kind(s) != "elementwise")["code"]
     steps = E.parse(code)
     red = E.split(steps)[1]["op"]
-    compiles = lambda name, args, k: (("compiled OK (1.0s)" if "op_" + red + "(v)" not in state["op"] else
-                                       f"compilation failed: 'op_{red}' was not declared in this scope")
-                                      if name == "compile" else OK_PROFILE if name == "profile" else "wrote")
     state = {"op": ""}
 
-    def answer(name, args, k):
+    def answer(name, args):  # a compile fails while kernels/op.cpp calls op_<reduction>
         if name == "write_file" and args["path"].startswith("kernels/op"):
             state["op"] = args["content"]
-        return compiles(name, args, k)
+        if name == "compile":
+            return (f"compilation failed: 'op_{red}' was not declared in this scope" if f"op_{red}(v)" in state["op"]
+                    else "compiled OK (1.0s)")
+        return OK_PROFILE if name == "profile" else "wrote"
 
     calls = play(teacher.script(code, "cpu", [("passes", 0)], mistake=True), answer)
     assert [c[0] for c in calls] == ["write_file"] * 3 + ["compile", "write_file", "compile", "profile", "finish"], calls
@@ -457,8 +450,7 @@ def test_teacher_mistake_on_a_reduction_is_the_elementwise_template_then_the_row
     assert f"op_{red}(v)" in calls[1][1]["content"] and calls[1][1]["content"] == teacher.wrong_template(steps, "cpu")
     assert calls[4][1]["content"] == E.kernel_source(steps, "cpu", "passes")
     assert calls[4][3].startswith(f"op_{red} is not in the op library: {red} is the reduction"), calls[4][3]
-    right = play(teacher.script(code, "cpu", [("passes", 0)]), lambda n, a, k: compiles(n, a, k) if n != "compile" else
-                 "compiled OK (1.0s)")
+    right = play(teacher.script(code, "cpu", [("passes", 0)]), answer)
     assert right[1][1]["content"] == calls[4][1]["content"]  # the recovery writes what an episode without it writes
 
 
@@ -469,7 +461,7 @@ def test_teacher_mistake_on_a_second_variant_writes_the_first_back():
     steps = E.parse(code)
     state = {"op": ""}
 
-    def answer(name, args, k):
+    def answer(name, args):
         if name == "write_file" and args["path"].startswith("kernels/op"):
             state["op"] = args["content"]
         if name == "profile":
@@ -484,7 +476,7 @@ def test_teacher_mistake_on_a_second_variant_writes_the_first_back():
     assert calls[7][1]["content"] == E.kernel_source(steps, "cpu", "flat") and calls[7][3].startswith(
         "That variant is wrong: write back flat, the correct one"), calls[7][3]
     # no mistake: the same plan keeps the faster, correct variant and says why
-    calls = play(teacher.script(code, "cpu", [("flat", 0), ("rows", 0)]), lambda n, a, k: OK_PROFILE if n == "profile"
+    calls = play(teacher.script(code, "cpu", [("flat", 0), ("rows", 0)]), lambda n, a: OK_PROFILE if n == "profile"
                  else "compiled OK (1.0s)" if n == "compile" else "wrote")
     assert not any(c[2] for c in calls) and calls[-1][0] == "finish"
 
