@@ -91,7 +91,7 @@ def test_env_bench_verdicts_in_flight(tmp_path):
 
 
 def test_floor_diag_prints_its_table():
-    """bench/floor_diag.py: one row per child / setting asked for, every column of the table; the verdict's run and
+    """bench/floor_diag.py: one row per child / setting asked for (and the first), every column of the table; the verdict's run and
     its run exchange alone are nan where the parent may not read a child's memory (this machine), numbers elsewhere."""
     out = bench("floor_diag.py", "--runs", "4", "--only", "candidate, relu_scale kernel,in-process, 1 element")
     rows = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in out.splitlines() if line.startswith("| ")}
@@ -99,6 +99,8 @@ def test_floor_diag_prints_its_table():
     kernel = [float(x.strip(" |")) for x in rows["candidate, relu_scale kernel"]]
     assert len(kernel) == 10 and 0 < kernel[0] < kernel[2] and kernel[4] > 0, out  # run < run + sample; native clock
     assert float(rows["eager in-process (env.time_callable), 1 element"][0]) > 0, out
+    # the first row runs whatever --only says: its reference child decides whether the parent reads (as a verdict's)
+    assert "eager (reference child)" in rows and "matmul: eager" not in rows, out
 
 
 def test_timing_spread_rows_per_setting():
