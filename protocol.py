@@ -980,6 +980,7 @@ def _child_main(spec_path: str):
         bad.clear()
 
     buffers, out, loaded, fn, spin_s, imported, held = None, None, None, None, spec["spin_s"], [], None
+    written = False  # whether the parent writes the inputs ("buffers"): then no "load" is what they are compared with
     while True:  # serve the parent's commands until it says exit (or closes the pipe)
         try:
             cmd, _ = recv(cmd_fd, spin_s=spin_s)
@@ -1005,7 +1006,7 @@ def _child_main(spec_path: str):
                 else:
                     reply = {"ok": True, "out": pack(xs, blobs)}
             elif op == "buffers":  # where the parent writes each timed run's input (TimedInputs.attach)
-                buffers, loaded = input_buffers(cmd["inputs"], cmd.get("handles"), device), None
+                buffers, loaded, written = input_buffers(cmd["inputs"], cmd.get("handles"), device), None, True
                 imported = [(b.data_ptr(), b.numel() * b.element_size()) for b in tensors_of(buffers)] \
                     if cmd.get("handles") else []
                 table = []
@@ -1021,6 +1022,8 @@ def _child_main(spec_path: str):
                 for b, x in zip(buffers, loaded):
                     if isinstance(b, torch.Tensor):
                         b.copy_(x)
+                if written:  # (a warm-up's input, in the parent's buffers: its writes follow)
+                    loaded = None
                 if flush is not None:
                     flush.zero_()
                 sync()
@@ -1683,13 +1686,40 @@ class TimedInputs:
 
 
 MAX_WARMUP = 200  # untimed runs at most before the timed ones (timed_runs): a kernel of microseconds makes no more
+SPLIT_CHILDREN = 5  # candidate processes at most that share one verdict's timed runs (timing_shares)
 
 
-def timed_runs(child: Child, seeds: list, cfg, check=None, audit=None, inputs: TimedInputs | None = None) -> list:
+def timing_shares(cfg, n_sets: int) -> list | None:
+    """How a candidate's timed runs are shared out so that no input set is met twice, warm-up included: None where
+    there are more sets than runs (one child, warmed up on the set left over: timed_runs), else one (n_timed,
+    n_audits) per child, each child's runs at most n_sets (every set of its batch once) after a warm-up on an input of
+    its own (timed_runs' warm_seed). env.py gives each share a fresh process and a fresh batch of sets (a reference
+    child's, ended before the candidate's starts): a cache keyed on input values has nothing to answer from, in its
+    process or through any channel to another. At most SPLIT_CHILDREN children (each costs a reference's outputs, a
+    process start and its warm-up), so with 2 sets 10 runs, not n_timed + n_audits; the audits fall on runs drawn at
+    random among them (a child learns its number of audits only as it is audited)."""
+    runs = cfg.n_timed + cfg.n_audits
+    if n_sets > runs:
+        return None
+    children = min(-(-runs // n_sets), SPLIT_CHILDREN)
+    total = min(runs, children * n_sets)
+    audited = set(secrets.SystemRandom().sample(range(total), min(cfg.n_audits, total - 1)))
+    shares = []
+    for start in range(0, total, n_sets):
+        k = min(n_sets, total - start)
+        a = sum(start <= i < start + k for i in audited)
+        shares.append((k - a, a))
+    return shares
+
+
+def timed_runs(child: Child, seeds: list, cfg, check=None, audit=None, inputs: TimedInputs | None = None,
+               warm_seed: int | None = None) -> list:
     """Times fn over the input sets `seeds` in turn with the parent's clock, after untimed runs (cfg.warmup,
     cfg.warmup_ms) on the last set: n_timed runs, and never more runs than there are sets besides the warm-up's
     unless fewer sets fit in input_budget_mb (a repeated set lets a cache keyed on its values answer without
-    computing). check(k, values, where) sees each run's
+    computing: where it matters, the candidate's, the caller shares the runs out over fresh children,
+    timing_shares). With `warm_seed`, the warm-up runs on that input instead, loaded by the child itself before any
+    timed set reaches it, and the runs (at most len(seeds)) meet every set once. check(k, values, where) sees each run's
     sampled elements (checked_values: picks_of(reference, where) gives the reference's elements they must match).
     With `audit`, n_audits more runs are made, and which of them are audits is told to the child only after each run
     has returned: audit(k) checks that run's whole output, and its time is not counted. A kernel that skips work on some timed
@@ -1702,14 +1732,14 @@ def timed_runs(child: Child, seeds: list, cfg, check=None, audit=None, inputs: T
     env.py, "does NOT protect")."""
     child.spin_s = getattr(child, "timed_spin_s", 0.0)  # (a stand-in for a Child may not say)
     try:
-        return _timed_runs(child, seeds, cfg, check, audit, inputs)
+        return _timed_runs(child, seeds, cfg, check, audit, inputs, warm_seed)
     finally:
         child.spin_s = 0.0
 
 
-def _timed_runs(child: Child, seeds: list, cfg, check, audit, inputs) -> list:
+def _timed_runs(child: Child, seeds: list, cfg, check, audit, inputs, warm_seed) -> list:
     target = child.read_target() if hasattr(child, "read_target") else None  # (a stand-in in the tests: the sample)
-    writes = inputs.attach(child) if inputs is not None and target is not None else None
+    writes = None
 
     def load(k):  # before run k: the input told by its seed; or, to be written before the clock, the L2 flushed
         if writes is None:
@@ -1729,10 +1759,15 @@ def _timed_runs(child: Child, seeds: list, cfg, check, audit, inputs) -> list:
     # that a short kernel meets a device (or core) that has left its idle clocks (MAX_WARMUP bounds the number of
     # runs for a kernel much shorter than warmup_ms; the verdict's time is bounded by cfg.timeout, as ever). They
     # run on the last set, which the timed runs reach only when there are no more sets than runs (the caller draws
-    # one set more than it times): where the input budget allows it, a cache keyed on input values meets no timed set
-    # it has computed (where it does not, sets repeat anyway: env.py's docstring).
+    # one set more than it times), or on warm_seed's input: a cache keyed on input values meets no timed set it has
+    # computed. (Where the sets repeat, the baselines', trusted, meet them again; the candidate's are shared out.)
+    # With warm_seed, the child loads the warm-up's input itself, into the buffers the timed runs use (the parent's,
+    # where it writes them): no timed set reaches it before the timed runs.
+    writes = inputs.attach(child) if inputs is not None and target is not None else None
+    if warm_seed is not None:
+        child.ask({"op": "load", "seed": warm_seed})
     warm = len(seeds) - 1
-    write = load(warm)
+    write = load(warm) if warm_seed is None else None
     i, spent = 0, 0.0
     while i < cfg.warmup or (spent < cfg.warmup_ms and i < MAX_WARMUP):
         if i and write is not None:
@@ -1742,6 +1777,8 @@ def _timed_runs(child: Child, seeds: list, cfg, check, audit, inputs) -> list:
     times = []
     audits = cfg.n_audits if audit is not None else 0
     runs = cfg.n_timed + audits
+    if warm_seed is not None and runs > len(seeds):
+        raise ValueError(f"{runs} runs over {len(seeds)} input sets would meet a set twice")
     for i in range(runs):
         k = i % len(seeds)
         write = load(k)

@@ -2,12 +2,15 @@
 
     python bench/big_verdict.py --backend cuda                 # on the H200: tasks sized for the 1-100 ms window
     python bench/big_verdict.py --backend cpu --window 5 50    # anywhere (the CPU window is scaled down)
+    python bench/big_verdict.py --backend cpu --window 5 50 --budget-mb 1024,8   # the timed runs shared out or not
 
 On CUDA an elementwise chain has to move 0.5-2 GB per tensor to last a millisecond, so a verdict (5 checks, 2
 audits, the last run read in full, every reference output) moves gigabytes between the children and this process.
 For each of --tasks elementwise tasks (synth.py's family, sized for --window), the teacher's first kernel variant
 is scored --repeats times with env.evaluate (the first verdict times the baselines, the rest are cached), and one
-table row per verdict gives the tensor size, the seconds, and env.Verdict.phases.
+table row per verdict gives the tensor size, the seconds, and env.Verdict.phases. --budget-mb scores each task under
+each input budget in turn (env.Config.input_budget_mb): where fewer input sets than timed runs fit, the candidate's
+runs are shared out over fresh children (the "children" column), and the rows side by side say what that costs.
 """
 import argparse
 import faulthandler
@@ -26,9 +29,15 @@ p.add_argument("--tasks", type=int, default=2, help="elementwise tasks to score"
 p.add_argument("--repeats", type=int, default=3, help="verdicts per task (the first times the baselines)")
 p.add_argument("--window", type=float, nargs=2, default=None, metavar=("LO", "HI"),
                help="eager-time window in ms the tasks are sized for (default synth.py's: 1 100 CUDA, 0.1 10 CPU)")
+p.add_argument("--budget-mb", default="", help="input budgets in MB to score each task under, comma-separated "
+               "(default env.Config's)")
 args = p.parse_args()
 if args.tasks < 1 or args.repeats < 1:
     p.error("--tasks and --repeats must be >= 1")
+try:
+    budgets = [float(b) for b in args.budget_mb.split(",") if b.strip()] or [None]
+except ValueError:
+    p.error(f"--budget-mb takes numbers, comma-separated: {args.budget_mb!r}")
 os.environ.setdefault("CUDA_AGENT_CACHE", tempfile.mkdtemp(prefix="big-verdict-cache-"))
 import elementwise as E  # noqa: E402
 import env  # noqa: E402
@@ -54,23 +63,25 @@ for t in range(args.tasks):
         (ws / path).write_text(text)
     n = math.prod(c["shape"])
     print(f"  task {t}: {' -> '.join(c['ops'])}, shape {tuple(c['shape'])}, estimated eager {c['est_ms']:.2f} ms", flush=True)
-    for r in range(args.repeats):
-        t0 = time.perf_counter()
-        v = env.evaluate(ws, backend=backend)
-        wall = time.perf_counter() - t0
-        name = f"{' -> '.join(c['ops'])} {variant}"
-        print(f"  {name} | {n / 1e6:.1f}M elements | verdict {r + 1} | {wall:.1f} s | reward {v.reward:+d} | "
-              f"runtime {v.runtime_ms} ms | eager {v.eager_ms} ms | " + ", ".join(f"{k} {x:.1f}" for k, x in v.phases.items())
-              + (f" | error {v.error}" if v.error else ""), flush=True)
-        rows.append((name, n, r + 1, wall, v))
+    for budget in budgets:
+        for r in range(args.repeats):
+            t0 = time.perf_counter()
+            v = env.evaluate(ws, backend=backend, **({} if budget is None else {"input_budget_mb": budget}))
+            wall = time.perf_counter() - t0
+            name = f"{' -> '.join(c['ops'])} {variant}" + ("" if budget is None else f", budget {budget:g} MB")
+            print(f"  {name} | {n / 1e6:.1f}M elements | verdict {r + 1} | {wall:.1f} s | reward {v.reward:+d} | "
+                  f"runtime {v.runtime_ms} ms | eager {v.eager_ms} ms | children {v.timed_children} | "
+                  + ", ".join(f"{k} {x:.1f}" for k, x in v.phases.items()) + (f" | error {v.error}" if v.error else ""),
+                  flush=True)
+            rows.append((name, n, r + 1, wall, v))
 
 phases = list(dict.fromkeys(k for *_, v in rows for k in v.phases))
-print("\n| task | elements | verdict | seconds | reward | runtime ms | " + " | ".join(phases) + " |")
-print("|---|---|---|---|---|---|" + "---|" * len(phases))
+print("\n| task | elements | verdict | seconds | reward | runtime ms | children | " + " | ".join(phases) + " |")
+print("|---|---|---|---|---|---|---|" + "---|" * len(phases))
 for name, n, r, wall, v in rows:
     ph = " | ".join(f"{v.phases.get(k, 0):.2f}" for k in phases)
     rt = "-" if v.runtime_ms is None else f"{v.runtime_ms:.3f}"
-    print(f"| {name} | {n / 1e6:.1f}M | {r} | {wall:.1f} | {v.reward:+d} | {rt} | {ph} |")
+    print(f"| {name} | {n / 1e6:.1f}M | {r} | {wall:.1f} | {v.reward:+d} | {rt} | {v.timed_children} | {ph} |")
 bad = [v for *_, v in rows if not v.correct]
 if bad:
     sys.exit(f"{len(bad)} of {len(rows)} verdicts were not correct: {bad[0].error or bad[0].violations}")

@@ -14,6 +14,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import synth_diag  # noqa: E402
 import agent  # noqa: E402
+import protocol  # noqa: E402
 import train  # noqa: E402
 import test_train  # noqa: E402
 
@@ -49,18 +50,25 @@ def test_verdict_split_compares_exec_and_fork():
 
 
 def test_big_verdict_prints_a_row_of_phases_per_verdict():
-    """bench/big_verdict.py (run_h200.sh big-verdict): an elementwise task scored twice, one table row per verdict
-    with the phases of env.Verdict; small here (--window), on the test session's build cache."""
-    out = bench("big_verdict.py", "--backend", "cpu", "--window", "0.05", "0.5", "--tasks", "1", "--repeats", "2")
+    """bench/big_verdict.py (run_h200.sh big-verdict): an elementwise task scored twice, under two input budgets,
+    one table row per verdict with the phases of env.Verdict and the children its timed runs were shared out over
+    (one where the sets outnumber the runs; SPLIT_CHILDREN under a budget of 2 sets); small here (--window), on the
+    test session's build cache."""
+    out = bench("big_verdict.py", "--backend", "cpu", "--window", "0.05", "0.5", "--tasks", "1", "--repeats", "1",
+                "--budget-mb", "1024,0.001")
     head = next(line for line in out.splitlines() if line.startswith("| task |"))
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "M | " in line]
-    assert [r[2] for r in rows] == ["1", "2"] and all(r[4] in ("+1", "+2", "+3") for r in rows), out
+    assert [r[2] for r in rows] == ["1", "1"] and all(r[4] in ("+1", "+2", "+3") for r in rows), out
+    assert [r[6] for r in rows] == ["1", str(protocol.SPLIT_CHILDREN)], out
     assert all(f"| {p} |" in head for p in ("reference start", "reference outputs", "timed inputs", "checks", "timed runs")), out
     cols = [c.strip() for c in head.strip("|").split("|")]
     compare = [float(r[cols.index("compare")].strip(" |")) for r in rows]  # its 8 comparisons of whole outputs
     assert all(0 <= x < float(r[3]) for x, r in zip(compare, rows)), out  # (a few ms here: it may print 0.00)
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "big_verdict.py"), "--tasks", "0"], capture_output=True, text=True)
     assert r.returncode == 2 and "--tasks and --repeats must be >= 1" in r.stderr.strip().splitlines()[-1]
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "big_verdict.py"), "--budget-mb", "8,lots"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "--budget-mb takes numbers" in r.stderr.strip().splitlines()[-1]
 
 
 def test_transfer_bench_moves_one_output_both_ways():

@@ -1493,15 +1493,75 @@ def test_red_team_fast_runs_never_repeat_an_input_set(monkeypatch):
     assert len(loads) == len(set(loads)), f"{len(loads)} loads over {len(set(loads))} input sets: {loads}"
 
 
+def test_red_team_no_process_is_timed_on_an_input_it_has_met(tmp_path, monkeypatch):
+    """Where fewer input sets than timed runs fit in input_budget_mb, sets repeated: a cache keyed on input values
+    answered every repeat without computing (reward 3 for the work of two runs). No input set may be met twice, warm-up
+    included, by one candidate process (the stand-in kernel is wrong on any input its process has met) or by two (a
+    cache can reach the next process: the kernel keyring, a GPU allocation's leftovers): each share of the runs gets
+    a fresh process and a fresh batch of sets."""
+    calls = []
+    real_timed = env.timed_runs
+
+    def timed(child, seeds, cfg, check=None, audit=None, inputs=None, **kw):
+        if audit is not None:  # (the candidate's; the trusted baselines may repeat sets)
+            calls.append((list(seeds), cfg.n_timed + cfg.n_audits, kw.get("warm_seed")))
+        return real_timed(child, seeds, cfg, check, audit, inputs, **kw)
+
+    monkeypatch.setattr(env, "timed_runs", timed)
+    ws = make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale_met_before(x, self.scale)"))
+    v = env.evaluate(ws, backend="cpu", input_budget_mb=2.5)  # relu 64x4096: 1 MiB a set, so 2 sets
+    assert v.correct and v.reward >= 1 and v.runtime_ms, v.summary()
+    assert v.timed_children == len(calls) == protocol.SPLIT_CHILDREN, calls
+    assert all(len(seeds) == 2 and runs == 2 for seeds, runs, _ in calls), calls
+    met = [s for seeds, _, warm in calls for s in [*seeds, warm]]  # every set any candidate process met, warm-ups too
+    assert None not in met and len(met) == len(set(met)), calls
+
+
+@pytest.mark.parametrize("n_sets,children,runs", [(2, 5, 10), (3, 5, 15), (5, 5, 22), (11, 2, 22), (22, 1, 22),
+                                                   (23, None, None)])
+def test_timed_runs_are_shared_out_so_no_process_meets_a_set_twice(n_sets, children, runs):
+    """protocol.timing_shares: where the sets do not outnumber the runs, (n_timed, n_audits) per child, each child's
+    runs at most n_sets, the audits (n_audits of them, at random) among them; None where one child's warm-up has a
+    set of its own (n_timed 20 + n_audits 2 runs, and a set more)."""
+    cfg = env.Config()
+    for _ in range(20):  # (the audits' places are drawn)
+        shares = protocol.timing_shares(cfg, n_sets)
+        if children is None:
+            assert shares is None
+            continue
+        assert len(shares) == children and all(t >= 0 and a >= 0 and t + a <= n_sets for t, a in shares), shares
+        assert sum(t + a for t, a in shares) == runs and sum(a for _, a in shares) == cfg.n_audits, shares
+
+
+def test_a_warm_up_on_its_own_input_then_every_set_once(monkeypatch):
+    """timed_runs(warm_seed=...): the warm-up loads that input (and no timed set) first, then each set is met once;
+    more runs than sets is refused rather than repeating one."""
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(protocol, "_clock", lambda: next(ticks) * 1e-6)
+    loads = []
+
+    class Recorder:
+        def ask(self, obj, reuse=False):
+            if obj["op"] == "load":
+                loads.append(obj["seed"])
+            return {}, []
+
+    cfg = env.Config(n_timed=3, n_audits=0)
+    times = env.timed_runs(Recorder(), [11, 12, 13], cfg, warm_seed=7)
+    assert len(times) == 3 and loads == [7, 11, 12, 13], loads  # (one load: the warm-up's runs reuse its input)
+    with pytest.raises(ValueError, match="twice"):
+        env.timed_runs(Recorder(), [11, 12], cfg, warm_seed=7)
+
+
 def test_red_team_a_verdict_draws_a_set_for_the_warm_up(tmp_path, monkeypatch):
     """Every timed_runs of a verdict (the candidate's and the baselines') gets more input sets than timed runs: the
     warm-up runs on one no timed run meets again."""
     calls = []
     real_timed = env.timed_runs
 
-    def timed(child, seeds, cfg, check=None, audit=None, inputs=None):
+    def timed(child, seeds, cfg, check=None, audit=None, inputs=None, **kw):
         calls.append((len(seeds), cfg.n_timed + (cfg.n_audits if audit is not None else 0)))
-        return real_timed(child, seeds, cfg, check, audit, inputs)
+        return real_timed(child, seeds, cfg, check, audit, inputs, **kw)
 
     monkeypatch.setattr(env, "timed_runs", timed)
     nonce = f"\n# baseline nonce {os.urandom(8).hex()}\n"  # (its baselines are timed too)

@@ -38,6 +38,17 @@ def test_cuda_cheats_rejected(tmp_path, problem, body, expect):
     assert v.reward == -1 and expect in " ".join(v.violations) + (v.error or ""), v.summary()
 
 
+def test_timed_runs_shared_out_over_fresh_children_on_the_gpu(tmp_path):
+    """Where the input budget holds 2 sets (relu 64x4096: 1 MiB a set), the candidate's timed runs go to
+    protocol.SPLIT_CHILDREN fresh children one after another, each warmed up on an input it loads itself and written
+    its sets through buffers of its own (TimedInputs.attach / detach): an honest kernel is judged as ever."""
+    import protocol
+    v = env.evaluate(ws_for(tmp_path, "relu", "cuda_extension.relu_scale(x, self.scale)"), backend="cuda",
+                     input_budget_mb=2.5)
+    assert v.correct and v.reward >= 1 and v.runtime_ms > 0, v.summary()
+    assert v.timed_children == protocol.SPLIT_CHILDREN, v
+
+
 def test_side_stream_work_is_timed(tmp_path):
     """Work on a side stream is counted: the device-wide sync waits for it. On a 128 MB input one relu pass takes
     tens of microseconds, so the side stream's 20 launches stand well above the timing floor (two pipe round

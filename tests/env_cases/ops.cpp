@@ -121,6 +121,25 @@ Tensor relu_scale_skips_a_residue_after_checks(Tensor x, Tensor scale) {  // aft
     return y;
 }
 
+// A stand-in for any cache keyed on input values: right on an input its process has not met, wrong (+1) on one it
+// has, where such a cache would answer without computing. Its input's first 64 values are the key.
+Tensor relu_scale_met_before(Tensor x, Tensor scale) {
+    static std::unordered_map<uint64_t, int> met;
+    const float* px = x.data_ptr<float>();
+    uint64_t h = 1469598103934665603ull;
+    for (int64_t i = 0; i < std::min<int64_t>(x.numel(), 64); ++i) {
+        uint32_t bits;
+        std::memcpy(&bits, px + i, sizeof bits);
+        h = (h ^ bits) * 1099511628211ull;
+    }
+    auto y = relu_scale(x, scale);
+    if (met[h]++) {
+        float* py = y.data_ptr<float>();
+        for (int64_t i = 0; i < y.numel(); ++i) py[i] += 1.f;
+    }
+    return y;
+}
+
 Tensor copy_of(Tensor x) {  // an honest copy kernel (used to return precomputed answers)
     auto y = torch::empty_like(x);
     std::memcpy(y.data_ptr<float>(), x.data_ptr<float>(), x.numel() * sizeof(float));
@@ -155,6 +174,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("relu_scale_inplace", &relu_scale_inplace);
     m.def("relu_scale_strided_after_checks", &relu_scale_strided_after_checks);
     m.def("relu_scale_skips_a_residue_after_checks", &relu_scale_skips_a_residue_after_checks);
+    m.def("relu_scale_met_before", &relu_scale_met_before);
     m.def("copy_of", &copy_of);
     m.def("segfault", &segfault);
     m.def("spin", &spin);
