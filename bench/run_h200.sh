@@ -10,6 +10,7 @@
 #   bash bench/run_h200.sh verdict   OUT   # verdict time split (exec'ed vs forked children) and the env bench (cold
 #                                          # builds under the light and the whole torch header side by side)
 #   bash bench/run_h200.sh big-verdict OUT # verdicts of the curriculum's large tasks (GB-sized outputs), phase by phase
+#   bash bench/run_h200.sh split     OUT   # the default preset's tasks: timed runs shared out over fresh children vs one
 #   bash bench/run_h200.sh teacher-speed OUT  # the teacher's kernels vs eager / torch.compile: events, host clock, verdict
 #   bash bench/run_h200.sh transfer OUT    # one 2 GiB output moved child -> parent: the pipe vs a mapped memory file
 #   bash bench/run_h200.sh ipc OUT         # the same on the device (CUDA IPC): possible across the sandbox? how fast?
@@ -33,7 +34,7 @@
 #   .kb/KernelBench/level{1,2,3}/   KernelBench problem files (the data part samples 10 per level)
 #   .cuda_agent/agent_workdir/      CUDA Agent's workspace and scripts (a clone of BytedTsinghua-SIA/CUDA-Agent)
 set -u
-PARTS=${1:?usage: run_h200.sh "data|reference|train|default-random|gpu-tests|gpu-tests-all|verdict|big-verdict|teacher-speed|transfer|ipc|sample-read|cuda-agent|model|learning|rollout|update|big-1.5b|big-7b|big-rollout ..." OUT}
+PARTS=${1:?usage: run_h200.sh "data|reference|train|default-random|gpu-tests|gpu-tests-all|verdict|big-verdict|split|teacher-speed|transfer|ipc|sample-read|cuda-agent|model|learning|rollout|update|big-1.5b|big-7b|big-rollout ..." OUT}
 OUT=${2:-${OUT:-/tmp/h200}}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUDA_AGENT_CACHE=${CUDA_AGENT_CACHE:-/tmp/cam-cache} TOKENIZERS_PARALLELISM=false
@@ -200,6 +201,12 @@ big-verdict)
   # issue 17 / 16: 2 elementwise tasks sized for the 1-100 ms window (0.5-2 GB tensors), 3 verdicts each
   step ${BIG_VERDICT_LIMIT:-280} big_verdict python3 bench/big_verdict.py --backend cuda --tasks 2 --repeats 3
   ;;
+split)
+  # issue 17 / env.py: a verdict whose input sets repeat (2 sets of the 0.3-3 ms window's 67M-537M elements at the
+  # default 1,024 MB) shares its timed runs out over 5 children, each on a fresh batch; 16 GB hold 23 sets: one child
+  step ${SPLIT_LIMIT:-400} split python3 bench/big_verdict.py --backend cuda --window 0.3 3 --tasks 2 --repeats 2 \
+    --budget-mb 1024,16384
+  ;;
 teacher-speed)
   # issue 16: the teacher's kernels against eager and torch.compile at the default preset's 0.3-3 ms, timed three
   # ways (CUDA events, this process's clock, the verdict): is a slow demonstration the kernel or the harness? Each
@@ -228,5 +235,5 @@ verdict)
   step 200 verdict_split python3 bench/verdict_split.py --backend cuda --repeats 8
   step 340 env_bench python3 bench/env_bench.py --backend cuda --no-naive --repeats 6
   ;;
-*) echo "unknown part $PART (data|reference|train|default-random|gpu-tests|gpu-tests-all|verdict|big-verdict|teacher-speed|transfer|ipc|sample-read|cuda-agent|model|learning|rollout|update|big-1.5b|big-7b|big-rollout)"; exit 2 ;;
+*) echo "unknown part $PART (data|reference|train|default-random|gpu-tests|gpu-tests-all|verdict|big-verdict|split|teacher-speed|transfer|ipc|sample-read|cuda-agent|model|learning|rollout|update|big-1.5b|big-7b|big-rollout)"; exit 2 ;;
 esac; done
