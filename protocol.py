@@ -1757,7 +1757,7 @@ def _timed_runs(child: Child, seeds: list, cfg, check, audit, inputs, warm_seed)
     # Untimed runs, driven as the timed runs are (the reads' first mappings and pages are made here): at least
     # `warmup` of them, and more until their times by this clock (the protocol's included) add up to warmup_ms, so
     # that a short kernel meets a device (or core) that has left its idle clocks (MAX_WARMUP bounds the number of
-    # runs for a kernel much shorter than warmup_ms; the verdict's time is bounded by cfg.timeout, as ever). They
+    # runs for a kernel much shorter than warmup_ms; the child's time is bounded by cfg.timeout, as ever). They
     # run on the last set, which the timed runs reach only when there are no more sets than runs (the caller draws
     # one set more than it times), or on warm_seed's input: a cache keyed on input values meets no timed set it has
     # computed. (Where the sets repeat, the baselines', trusted, meet them again; the candidate's are shared out.)

@@ -1498,13 +1498,15 @@ def test_red_team_no_process_is_timed_on_an_input_it_has_met(tmp_path, monkeypat
     answered every repeat without computing (reward 3 for the work of two runs). No input set may be met twice, warm-up
     included, by one candidate process (the stand-in kernel is wrong on any input its process has met) or by two (a
     cache can reach the next process: the kernel keyring, a GPU allocation's leftovers): each share of the runs gets
-    a fresh process and a fresh batch of sets."""
-    calls = []
+    a fresh process and a fresh batch of sets, and as many untimed runs first as the checked child had (its checks
+    and warm-up: a fresh process's first timed runs were slower)."""
+    calls, warmups = [], []
     real_timed = env.timed_runs
 
     def timed(child, seeds, cfg, check=None, audit=None, inputs=None, **kw):
         if audit is not None:  # (the candidate's; the trusted baselines may repeat sets)
             calls.append((list(seeds), cfg.n_timed + cfg.n_audits, kw.get("warm_seed")))
+            warmups.append(cfg.warmup)
         return real_timed(child, seeds, cfg, check, audit, inputs, **kw)
 
     monkeypatch.setattr(env, "timed_runs", timed)
@@ -1515,6 +1517,7 @@ def test_red_team_no_process_is_timed_on_an_input_it_has_met(tmp_path, monkeypat
     assert all(len(seeds) == 2 and runs == 2 for seeds, runs, _ in calls), calls
     met = [s for seeds, _, warm in calls for s in [*seeds, warm]]  # every set any candidate process met, warm-ups too
     assert None not in met and len(met) == len(set(met)), calls
+    assert set(warmups) == {env.Config().warmup + env.Config().n_checks}, warmups
 
 
 @pytest.mark.parametrize("n_sets,children,runs", [(2, 5, 10), (3, 5, 15), (5, 5, 22), (11, 2, 22), (22, 1, 22),
