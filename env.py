@@ -142,8 +142,9 @@ What it does NOT protect against (be honest; RL will look)
   - where fewer input sets than runs fit in `input_budget_mb` (above ~45 MB a set at the default budget: most
     tasks of synth.py's 1-100 ms window on a GPU), the candidate's median is of fewer runs (8 with 2 sets) than
     the baselines' 20, which reuse their sets (trusted code); each child warms up as many runs as the checked
-    child had before its timed runs (bench/big_verdict.py --budget-mb compares the two paths), and has a time
-    limit of its own, so a slow candidate holds the device up to that many limits.
+    child had before its timed runs, and protocol.SPLIT_WARMUP_MS at least (bench/big_verdict.py --budget-mb
+    compares the two paths), and has a time limit of its own, so a slow candidate holds the device up to that
+    many limits.
   - reduced precision inside a kernel that stays within atol/rtol (and the RMS bound) passes, as in the paper.
   - the time includes making each output contiguous in row-major order, so an output that is a view (a
     transposed result) is copied whole inside the timed run, the reference's as much as the candidate's: eager's
@@ -692,10 +693,11 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
                     # (each child has a time limit of its own, as the timed child of a first profile has: the waits
                     # for the device between them are the harness's, which no candidate may be charged for)
                     cand = start_candidate(contextlib.nullcontext(), stack, next(fresh))  # (the device is ours)
-                # A fresh process warms up as long as the checked one did before its timed runs (its checks and the
-                # warm-up): a shorter warm-up left its first timed run slower (1.5x, relu 64x4096 on 2 cores)
+                # A fresh process warms up as many runs as the checked one had before its timed runs (its checks and
+                # its warm-up), and for protocol.SPLIT_WARMUP_MS at least: fewer left its first timed run slower
                 share_cfg = cfg if share is None else dataclasses.replace(
-                    cfg, n_timed=share[0], n_audits=share[1], warmup=cfg.warmup + cfg.n_checks)
+                    cfg, n_timed=share[0], n_audits=share[1], warmup=cfg.warmup + cfg.n_checks,
+                    warmup_ms=max(cfg.warmup_ms, protocol.SPLIT_WARMUP_MS))
                 got = drive_one(cand, checks and not j, seeds if timed else [], outs, ins, share_cfg,
                                 None if share is None else rng.randrange(2**31))
                 if got is None:

@@ -1687,6 +1687,10 @@ class TimedInputs:
 
 MAX_WARMUP = 200  # untimed runs at most before the timed ones (timed_runs): a kernel of microseconds makes no more
 SPLIT_CHILDREN = 5  # candidate processes at most that share one verdict's timed runs (timing_shares)
+# ... and the least each one's warm-up lasts: after 8 warm-up runs a fresh child's first timed run was still slower
+# (relu 64x4096 on 2 cores: median 0.59 ms over the shared-out runs, 0.50 in one checked child); after 50 ms, 0.50
+# and 0.48 (docs/results.md)
+SPLIT_WARMUP_MS = 50.0
 
 
 def timing_shares(cfg, n_sets: int) -> list | None:

@@ -1506,7 +1506,7 @@ def test_red_team_no_process_is_timed_on_an_input_it_has_met(tmp_path, monkeypat
     def timed(child, seeds, cfg, check=None, audit=None, inputs=None, **kw):
         if audit is not None:  # (the candidate's; the trusted baselines may repeat sets)
             calls.append((list(seeds), cfg.n_timed + cfg.n_audits, kw.get("warm_seed")))
-            warmups.append(cfg.warmup)
+            warmups.append((cfg.warmup, cfg.warmup_ms))
         return real_timed(child, seeds, cfg, check, audit, inputs, **kw)
 
     monkeypatch.setattr(env, "timed_runs", timed)
@@ -1517,7 +1517,7 @@ def test_red_team_no_process_is_timed_on_an_input_it_has_met(tmp_path, monkeypat
     assert all(len(seeds) == 2 and runs == 2 for seeds, runs, _ in calls), calls
     met = [s for seeds, _, warm in calls for s in [*seeds, warm]]  # every set any candidate process met, warm-ups too
     assert None not in met and len(met) == len(set(met)), calls
-    assert set(warmups) == {env.Config().warmup + env.Config().n_checks}, warmups
+    assert set(warmups) == {(env.Config().warmup + env.Config().n_checks, protocol.SPLIT_WARMUP_MS)}, warmups
 
 
 @pytest.mark.parametrize("n_sets,children,runs", [(2, 5, 10), (3, 5, 15), (5, 5, 22), (11, 2, 22), (22, 1, 22),
