@@ -54,8 +54,8 @@ What one verdict does, in order (build.py has step 3, protocol.py the children a
                pattern a sample can miss). Median of 20 runs, each on inputs of its own. Where fewer input sets
                fit in input_budget_mb, the candidate's runs are shared out over fresh children of the same files,
                one after another (up to protocol.SPLIT_CHILDREN; with 2 sets, 10 runs), each timed once on each set
-               of a fresh batch (a reference child's of its own, ended before it starts) after a warm-up on an input
-               it loads itself (protocol.timing_shares).
+               of a fresh batch (from a reference child of its own, ended before it starts) after a warm-up on an
+               input it loads itself (protocol.timing_shares).
                One timed section per device at a time (a lock this process holds). Every child gets the same
                threading settings (CHILD_ENV: one OpenMP thread per core but one, idle workers sleep). Baselines are
                timed while no candidate lives on the device, cached per reference with their spread, and measured
@@ -735,14 +735,14 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
             lap("reference outputs")
             return seeds, outs, ins
 
-        def drive_one(cand, checks: bool, seeds: list, outs: list, ins, cfg: Config, warm_seed: int | None) -> list | None:
+        def drive_one(cand, checks: bool, seeds: list, outs: list, ins, share_cfg: Config, warm_seed) -> list | None:
             """One candidate child's checks and/or timed runs (on `seeds`, whose reference outputs are `outs` and
-            inputs `ins`): their times, or None when the verdict is decided."""
+            inputs `ins`; as many as share_cfg says): their times, or None when the verdict is decided."""
             # a reply may not declare more than twice the largest reference output (a candidate cannot exhaust our memory)
             cand.reply_limit = 2 * max(sum(t.numel() * t.element_size() for t in tensors_of(o)) for o in ref_outs) + (1 << 20)
             try:
                 times = _drive_candidate(v, cand, check_seeds if checks else [], ref_checks if checks else [],
-                                         seeds, outs, cfg, backend, lap, ins, warm_seed)
+                                         seeds, outs, share_cfg, backend, lap, ins, warm_seed)
             except ChildTimeout as e:
                 v.error, v.log = f"ModelNew timed out: {e}", ""
             except ReplyTooLarge as e:  # (read no further: the reply is left unread)

@@ -1721,8 +1721,8 @@ def timed_runs(child: Child, seeds: list, cfg, check=None, audit=None, inputs: T
     """Times fn over the input sets `seeds` in turn with the parent's clock, after untimed runs (cfg.warmup,
     cfg.warmup_ms) on the last set: n_timed runs, and never more runs than there are sets besides the warm-up's
     unless fewer sets fit in input_budget_mb (a repeated set lets a cache keyed on its values answer without
-    computing: where it matters, the candidate's, the caller shares the runs out over fresh children,
-    timing_shares). With `warm_seed`, the warm-up runs on that input instead, loaded by the child itself before any
+    computing: where it matters, the candidate's, the caller shares the runs out over fresh children on fresh
+    batches, timing_shares). With `warm_seed`, the warm-up runs on that input instead, loaded by the child itself before any
     timed set reaches it, and the runs (at most len(seeds)) meet every set once. check(k, values, where) sees each run's
     sampled elements (checked_values: picks_of(reference, where) gives the reference's elements they must match).
     With `audit`, n_audits more runs are made, and which of them are audits is told to the child only after each run
@@ -1743,7 +1743,7 @@ def timed_runs(child: Child, seeds: list, cfg, check=None, audit=None, inputs: T
 
 def _timed_runs(child: Child, seeds: list, cfg, check, audit, inputs, warm_seed) -> list:
     target = child.read_target() if hasattr(child, "read_target") else None  # (a stand-in in the tests: the sample)
-    writes = None
+    writes = inputs.attach(child) if inputs is not None and target is not None else None
 
     def load(k):  # before run k: the input told by its seed; or, to be written before the clock, the L2 flushed
         if writes is None:
@@ -1767,7 +1767,6 @@ def _timed_runs(child: Child, seeds: list, cfg, check, audit, inputs, warm_seed)
     # computed. (Where the sets repeat, the baselines', trusted, meet them again; the candidate's are shared out.)
     # With warm_seed, the child loads the warm-up's input itself, into the buffers the timed runs use (the parent's,
     # where it writes them): no timed set reaches it before the timed runs.
-    writes = inputs.attach(child) if inputs is not None and target is not None else None
     if warm_seed is not None:
         child.ask({"op": "load", "seed": warm_seed})
     warm = len(seeds) - 1
