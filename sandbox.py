@@ -29,6 +29,7 @@ with every layer until a probe succeeds:
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import dataclasses
@@ -495,9 +496,21 @@ class ForkServer:
                                                                    PYTORCH_NVML_BASED_CUDA_CHECK="1"),
                                          cwd=self.home, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                          pass_fds=[theirs.fileno()], start_new_session=True)
+        except BaseException:
+            shutil.rmtree(self.home, ignore_errors=True)
+            raise
         finally:
             theirs.close()
+        atexit.register(self.close)
         self.lock, self.probe_lock, self.ok = threading.Lock(), threading.Lock(), None
+
+    def close(self):
+        """Stop the server and remove its folder (at this process's exit: the server would outlive the `atexit` of a
+        process that only closed its socket, and write into its folder after it was removed)."""
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait(10)
+        shutil.rmtree(self.home, ignore_errors=True)
 
     def run(self, call, iso, cfg, cwd, env, limits, stdio, pass_fds, timeout, started):
         """(returncode, timed_out) of call run in a forked child, or None where it could not be forked (set-up failed:

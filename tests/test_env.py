@@ -790,6 +790,19 @@ def test_verdict_children_are_forked_fresh(tmp_path, monkeypatch):
     assert all(r == (0, False) for c, r in calls if c[0] == "protocol"), calls
 
 
+def test_fork_server_folder_goes_with_its_process(tmp_path):
+    """A fork server's HOME/TMPDIR folder is removed when the process that started it ends (one per process that ran
+    a verdict: CI and long runs would otherwise leave hundreds in /tmp)."""
+    code = ("import sys, tempfile, sandbox; tempfile.tempdir = sys.argv[1]; "
+            "s = sandbox.ForkServer([], {'PATH': '/usr/bin:/bin'}); print(s.home)")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60,
+                       cwd=Path(sandbox.__file__).parent)
+    assert r.returncode == 0, r.stderr
+    home = Path(r.stdout.strip())
+    assert home.parent == tmp_path and home.name.startswith("forkserver-"), r.stdout
+    assert not home.exists(), list(tmp_path.iterdir())
+
+
 def test_readable_folder_inside_the_hidden_cache_is_read_only(tmp_path):
     """The compile sandbox sees the precompiled header's folder (`readable`), read-only, and nothing else of the cache."""
     if not sandbox.isolation("cpu").mount:
