@@ -54,12 +54,18 @@ def test_big_verdict_prints_a_row_of_phases_per_verdict():
     one table row per verdict with the phases of env.Verdict and the children its timed runs were shared out over
     (one where the sets outnumber the runs; SPLIT_CHILDREN under a budget of 2 sets); small here (--window), on the
     test session's build cache."""
-    out = bench("big_verdict.py", "--backend", "cpu", "--window", "0.05", "0.5", "--tasks", "1", "--repeats", "1",
-                "--budget-mb", "1024,0.001")
+    out = bench("big_verdict.py", "--backend", "cpu", "--window", "0.05", "0.5", "--tasks", "1", "--repeats", "2",
+                "--budget-mb", "1024,0.001", "--split-warmup-ms", "0,100")
     head = next(line for line in out.splitlines() if line.startswith("| task |"))
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "M | " in line]
-    assert [r[2] for r in rows] == ["1", "1"] and all(r[4] in ("+1", "+2", "+3") for r in rows), out
-    assert [r[6] for r in rows] == ["1", str(protocol.SPLIT_CHILDREN)], out
+    # the settings take turns; the second warm-up only where the runs are shared out
+    assert [r[2] for r in rows] == ["1"] * 3 + ["2"] * 3 and all(r[4] in ("+1", "+2", "+3") for r in rows), out
+    assert [r[6] for r in rows] == ["1", str(protocol.SPLIT_CHILDREN), str(protocol.SPLIT_CHILDREN)] * 2, out
+    assert [r[0].endswith("warm-up 100 ms") for r in rows] == [False, False, True] * 2, out
+    timed = [float(r[head.strip("|").split("|").index(" timed runs ")].strip(" |")) for r in rows]
+    assert timed[2] >= protocol.SPLIT_CHILDREN * 0.1 and timed[5] >= protocol.SPLIT_CHILDREN * 0.1, out
+    medians = [line for line in out.splitlines() if line.startswith("| ") and line.count(" | ") == 4][1:]
+    assert len(medians) == 3 and all(m.split(" | ")[1] == "1" for m in medians), out  # (one cached verdict each)
     assert all(f"| {p} |" in head for p in ("reference start", "reference outputs", "timed inputs", "checks", "timed runs")), out
     cols = [c.strip() for c in head.strip("|").split("|")]
     compare = [float(r[cols.index("compare")].strip(" |")) for r in rows]  # its 8 comparisons of whole outputs
@@ -68,7 +74,10 @@ def test_big_verdict_prints_a_row_of_phases_per_verdict():
     assert r.returncode == 2 and "--tasks and --repeats must be >= 1" in r.stderr.strip().splitlines()[-1]
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "big_verdict.py"), "--budget-mb", "8,lots"],
                        capture_output=True, text=True)
-    assert r.returncode == 2 and "--budget-mb takes numbers" in r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and "--budget-mb and --split-warmup-ms take numbers" in r.stderr.strip().splitlines()[-1]
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "big_verdict.py"), "--split-warmup-ms", "-5"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "--split-warmup-ms >= 0" in r.stderr.strip().splitlines()[-1]
 
 
 def test_transfer_bench_moves_one_output_both_ways():
