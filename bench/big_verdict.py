@@ -17,9 +17,11 @@ does a fresh child's first timed run come out slower on this device? The setting
 (drift on the machine falls on all of them), and the last table gives each setting's medians over its cached verdicts.
 """
 import argparse
+import atexit
 import faulthandler
 import math
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -48,7 +50,9 @@ except ValueError:
     p.error(f"--budget-mb and --split-warmup-ms take numbers, comma-separated: {args.budget_mb!r}, {args.split_warmup_ms!r}")
 if any(b is not None and b <= 0 for b in budgets) or any(w is not None and w < 0 for w in warmups):
     p.error("--budget-mb must be > 0 and --split-warmup-ms >= 0")
-os.environ.setdefault("CUDA_AGENT_CACHE", tempfile.mkdtemp(prefix="big-verdict-cache-"))
+work = Path(tempfile.mkdtemp(prefix="big-verdict-"))
+atexit.register(shutil.rmtree, work, True)  # (also where the bench stops early)
+os.environ.setdefault("CUDA_AGENT_CACHE", str(work / "cache"))  # a cache of its own unless one is given
 import elementwise as E  # noqa: E402
 import env  # noqa: E402
 import protocol  # noqa: E402
@@ -56,7 +60,6 @@ import protocol  # noqa: E402
 faulthandler.dump_traceback_later(90, repeat=True)  # where this process is, every 90 s (a slow verdict says why)
 backend = env.resolve_backend(args.backend)
 window = tuple(args.window) if args.window else ((1.0, 100.0) if backend == "cuda" else (0.1, 10.0))
-work = Path(tempfile.mkdtemp(prefix="big-verdict-"))
 print(f"big_verdict | backend {backend} | window {window[0]:g}-{window[1]:g} ms | {args.tasks} tasks x {args.repeats} verdicts",
       flush=True)
 rows, i = [], 0

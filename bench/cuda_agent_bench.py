@@ -18,6 +18,7 @@ the CUDA kernel time of 10 runs under torch.profiler, in the candidate's own pro
 around one pipe exchange per run (host overhead included: bench/env_bench.py's floor rows).
 """
 import argparse
+import atexit
 import os
 import re
 import shutil
@@ -31,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 work = Path(tempfile.mkdtemp(prefix="cuda-agent-bench-"))
+atexit.register(shutil.rmtree, work, True)  # (also where the bench stops early)
 os.environ["CUDA_AGENT_CACHE"] = str(work / "cache")  # a cold cache: env.py's first build is a cold one
 import env  # noqa: E402
 from protocol import median  # noqa: E402  (the verdict's own median)
@@ -132,4 +134,3 @@ print(f"\nthe kernel, as each side reports it: theirs (torch.profiler, CUDA time
       f"{nums.get('CUDA Extension', '?')} us, eager {nums.get('Torch Baseline', '?')} us, compile "
       f"{nums.get('Torch Compile', '?')} us | env.py (parent's clock, one pipe exchange per run) candidate "
       f"{v.runtime_ms * 1e3:.1f} us, eager {v.eager_ms * 1e3:.1f} us, compile {v.compile_ms * 1e3:.1f} us, reward {v.reward}")
-shutil.rmtree(work, ignore_errors=True)

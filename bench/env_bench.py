@@ -22,6 +22,7 @@ teacher turn: baselines not cached, each task times eager and torch.compile whil
 that serialises them): one alone, then N different tasks together.
 """
 import argparse
+import atexit
 import concurrent.futures
 import json
 import os
@@ -45,6 +46,7 @@ args = p.parse_args()
 if args.workers < 0 or args.verdicts < 0:
     p.error("--workers and --verdicts must be >= 0")
 work = Path(tempfile.mkdtemp(prefix="env-bench-"))
+atexit.register(shutil.rmtree, work, True)  # (also where the bench stops early)
 os.environ["CUDA_AGENT_CACHE"] = args.cache or str(work / "cache")  # by default a cold cache: nothing built before
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # the in-process timer, threaded as env.CHILD_ENV threads children
 
@@ -264,4 +266,3 @@ if flight:
               f"{r['median_s']:.2f} | {r['p90_s']:.2f} | {r['wait_median_s']:.2f} / {r['wait_p90_s']:.2f} |")
 if os.environ.get("OUT"):
     Path(os.environ["OUT"], f"env_bench_{backend}.json").write_text(json.dumps(dict(rows=rows, in_flight=flight), indent=1))
-shutil.rmtree(work, ignore_errors=True)

@@ -11,6 +11,7 @@ and at 64x4096, the tests' matmul; matmul1k on cuda), the output's size, the rep
 size (protocol.PIPE_BYTES), who polls for messages instead of sleeping (protocol.spin), and the OpenMP settings the child gets (protocol.CHILD_ENV: the harness's, or libgomp's default wait policy). Prints a table.
 """
 import argparse
+import atexit
 import os
 import secrets
 import shutil
@@ -22,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 work = Path(tempfile.mkdtemp(prefix="floor-diag-"))
+atexit.register(shutil.rmtree, work, True)  # (also where the bench stops early)
 os.environ.setdefault("CUDA_AGENT_CACHE", str(work / "cache"))
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # the in-process timer, threaded as env.CHILD_ENV threads children
 import env  # noqa: E402
@@ -222,4 +224,3 @@ print("| child / setting | run (ms) | sample (ms) | run + sample, median (ms) | 
       "its run exchange alone (ms) | p90/p10 |\n|---|---|---|---|---|---|---|---|---|---|---|")
 for name, a, s, t, m, n, r, w, ws, o, os_ in out:
     print(f"| {name} | {a:.4f} | {s:.4f} | {t:.4f} | {m:.4f} | {n:.4f} | {r:.4f} | {w:.4f} | {ws:.3f} | {o:.4f} | {os_:.3f} |")
-shutil.rmtree(work, ignore_errors=True)

@@ -16,6 +16,7 @@ On the CPU there are no events: the host and verdict columns only. --accurate-ma
 the accurate math functions (VARIANT+accurate), against the op library's special-function-unit math.
 """
 import argparse
+import atexit
 import json
 import math
 import os
@@ -28,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 work = Path(tempfile.mkdtemp(prefix="teacher-speed-"))
+atexit.register(shutil.rmtree, work, True)  # (also where the bench stops early)
 os.environ.setdefault("CUDA_AGENT_CACHE", str(work / "cache"))
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # the in-process timer, threaded as env.CHILD_ENV threads children
 
@@ -124,7 +126,6 @@ def kernel_figures(c, variant) -> tuple[float, float]:
 if args.kernel_of:  # the child: one line of JSON
     task, variant = int(args.kernel_of[0]), args.kernel_of[1]
     print(json.dumps(kernel_figures(pick_tasks(task + 1)[task], variant)))
-    shutil.rmtree(work, ignore_errors=True)
     sys.exit(0)
 
 rows = []
@@ -172,4 +173,3 @@ for r in rows:
     print(f"| {r['task']} | {r['elems']:,} | {r['variant']} | {fmt(k[0])} / {fmt(e[0])} / {fmt(c[0])} | "
           f"{fmt(k[1])} / {fmt(e[1])} / {fmt(c[1])} | {vd[0]:.3f} / {vd[1]:.3f} / {vd[2]:.3f} | "
           f"{ratio(k[0], e[0])} / {ratio(k[1], e[1])} / {ratio(vd[0], vd[1])} |")
-shutil.rmtree(work, ignore_errors=True)

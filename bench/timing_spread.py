@@ -16,6 +16,7 @@ spread max / min over the row's rounds (what a reward sees from one verdict to t
 own p90 / p10 over their runs, and the median verdict seconds (what a warm-up costs).
 """
 import argparse
+import atexit
 import os
 import shutil
 import sys
@@ -39,6 +40,7 @@ except ValueError:
 if args.verdicts < 2 or min(warmups + idles) < 0:
     p.error("--verdicts must be >= 2, and --warmup-ms and --idle-s >= 0")
 work = Path(tempfile.mkdtemp(prefix="timing-spread-"))
+atexit.register(shutil.rmtree, work, True)  # (also where the bench stops early)
 os.environ.setdefault("CUDA_AGENT_CACHE", str(work / "cache"))
 
 import env  # noqa: E402
@@ -88,4 +90,3 @@ for (what, warm, idle), vs in got.items():
     print(f"| {names[what]} | {'-' if warm is None else f'{warm:g}'} | {'-' if idle is None else f'{idle:g}'} | "
           f"{median(rt):.4f} | {max(rt) / min(rt):.3f}x | {median([x[1] for x in vs]):.3f} | "
           f"{f'{median(secs):.2f}' if secs else '-'} |")
-shutil.rmtree(work, ignore_errors=True)

@@ -13,7 +13,9 @@ protocol._child_main. The parent's side is stamped by wrapping protocol.run_sand
 env.Verdict.phases (env._lap_timer). Nothing here is timed by a test; the numbers are for reading.
 """
 import argparse
+import atexit
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -24,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 work = Path(tempfile.mkdtemp(prefix="verdict-split-"))
+atexit.register(shutil.rmtree, work, True)  # (also where the bench stops early)
 os.environ.setdefault("CUDA_AGENT_CACHE", str(work / "cache"))
 import env  # noqa: E402
 from workspaces import matmul_ws  # noqa: E402  (bench/)

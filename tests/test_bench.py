@@ -49,13 +49,16 @@ def test_verdict_split_compares_exec_and_fork():
     assert "| verdict |" in out.split("cached verdict phases")[1], out
 
 
-def test_big_verdict_prints_a_row_of_phases_per_verdict():
+def test_big_verdict_prints_a_row_of_phases_per_verdict(tmp_path):
     """bench/big_verdict.py (run_h200.sh big-verdict): an elementwise task scored twice, under two input budgets,
     one table row per verdict with the phases of env.Verdict and the children its timed runs were shared out over
     (one where the sets outnumber the runs; SPLIT_CHILDREN under a budget of 2 sets); small here (--window), on the
     test session's build cache."""
+    tmp = tmp_path / "tmp"  # (its TMPDIR: the bench's folders and its fork servers' are gone when it ends)
+    tmp.mkdir()
     out = bench("big_verdict.py", "--backend", "cpu", "--window", "0.05", "0.5", "--tasks", "1", "--repeats", "2",
-                "--budget-mb", "1024,0.001", "--split-warmup-ms", "0,100")
+                "--budget-mb", "1024,0.001", "--split-warmup-ms", "0,100", env=dict(os.environ, TMPDIR=str(tmp)))
+    assert not list(tmp.iterdir()), list(tmp.iterdir())
     head = next(line for line in out.splitlines() if line.startswith("| task |"))
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "M | " in line]
     # the settings take turns; the second warm-up only where the runs are shared out
