@@ -625,8 +625,10 @@ def _lap_timer(phases: dict):
 
 
 def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, backend: str, cfg: Config, lap):
-    """Steps 4-6 of a verdict, filling `v`. The reference child computes every output first; the candidate child
-    starts only after the baselines (if any are needed) are timed, and gets nothing but its own inputs."""
+    """Steps 4-6 of a verdict, filling `v`. A reference child computes every output, while the candidate child
+    starts beside it; the candidate gets nothing but its own inputs. Where the task's baselines are not cached yet,
+    the candidate is checked, stopped, the baselines are timed with no candidate alive, and a fresh candidate child
+    is timed. Where fewer input sets than runs fit the budget, the timed runs are shared out (drive)."""
     timed = cfg.stage == "profile"
     rng = secrets.SystemRandom()
     seed0 = rng.randrange(2**31)
