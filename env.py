@@ -29,7 +29,8 @@ What one verdict does, in order (build.py has step 3, protocol.py the children a
                candidate on its device (step 5).
   4. verify    a trusted REFERENCE child computes the outputs of 5 check inputs and of the timing inputs
                (each drawn from a fresh secret seed, on the task's device) and sends them to this process
-               over a pipe. The CANDIDATE child starts afterwards, knowing no seed: it loads ModelNew under a dispatch
+               over a pipe, and ends. The CANDIDATE child starts afterwards, knowing no seed (no candidate child of
+               a verdict lives beside a reference child of it): it loads ModelNew under a dispatch
                monitor (module import, __init__, load_state_dict: only allocation, random
                initialisation and copies), then is told one input at a time. The extension's functions
                may return only tensors (or None): no values handed to Python to compute on. Its whole outputs on the
@@ -45,36 +46,41 @@ What one verdict does, in order (build.py has step 3, protocol.py the children a
                gather through the IPC mapping; where neither is possible, see below, the child is asked for a
                "sample" out[o::step], o told after the run returned). Each run's input is written into the child's
                buffers by this process just before the clock starts: the child never holds it earlier
-               (protocol.TimedInputs). On the CPU every process of the child's PID namespace is stopped while the write
+               (protocol.TimedInputs; where protocol.reads() holds and the sets share one structure, else below).
+               On the CPU every process of the child's PID namespace is stopped while the write
                goes on, and continued as the clock starts; on the GPU the L2 is flushed first and the buffers are the native
                helper's, opened by the child through CUDA IPC, so inputs up to the L2's size start the run in it (the
                same for all three). Every sample is compared with the reference, so pointer-keyed caches, work
                skipped after the checks, and work deferred past the run are caught or timed. Two more runs, which
                ones told to the child after each run returned, are read in full and not timed (work skipped in a
-               pattern a sample can miss). Median of 20 runs, each on inputs of its own. Where fewer input sets
-               fit in input_budget_mb, the candidate's runs are shared out over fresh children of the same files,
-               one after another (up to protocol.SPLIT_CHILDREN; with 2 sets, 10 runs), each timed once on each set
-               of a fresh batch (from a reference child of its own, ended before it starts) after a warm-up on an
-               input it loads itself (protocol.timing_shares).
+               pattern a sample can miss); each timed child's last run is read in full too, after it was timed.
+               Median of 20 runs, each on inputs of its own. Where input_budget_mb holds fewer sets than runs (the verdict draws 23), the candidate's
+               runs are shared out (protocol.timing_shares) over the candidate child, on the first batch of sets, and
+               fresh children of the same files after it, one after another (up to protocol.SPLIT_CHILDREN; with 2
+               sets, 10 runs of which 2 are audits), each later child on a fresh batch from a reference child of its
+               own, ended before it starts; no child meets a set twice, and each warms up first on an input it loads
+               itself.
                One timed section per device at a time (a lock this process holds). Every child gets the same
                threading settings (CHILD_ENV: one OpenMP thread per core but one, idle workers sleep). Baselines are
                timed while no candidate lives on the device, cached per reference with their spread, and measured
-               again (up to 3 times) while noisy.
+               again while noisy (3 measurements at most, the least noisy kept).
   6. reward    the paper's milestones: -1 incorrect; 3 if >5% faster than eager AND compile;
                2 if >5% faster than eager only; 1 otherwise (correct).
 
 What the sandbox protects against (sandbox.py has the layers)
   - reading the answers: reference outputs and seeds never exist where the candidate can reach them, nor the
-    positions its timed runs are checked at (they never leave this process; but see below); its
-    filesystem view hides the cache root (other runs, baselines, references), /tmp and /dev/shm are its own, and
-    a timed run's input arrives only as its clock starts (this process writes it; see below).
+    positions its timed runs are checked at (they never leave this process; but see below); no candidate child
+    of a verdict lives while a reference child of it does (on a GPU a reference exports each timed set to this
+    process through a CUDA IPC handle); its filesystem view hides the cache root (other runs, baselines,
+    references), /tmp and /dev/shm are its own, and a timed run's input arrives only as its clock starts (this
+    process writes it; see below).
   - forging the verdict: only this process measures time and judges; a child's replies are validated
     field by field (a malformed one is reward -1, never a crash), and each must echo the nonce of the command it
     answers: a reply that native code writes to the pipe without reading the harness's memory is refused.
   - reaching the host: fresh PID namespace with its own /proc, read-only mounts (/sys, and /proc but for the
     processes' own entries), a /dev of its own with an allow-list of device nodes, no capabilities,
     no_new_privs, no network; a killed child takes all its descendants with it.
-  - crashes, hangs, fork bombs, huge allocations, megabytes of output: a fresh process per verdict, wall
+  - crashes, hangs, fork bombs, huge allocations, megabytes of output: fresh processes per verdict, wall
     clock timeouts (loading the candidate its own, load_timeout, and each command after it its own, run_timeout,
     checked at every read of a reply and every write of a command, so a trickled reply or a command pipe the child
     fills itself is no way past it: a hang frees the device in seconds),
@@ -88,8 +94,7 @@ What the sandbox protects against (sandbox.py has the layers)
     the policy controls counts as one: the candidate child, a build, the agent's bash tool; so does another
     verdict's reference child until its outputs are in (the policy decides when verdicts start). A task's first
     profile checks the candidate before its baselines (a wrong one costs none): that child is stopped first, and
-    the timed runs get a fresh child in a fresh folder; no child holding reference outputs lives while candidate
-    code runs.
+    the timed runs get a fresh child in a fresh folder.
   - hiding a cheat from the scan: the scan reads the preprocessed tokens, so aliases, token pasting,
     digraphs, computed includes and comments change nothing; no directive can re-attribute lines to a system
     header (#line, line markers, text that reads as a marker), a workspace macro is scanned where it is
@@ -120,11 +125,10 @@ What it does NOT protect against (be honest; RL will look)
     sample's position after its run, and such a kernel can compute only the sampled elements (reward +3 at 1/64 of
     the work, measured against that exchange on the CPU): the verdicts say so once on stderr.
   - on the GPU, work done alongside the write of a run's input by native code that takes its process over as
-    above: the child holds no run's input before this process writes it, just before t0 (without that, such a
-    kernel computed the whole output while the harness loaded the input and returned it at once: reward +3 at
-    0.28 ms against 12.4 ms honest; tests/test_redteam.py, 14), and on the CPU its processes are stopped during the
-    write (a thread that followed the write page by page, or stalled it by holding the memory map, won +3:
-    tests/test_redteam.py, 15); on the GPU it is not stopped (TODO: stop it too, once measured on a GPU), and a
+    above: the child holds no run's input before this process writes it, just before t0 (a kernel that loads its
+    own input computes the whole output then and returns it at once: reward +3 at 0.28 ms against 12.4 ms honest;
+    tests/test_redteam.py, 14), and on the CPU its processes are stopped during the write (a thread that follows
+    the write page by page, or stalls it by holding the memory map, would win +3: tests/test_redteam.py, 15); on the GPU it is not stopped (TODO: stop it too, once measured on a GPU), and a
     thread or a persistent GPU kernel of its own could watch its buffers and compute on the part already copied:
     at most the copy's time (one pass over the inputs at the device's bandwidth) saved per run. Where the reads are not possible, and for a task whose timed sets differ in
     structure (a value drawn per set), the child loads each input itself, untimed, and such a kernel can compute
@@ -132,19 +136,23 @@ What it does NOT protect against (be honest; RL will look)
   - another child on the same GPU that guesses the CUDA IPC handle of a candidate's outputs or input buffers (the
     driver's handles are predictable) can open them: read them, or overwrite them before the parent reads them (a
     sibling episode's run would fail). Each buffer of the native helper's is in pages of its own, so no handle
-    reaches the timed sets it holds.
+    reaches the timed sets it holds. The same goes for a reference child's export of a timed set to this process:
+    a candidate of another verdict on the device at that time could open it, and pass outputs computed from it to
+    a candidate of this verdict through a channel the sandbox's namespaces share (the kernel keyring): collusion
+    across two episodes, not tried. Closing it needs an export no other process can name (a VMM allocation shared
+    by file descriptor) or the sets over the pipe. (This verdict's own candidate is not alive then.)
   - inputs mutated by a timed run: checked on the check runs only (this process writes every timed run's input
     afresh). Timed runs get contiguous copies of strided inputs.
   - a kernel that tells the audited runs from the sampled ones (by the time between its calls) knows when the
     n_audits are spent: the runs after that are checked by their samples only (and the last one in full).
   - an OpenMP worker still runs the kernel's own code outside the monitor's thread (it may call only the
     allocation and view operators the module imports).
-  - where fewer input sets than runs fit in `input_budget_mb` (above ~45 MB a set at the default budget: most
-    tasks of synth.py's 1-100 ms window on a GPU), the candidate's median is of fewer runs (8 with 2 sets) than
-    the baselines' 20, which reuse their sets (trusted code); each child warms up as many runs as the checked
-    child had before its timed runs, and protocol.SPLIT_WARMUP_MS at least (bench/big_verdict.py --budget-mb
-    compares the two paths), and has a time limit of its own, so a slow candidate holds the device up to that
-    many limits.
+  - where input_budget_mb holds fewer sets than runs (above ~45 MB a set at the default budget: most tasks of
+    synth.py's 1-100 ms window on a GPU), the candidate's runs are shared out: with 2, 3 or 4 sets its median is of
+    8, 13 or 18 runs, not the baselines' 20 (which reuse their sets: trusted code); every child, the checked one
+    included, warms up cfg.warmup + cfg.n_checks runs and protocol.SPLIT_WARMUP_MS at least (MAX_WARMUP runs at
+    most; bench/big_verdict.py --budget-mb and --split-warmup-ms compare the paths), and each has its own limit
+    (cfg.timeout), so a slow candidate holds the device up to SPLIT_CHILDREN limits (one more in a first profile).
   - reduced precision inside a kernel that stays within atol/rtol (and the RMS bound) passes, as in the paper.
   - the time includes making each output contiguous in row-major order, so an output that is a view (a
     transposed result) is copied whole inside the timed run, the reference's as much as the candidate's: eager's
@@ -231,7 +239,7 @@ MODEL_NEW_BYTES = 256 << 10  # a ModelNew is a thin wrapper; its scan (linear, ~
 @dataclasses.dataclass
 class Config:
     backend: str = "auto"  # auto | cuda | cpu
-    timeout: float = 300.0  # wall clock for one candidate run (verify + profile)
+    timeout: float = 300.0  # wall clock for each child process of a verdict (a reference, a candidate)
     run_timeout: float = 30.0  # wall clock for one command of a loaded candidate (a run, a sample): a hang ends here
     load_timeout: float = 60.0  # wall clock for the candidate to load (model_new.py, ModelNew(), its weights)
     compile_timeout: float = 600.0  # wall clock for one build (nvcc with torch headers is slow)
@@ -457,7 +465,7 @@ GPU_COMPARE = 1 << 24  # elements from which this process compares on its own GP
 
 def _compare_on() -> torch.device | None:
     """The GPU this process compares large outputs on (None: the CPU). On an H200 host the CPU's 32K-element chunks
-    of a 537M-element output run on one core (a verdict of such a task had not finished its checks after 270 s);
+    of a 537M-element output run on one core (such a verdict's checks take over 270 s);
     on the GPU a comparison takes about as long as copying the chunks there. Only outputs of at least GPU_COMPARE
     elements go there, so small verdicts (and processes that fork, like synth.py's workers) never start CUDA for it."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
@@ -625,10 +633,11 @@ def _lap_timer(phases: dict):
 
 
 def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, backend: str, cfg: Config, lap):
-    """Steps 4-6 of a verdict, filling `v`. A reference child computes every output, while the candidate child
-    starts beside it; the candidate gets nothing but its own inputs. Where the task's baselines are not cached yet,
-    the candidate is checked, stopped, the baselines are timed with no candidate alive, and a fresh candidate child
-    is timed. Where fewer input sets than runs fit the budget, the timed runs are shared out (drive)."""
+    """Steps 4-6 of a verdict, filling `v`. A reference child computes every output and ends; then the candidate
+    child starts, and gets nothing but its own inputs. Where the task's baselines are not cached (or are noisy, 3
+    measurements at most), the candidate is checked, stopped, the baselines are timed with no candidate alive, and a
+    fresh candidate child is timed. Where the budget holds fewer sets than runs, the timed runs are shared out
+    (drive)."""
     timed = cfg.stage == "profile"
     rng = secrets.SystemRandom()
     seed0 = rng.randrange(2**31)
@@ -695,8 +704,9 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
                     # (each child has a time limit of its own, as the timed child of a first profile has: the waits
                     # for the device between them are the harness's, which no candidate may be charged for)
                     cand = start_candidate(contextlib.nullcontext(), stack, next(fresh))  # (the device is ours)
-                # A fresh process warms up as many runs as the checked one had before its timed runs (its checks and
-                # its warm-up), and for protocol.SPLIT_WARMUP_MS at least: fewer left its first timed run slower
+                # Every child warms up as many runs as the checked one had before its timed runs (its checks and
+                # its warm-up), and for protocol.SPLIT_WARMUP_MS at least: fewer leave a fresh child's first timed
+                # run slower
                 share_cfg = cfg if share is None else dataclasses.replace(
                     cfg, n_timed=share[0], n_audits=share[1], warmup=cfg.warmup + cfg.n_checks,
                     warmup_ms=max(cfg.warmup_ms, protocol.SPLIT_WARMUP_MS))
@@ -767,8 +777,8 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
 
         # the timed runs' inputs, held here and written into a child just before each run (freed after every child)
         inputs = stack.enter_context(contextlib.closing(protocol.TimedInputs(backend)))
-        # The candidate overlaps its start-up with the reference's work, under the reference's hold of the device: a
-        # holder never waits for the gate (a waiting baseline holds the gate and waits for every holder).
+        # The candidate child takes over the reference's hold of the device (`first`): a holder never waits for the
+        # gate (a waiting baseline holds the gate and waits for every holder).
         first, first_msg = stack.enter_context(contextlib.ExitStack()), None
         try:
             if backend not in protocol._READS:  # decided once per process, before any candidate of it is alive (a
@@ -778,10 +788,9 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
         except (EOFError, ValueError, KeyError, TypeError, ChildError) as e:
             v.error = f"the reference model.py failed: {ref.why_dead() if isinstance(e, EOFError) else e}"
             return
-        cand = start_candidate(ref_busy.pop_all(), first)
         try:
             first_msg = first_msg or ref.answer()[0]
-            lap("reference start")  # (its process, model and input sizes; the candidate's folder and start overlap it)
+            lap("reference start")  # (its process, model and input sizes)
             n_sets = first_msg["timed_sets"]
             timed_seeds = timed_seeds[:n_sets]
             ref_outs = [unpack(*ref.answer()) for _ in check_seeds + timed_seeds]
@@ -810,7 +819,11 @@ def _check_and_time(v: Verdict, ref_code: str, model_new: str, so_path: Path, ba
         cached = json.loads(base_file.read_text()) if base_file.exists() else None
         # Re-measured while noisy, up to 3 times; the least noisy measurement is kept.
         need_baselines = timed and (cached is None or (max(cached["spread"]) > NOISY and cached["attempts"] < 3))
-        ref.close()  # (its device memory is freed before any candidate run)
+        ref.close()
+        # The candidate starts only now: no candidate child lives beside a reference child of its verdict, which
+        # holds every secret of it (on a GPU it has exported each timed set through a CUDA IPC handle, which a
+        # process on the device may guess, and the candidate's native code runs from its import on)
+        cand = start_candidate(ref_busy.pop_all(), first)
         if not need_baselines:  # the usual case: one child, checked and timed
             if not drive(cand, checks=True, timed=timed) or not timed:
                 return

@@ -1533,6 +1533,48 @@ def test_red_team_no_process_is_timed_on_an_input_it_has_met(tmp_path, monkeypat
     assert set(warmups) == {(env.Config().warmup + env.Config().n_checks, protocol.SPLIT_WARMUP_MS)}, warmups
 
 
+@pytest.mark.parametrize("budget", [None, 2.5], ids=["one_child", "shared_out"])
+def test_red_team_no_candidate_is_alive_beside_a_reference(tmp_path, monkeypatch, budget):
+    """A reference child holds a verdict's secrets: every input set and output, and on a GPU it exports each timed
+    set to this process through a CUDA IPC handle, which a process on the same device may guess. A candidate child
+    alive at that time (its native code runs from its import on) could take the timed inputs and answer its timed
+    runs from outputs computed ahead. So no candidate child of a verdict lives while any reference child of it does:
+    in a task's first profile (baselines timed) and a later one, in one child and with the runs shared out."""
+    events, real = [], env.Child
+
+    class Recorded(real):
+        def __init__(self, spec, *a, **k):
+            events.append(("start", spec["mode"], id(self)))
+            super().__init__(spec, *a, **k)
+
+        def close(self):
+            alive = self.cmd_w is not None
+            r = super().close()
+            if alive:
+                events.append(("end", None, id(self)))
+            return r
+
+    monkeypatch.setattr(env, "Child", Recorded)
+    ws = make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)"))
+    (ws / "model.py").write_text(PROBLEMS["relu"] + f"\n# {os.urandom(8).hex()}\n")  # (no cached baselines)
+    kw = {} if budget is None else {"input_budget_mb": budget}
+    for _ in range(2):  # the first verdict of a new reference times its baselines
+        v = env.evaluate(ws, backend="cpu", **kw)
+        assert v.correct, v.summary()
+    modes, alive = {}, set()
+    for what, mode, key in events:
+        if what == "start":
+            modes[key] = mode
+            others = {modes[k] for k in alive}
+            assert not (mode == "candidate" and "reference" in others or mode == "reference" and "candidate" in others), \
+                [(w, modes.get(k)) for w, _, k in events]
+            alive.add(key)
+        else:
+            alive.discard(key)
+    assert list(modes.values()).count("candidate") >= (3 if budget is None else 2 * protocol.SPLIT_CHILDREN), events
+    assert not alive, events
+
+
 @pytest.mark.parametrize("n_sets,children,runs", [(2, 5, 10), (3, 5, 15), (5, 5, 22), (11, 2, 22), (22, 1, 22),
                                                    (23, None, None)])
 def test_timed_runs_are_shared_out_so_no_process_meets_a_set_twice(n_sets, children, runs):
