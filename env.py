@@ -105,8 +105,8 @@ What the sandbox protects against (sandbox.py has the layers)
   - PyTorch from another thread (OpenMP workers, at::parallel_for, CUDA host callbacks): the module may import
     no PyTorch operator but allocation and views, so no thread has one to call.
   - caches keyed on input values: no input set is met twice by the candidate, warm-up included, in one process or
-    across processes (the kernel keyring, which namespaces do not separate, or a freed allocation's leftovers on the
-    GPU could carry a cache from one child to the next). Where the input budget holds fewer sets than runs, each
+    across processes (a freed allocation's leftovers on the GPU could carry a cache from one child to the next; the
+    kernel keyring, which the namespaces do not separate, is refused to every child by sandbox.py's seccomp filter). Where the input budget holds fewer sets than runs, each
     share of the runs gets a fresh process and a fresh batch of sets.
 
 What it does NOT protect against (be honest; RL will look)
@@ -138,8 +138,8 @@ What it does NOT protect against (be honest; RL will look)
     sibling episode's run would fail). Each buffer of the native helper's is in pages of its own, so no handle
     reaches the timed sets it holds. The same goes for a reference child's export of a timed set to this process:
     a candidate of another verdict on the device at that time could open it, and pass outputs computed from it to
-    a candidate of this verdict through a channel the sandbox's namespaces share (the kernel keyring): collusion
-    across two episodes, not tried. Closing it needs an export no other process can name (a VMM allocation shared
+    a candidate of this verdict through a channel between children (its own device memory, exported under a handle
+    the other guesses: the kernel keyring is refused to every child): collusion across two episodes, not tried. Closing it needs an export no other process can name (a VMM allocation shared
     by file descriptor) or the sets over the pipe. (This verdict's own candidate is not alive then.)
   - inputs mutated by a timed run: checked on the check runs only (this process writes every timed run's input
     afresh). Timed runs get contiguous copies of strided inputs.

@@ -23,6 +23,9 @@ with every layer until a probe succeeds:
   credentials  no_new_privs; every capability dropped (bounding set included), so root inside cannot
                remount, override file permissions, ptrace or write /proc/sys; when run by root and the
                interpreter is reachable by it, an unprivileged uid (65534) as well.
+  seccomp      a filter, last: the system calls of SECCOMP_DENY answer EPERM (the kernel keyring, which no
+               namespace separates; userfaultfd, perf_event_open, bpf, io_uring), and so does every call of
+               another ABI (i386, x32).
   limits       own session and process group, a pids (and memory) cgroup where writable, RLIMIT_NPROC
                for ordinary users, RLIMIT_AS (CPU), RLIMIT_CPU, RLIMIT_FSIZE, no core files, a wall clock
                timeout that kills the process group, and the cgroup's leftovers.
@@ -125,7 +128,12 @@ def _probe_isolation(kind: str) -> tuple[Isolation | None, Isolation]:
     tries = [full, ("--net", "--ipc", "--mount"), ("--net", "--pid", "--fork", "--kill-child"), ("--net",), ()]
     if not shutil.which("unshare") or os.environ.get("CUDA_AGENT_NO_NAMESPACES") == "1":
         tries = [()]
-    probe = [sys.executable, "-c", _CUDA_PROBE if kind == "cuda" else "pass"]
+    import platform
+    keyctl = SECCOMP_DENY.get(platform.machine(), (0, {}))[1].get("keyctl")
+    # (and whether the seccomp filter holds: keyctl refused with EPERM)
+    probe = [sys.executable, "-c", (_CUDA_PROBE if kind == "cuda" else "pass") + "\nimport ctypes\nlibc = "
+             f"ctypes.CDLL(None, use_errno=True)\nprint('keyctl', libc.syscall({keyctl or 0}, 0, -4, 0), ctypes.get_errno())"]
+    said = {}
     # Before a weaker set of namespaces, the same set without the private /dev and read-only /proc knobs: a GPU driver
     # that needs a node or a /proc entry they leave out then keeps the mount namespace.
     plans = [Isolation(("unshare", *user, *flags) if flags else (), uid, (), strict)
@@ -137,6 +145,7 @@ def _probe_isolation(kind: str) -> tuple[Isolation | None, Isolation]:
 
         def starts(iso):
             r = run_sandboxed(probe, d, 120, mem_gb=None, kind=kind, iso=iso)
+            said[iso] = r.stdout
             if r.returncode != 0:
                 _PROBE_LOG.append((kind, iso, r.stderr[-600:]))
             return r.returncode == 0
@@ -155,6 +164,8 @@ def _probe_isolation(kind: str) -> tuple[Isolation | None, Isolation]:
         missing.append("a private /dev and read-only /proc knobs")
     if root and found.uid is None:
         missing.append(f"unprivileged uid ({sys.executable} is not reachable by uid {NOBODY})")
+    if keyctl is None or "keyctl -1 1\n" not in said.get(found, ""):
+        missing.append("a seccomp filter")
     if missing:
         print(f"sandbox.py: not available here{' for CUDA' if kind == 'cuda' else ''}: {', '.join(missing)}; children run"
               " with the remaining layers (see sandbox.py's docstring)", file=sys.stderr)
@@ -245,6 +256,7 @@ def _jail(cfg: dict, argv: list[str] | None):
             if i == 0 or os.stat(w).st_uid != cfg["uid"]:  # the cwd always (the parent writes into it); caches once
                 _chown_tree(w, cfg["uid"])
     _drop_privileges(libc, cfg["uid"])
+    _seccomp(libc)
     if cfg.get("kill_child"):  # (`unshare --kill-child` set it before us; the kernel clears it when the uid changes)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if argv is not None:
@@ -275,6 +287,53 @@ def _private_dev(mount):
         os.symlink(to, f"/dev/{link}")
     os.makedirs("/dev/shm")
     mount(None, "/dev", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID, "size=64k,mode=755")
+
+
+# System calls no child may make (the filter answers EPERM), installed last, after the namespaces and credentials: the
+# kernel keyring, which the namespaces do not separate (a value cached by one child could be read by the next, or by
+# a child of another verdict); userfaultfd (a child serving its pages as they are read); perf_event_open and bpf
+# (kernel surfaces no task needs); io_uring, whose operations no filter sees. System calls of another ABI (i386's
+# int 0x80, x32) are refused whole: their numbers mean other calls. {machine: (audit arch, {name: number})}
+SECCOMP_DENY = {
+    "x86_64": (0xC000003E, {"add_key": 248, "request_key": 249, "keyctl": 250, "perf_event_open": 298, "bpf": 321,
+                            "userfaultfd": 323, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427}),
+    "aarch64": (0xC00000B7, {"add_key": 217, "request_key": 218, "keyctl": 219, "perf_event_open": 241, "bpf": 280,
+                             "userfaultfd": 282, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427}),
+}
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER, EPERM = 22, 2, 1
+
+
+def seccomp_filter(machine: str) -> list[tuple[int, int, int, int]] | None:
+    """The classic-BPF program (code, jt, jf, k) of SECCOMP_DENY on this machine; None where it has no entry."""
+    if machine not in SECCOMP_DENY:
+        return None
+    arch, calls = SECCOMP_DENY[machine]
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    allow, deny = 0x7FFF0000, 0x00050000 | EPERM  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO
+    nrs = sorted(calls.values())
+    n = len(nrs)
+    prog = [(ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, deny),  # seccomp_data.arch: another ABI, refused
+            (ld, 0, 0, 0), (jge, n + 1, 0, 0x40000000)]  # seccomp_data.nr: x32's numbers have this bit set
+    prog += [(jeq, n - i, 0, nr) for i, nr in enumerate(nrs)]  # each jumps to the last instruction
+    return prog + [(ret, 0, 0, allow), (ret, 0, 0, deny)]
+
+
+def _seccomp(libc):
+    """Installs seccomp_filter (needs no_new_privs, set before); where it cannot (another machine, a kernel without
+    filters), the child runs without it and isolation()'s probe says so."""
+    import platform
+    prog = seccomp_filter(platform.machine())
+    if prog is None:
+        return
+
+    class Filter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+    class Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
+
+    insns = (Filter * len(prog))(*[Filter(*i) for i in prog])
+    libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(Prog(len(prog), insns)), 0, 0)
 
 
 def _chown_tree(top: str, uid: int):

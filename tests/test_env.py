@@ -6,6 +6,7 @@ so the suite pays for one g++ build of a torch extension; the content-hash cache
 import contextlib
 import json
 import os
+import platform
 import re
 import shutil
 import socket
@@ -689,6 +690,10 @@ except OSError:
     pass
 open("/dev/shm/" + os.path.basename(MARK), "w").write("x")
 subprocess.Popen(["setsid", "sleep", "123.456"])  # a survivor, if it could outlive the sandbox
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+if KEYCTL and libc.syscall(KEYCTL, 0, -4, 1) >= 0:  # the user keyring (made if need be): the namespaces share it
+    found.append("keyring")
 print("FOUND", found)
 """
 
@@ -696,7 +701,8 @@ print("FOUND", found)
 def escape_probe(tmp_path):
     mark = tmp_path / "outside" / f"written-from-inside-{os.urandom(4).hex()}"
     mark.parent.mkdir()
-    return mark, f"MARK = {str(mark)!r}\nCACHE = {str(env.CACHE_DIR)!r}\n" + ESCAPE
+    keyctl = sandbox.SECCOMP_DENY.get(platform.machine(), (0, {}))[1].get("keyctl")
+    return mark, f"MARK = {str(mark)!r}\nCACHE = {str(env.CACHE_DIR)!r}\nKEYCTL = {keyctl}\n" + ESCAPE
 
 
 def assert_nothing_escaped(mark, out):
@@ -704,6 +710,29 @@ def assert_nothing_escaped(mark, out):
     assert not mark.exists() and not Path("/dev/shm", mark.name).exists()
     survivors = subprocess.run(["pgrep", "-f", "sleep 123.456"], capture_output=True, text=True).stdout.split()
     assert survivors == [], "a process outlived its sandbox"
+
+
+def test_seccomp_refuses_what_the_namespaces_do_not_separate(tmp_path):
+    """Every sandboxed child runs under sandbox.SECCOMP_DENY's filter: the kernel keyring (shared across the
+    namespaces: a cache could pass from one child to the next), userfaultfd, perf_event_open, bpf and io_uring are
+    refused with EPERM, which none of them returns for these arguments without the filter (EFAULT, EINVAL, or a
+    keyring's id); and on x86_64 a system call of the x32 ABI (getpid's), so no other ABI's numbers get past it."""
+    machine = platform.machine()
+    if machine not in sandbox.SECCOMP_DENY:
+        pytest.skip(f"no seccomp filter for {machine}")
+    calls = sandbox.SECCOMP_DENY[machine][1]
+    tries = {"keyctl": (0, -4, 1), "add_key": (b"user", b"k", b"v", 1, -4), "request_key": (b"user", b"k", None, -4),
+             "userfaultfd": (0,), "perf_event_open": (None, 0, -1, -1, 0), "bpf": (0, None, 0),
+             "io_uring_setup": (1, None), "io_uring_enter": (-1, 0, 0, 0, None, 0), "io_uring_register": (-1, 0, None, 0)}
+    assert set(tries) == set(calls)
+    code = ("import ctypes, json\nlibc = ctypes.CDLL(None, use_errno=True)\nout = {}\n"
+            f"for name, nr, args in {[(n, calls[n], a) for n, a in tries.items()] + ([('x32 getpid', 0x40000000 | 39, ())] if machine == 'x86_64' else [])}:\n"
+            "    ctypes.set_errno(0)\n    out[name] = [libc.syscall(nr, *args), ctypes.get_errno()]\nprint(json.dumps(out))\n")
+    r = sandbox.run_sandboxed([sys.executable, "-c", code], tmp_path, 60)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert all(v == [-1, 1] for v in got.values()), got
+    assert "a seccomp filter" not in sandbox.isolation("cpu").missing
 
 
 def test_torch_compile_compiles_before_the_device_is_held(tmp_path, monkeypatch):
