@@ -35,7 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from build import error_excerpt
-from sandbox import run_sandboxed
+from sandbox import kill_group, run_sandboxed
 from scan import ALLOWED_OPS, INIT_OPS
 
 ENV_PY = Path(__file__).resolve().parent / "env.py"  # a child is `python env.py _child SPEC`
@@ -1521,8 +1521,7 @@ class Child:
 
     def _stop(self):
         if self.pgid:  # still running past its deadline: stopped (the device is free again)
-            with contextlib.suppress(OSError):
-                os.killpg(self.pgid, signal.SIGKILL)
+            kill_group(self.pgid)
 
     def close(self):
         if self.cmd_w is None:
@@ -1532,9 +1531,8 @@ class Child:
         os.close(self.cmd_w)
         self.cmd_w = None
         self.thread.join(5)
-        if self.thread.is_alive() and self.pgid:  # did not exit when told: its sandbox kills it
-            with contextlib.suppress(OSError):
-                os.killpg(self.pgid, signal.SIGKILL)
+        if self.thread.is_alive() and self.pgid:  # did not exit when told: killed, its whole PID namespace with it
+            kill_group(self.pgid)
             self.thread.join()
         os.close(self.rep_r)
         if self._pidfd is not None:

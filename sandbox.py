@@ -92,6 +92,8 @@ class Isolation:
     uid: int | None  # the uid to drop to (root only), None to keep the uid and drop capabilities
     missing: tuple  # layers not available here, for the one-line notice
     strict: bool = True  # a private /dev and read-only /proc knobs (see _jail); False only where they stop a child
+    seccomp: bool | None = None  # the filter (_seccomp): None tries it (the probe's plans); True: a child without it
+    # does not run (the probe found it holds here); False: not installed (it does not hold here)
 
     @property
     def mount(self) -> bool:
@@ -164,12 +166,13 @@ def _probe_isolation(kind: str) -> tuple[Isolation | None, Isolation]:
         missing.append("a private /dev and read-only /proc knobs")
     if root and found.uid is None:
         missing.append(f"unprivileged uid ({sys.executable} is not reachable by uid {NOBODY})")
-    if keyctl is None or "keyctl -1 1\n" not in said.get(found, ""):
+    filtered = keyctl is not None and "keyctl -1 1\n" in said.get(found, "")
+    if not filtered:
         missing.append("a seccomp filter")
     if missing:
         print(f"sandbox.py: not available here{' for CUDA' if kind == 'cuda' else ''}: {', '.join(missing)}; children run"
               " with the remaining layers (see sandbox.py's docstring)", file=sys.stderr)
-    return dataclasses.replace(found, missing=tuple(missing)), plans[0]
+    return dataclasses.replace(found, missing=tuple(missing), seccomp=filtered), plans[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,7 +259,8 @@ def _jail(cfg: dict, argv: list[str] | None):
             if i == 0 or os.stat(w).st_uid != cfg["uid"]:  # the cwd always (the parent writes into it); caches once
                 _chown_tree(w, cfg["uid"])
     _drop_privileges(libc, cfg["uid"])
-    _seccomp(libc)
+    if cfg.get("seccomp") is not False and not _seccomp(libc) and cfg.get("seccomp"):
+        sys.exit("sandbox: cannot install the seccomp filter")  # (it holds here: a child never runs without it)
     if cfg.get("kill_child"):  # (`unshare --kill-child` set it before us; the kernel clears it when the uid changes)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if argv is not None:
@@ -318,13 +322,13 @@ def seccomp_filter(machine: str) -> list[tuple[int, int, int, int]] | None:
     return prog + [(ret, 0, 0, allow), (ret, 0, 0, deny)]
 
 
-def _seccomp(libc):
-    """Installs seccomp_filter (needs no_new_privs, set before); where it cannot (another machine, a kernel without
-    filters), the child runs without it and isolation()'s probe says so."""
+def _seccomp(libc) -> bool:
+    """Installs seccomp_filter (needs no_new_privs, set before); False where it cannot (another machine, a kernel
+    without filters: isolation()'s probe finds that and says so once)."""
     import platform
     prog = seccomp_filter(platform.machine())
     if prog is None:
-        return
+        return False
 
     class Filter(ctypes.Structure):
         _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
@@ -333,7 +337,7 @@ def _seccomp(libc):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
 
     insns = (Filter * len(prog))(*[Filter(*i) for i in prog])
-    libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(Prog(len(prog), insns)), 0, 0)
+    return libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(Prog(len(prog), insns)), 0, 0) == 0
 
 
 def _chown_tree(top: str, uid: int):
@@ -425,7 +429,7 @@ def run_sandboxed(argv: list[str], cwd: str | Path, timeout: float, *, writable=
     cfg = {"mount": iso.mount, "writable": [cwd, *[str(Path(w).resolve()) for w in writable]], "uid": iso.uid,
            "hide": [str(Path(h).resolve()) for h in ([CACHE_DIR] if hide is None else hide)], "visible": _code_dirs(),
            "readable": [str(Path(r).resolve()) for r in readable],
-           "strict": iso.strict, "kill_child": "--kill-child" in iso.prefix}
+           "strict": iso.strict, "kill_child": "--kill-child" in iso.prefix, "seccomp": iso.seccomp}
     cmd = [*iso.prefix, sys.executable, "-E", "-S", str(SANDBOX_PY), "_jail", json.dumps(cfg), *argv]
     groups = _cgroup(uuid.uuid4().hex, max_tasks, int(mem_gb * 2**30) if mem_gb else None)
     # RLIMIT_AS breaks CUDA's address-space reservations; a memory cgroup (where writable) is used instead.
@@ -453,8 +457,7 @@ def run_sandboxed(argv: list[str], cwd: str | Path, timeout: float, *, writable=
             except subprocess.TimeoutExpired:
                 timed_out = True
             finally:  # also when the caller is interrupted (Ctrl-C): never leave a child behind
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(p.pid, signal.SIGKILL)  # also reaps stragglers that kept our process group
+                kill_group(p.pid)  # (unshare's group: stragglers that kept it, and its PID namespace)
                 p.wait()
             # Under `unshare --fork --kill-child`, a signal that kills the child shows up as 128+sig.
             rc = p.returncode
@@ -474,6 +477,40 @@ def run_sandboxed(argv: list[str], cwd: str | Path, timeout: float, *, writable=
                     time.sleep(0.02)
         texts = [_read_limited(f, output_limit) for f in (out, err)]
     return SandboxResult(rc, texts[0], texts[1], timed_out, time.monotonic() - t0)
+
+
+def kill_group(pgid: int, wait_s: float = 60.0):
+    """SIGKILL a child's process group, and every process of the PID namespace its leader made (unshare's, or the
+    fork server's M's), then wait until that namespace is empty. A process that called setsid() has left the group,
+    and the kernel kills it only once the namespace's PID 1 has finished exiting (which frees its memory first:
+    seconds for gigabytes); meanwhile it would run beside the next child (the next verdict's reference, whose
+    secrets a candidate must never share a moment with). Members are found by scanning /proc: no process leaves its
+    namespace. Where the leader has ended already, its namespace's PID 1 has too, and took the namespace with it."""
+    try:
+        ns = os.readlink(f"/proc/{pgid}/ns/pid_for_children")
+    except OSError:
+        ns = None
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+    if ns is None or ns == os.readlink("/proc/self/ns/pid"):
+        return
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = []
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                with contextlib.suppress(OSError):  # (gone, or a zombie: its namespace links are gone with it)
+                    if os.readlink(f"/proc/{name}/ns/pid") == ns:
+                        left.append(int(name))
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            print(f"sandbox.py: {len(left)} process(es) of a killed child did not end within {wait_s:g} s", file=sys.stderr)
+            return
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.005)
 
 
 def _apply_limits(limits: dict):
@@ -603,8 +640,7 @@ class ForkServer:
             return None
         finally:  # also when the caller is interrupted: never leave a child behind
             if pid:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pid, signal.SIGKILL)
+                kill_group(pid)
             mine.close()
 
 

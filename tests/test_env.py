@@ -735,6 +735,44 @@ def test_seccomp_refuses_what_the_namespaces_do_not_separate(tmp_path):
     assert "a seccomp filter" not in sandbox.isolation("cpu").missing
 
 
+LINGER = r"""
+import mmap, os, sys, time
+if os.fork() == 0:  # a process that leaves the killed process group and writes until it dies
+    os.setsid()
+    while True:
+        with open(sys.argv[1], "w") as f:
+            f.write(repr(time.time()))
+        time.sleep(0.002)
+big = mmap.mmap(-1, 2 << 30, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
+open(sys.argv[1] + ".ready", "w").close()
+time.sleep(600)  # its exit frees 2 GiB, which takes time: the namespace's other processes live on meanwhile
+"""
+
+
+@pytest.mark.parametrize("path", ["exec", "fork"])
+def test_red_team_no_process_of_a_killed_child_outlives_its_run(tmp_path, monkeypatch, path):
+    """run_sandboxed returns only when every process of the child's PID namespace is gone, also where it was killed
+    and there is no cgroup to empty (an unprivileged trainer, most containers): one that called setsid() left the
+    killed process group and lived on while the namespace's PID 1 freed its memory, beside the next child (a
+    reference child that holds a verdict's secrets). Here: killed at its time limit, on both ways a child starts."""
+    if "--pid" not in sandbox.isolation("cpu").prefix:
+        pytest.skip("no PID namespace here")
+    monkeypatch.setattr(sandbox, "_cgroup", lambda *a, **k: [])
+    (tmp_path / "linger.py").write_text(LINGER)
+    out = tmp_path / "alive"
+    fork = {"preload": [], "call": ["runpy", "run_path", [str(tmp_path / "linger.py"), None, "__main__"]]} \
+        if path == "fork" else None
+    argv = [sys.executable, str(tmp_path / "linger.py"), str(out)]
+    if fork:  # (runpy's child sees the same argv)
+        (tmp_path / "linger.py").write_text(LINGER.replace("sys.argv[1]", repr(str(out))))
+    r = sandbox.run_sandboxed(argv, tmp_path, 8, mem_gb=None, fork=fork)
+    returned = time.time()
+    assert r.timed_out and Path(str(out) + ".ready").exists(), (r.stdout, r.stderr)
+    time.sleep(1.5)
+    last = float(out.read_text())
+    assert last < returned, f"a process of the child wrote {last - returned:.3f} s after run_sandboxed returned"
+
+
 def test_torch_compile_compiles_before_the_device_is_held(tmp_path, monkeypatch):
     """A task's first profile times eager and torch.compile while no candidate is alive and the device is held: every
     other verdict waits meanwhile. torch.compile compiles at its first run (seconds of CPU work): that run comes before."""
