@@ -139,7 +139,8 @@ What it does NOT protect against (be honest; RL will look)
     reaches the timed sets it holds. The same goes for a reference child's export of a timed set to this process:
     a candidate of another verdict on the device at that time could open it, and pass outputs computed from it to
     a candidate of this verdict through a channel between children (its own device memory, exported under a handle
-    the other guesses: the kernel keyring is refused to every child): collusion across two episodes, not tried. Closing it needs an export no other process can name (a VMM allocation shared
+    the other guesses; the page cache of a file both can read, read back with mincore; flock: the kernel keyring is
+    refused to every child): collusion across two episodes, not tried. Closing it needs an export no other process can name (a VMM allocation shared
     by file descriptor) or the sets over the pipe. (This verdict's own candidate is not alive then.)
   - inputs mutated by a timed run: checked on the check runs only (this process writes every timed run's input
     afresh). Timed runs get contiguous copies of strided inputs.
