@@ -53,13 +53,13 @@ What one verdict does, in order (build.py has step 3, protocol.py the children a
                same for all three). Every sample is compared with the reference, so pointer-keyed caches, work
                skipped after the checks, and work deferred past the run are caught or timed. Two more runs, which
                ones told to the child after each run returned, are read in full and not timed (work skipped in a
-               pattern a sample can miss); each timed child's last run is read in full too, after it was timed.
-               Median of 20 runs, each on inputs of its own. Where input_budget_mb holds fewer sets than runs (the verdict draws 23), the candidate's
-               runs are shared out (protocol.timing_shares) over the candidate child, on the first batch of sets, and
-               fresh children of the same files after it, one after another (up to protocol.SPLIT_CHILDREN; with 2
-               sets, 10 runs of which 2 are audits), each later child on a fresh batch from a reference child of its
-               own, ended before it starts; no child meets a set twice, and each warms up first on an input it loads
-               itself.
+               pattern a sample can miss); each timed child's last run is read in full too, after it was timed. Median
+               of 20 runs, each on inputs of its own. Where input_budget_mb holds fewer sets than runs (the verdict
+               draws 23), the candidate's runs are shared out (protocol.timing_shares) over the candidate child, on the
+               first batch of sets, and fresh children of the same files after it, one after another (up to
+               protocol.SPLIT_CHILDREN; with 2 sets, 10 runs of which 2 are audits), each later child on a fresh batch
+               from a reference child of its own, ended before it starts; no child meets a set twice, and each warms up
+               first on an input it loads itself.
                One timed section per device at a time (a lock this process holds). Every child gets the same
                threading settings (CHILD_ENV: one OpenMP thread per core but one, idle workers sleep). Baselines are
                timed while no candidate lives on the device, cached per reference with their spread, and measured
@@ -106,8 +106,9 @@ What the sandbox protects against (sandbox.py has the layers)
     no PyTorch operator but allocation and views, so no thread has one to call.
   - caches keyed on input values: no input set is met twice by the candidate, warm-up included, in one process or
     across processes (a freed allocation's leftovers on the GPU could carry a cache from one child to the next; the
-    kernel keyring, which the namespaces do not separate, is refused to every child by sandbox.py's seccomp filter). Where the input budget holds fewer sets than runs, each
-    share of the runs gets a fresh process and a fresh batch of sets.
+    kernel keyring, which the namespaces do not separate, is refused to every child by sandbox.py's seccomp filter).
+    Where the input budget holds fewer sets than runs, each share of the runs after the first (the checked child's)
+    gets a fresh process and a fresh batch of sets.
 
 What it does NOT protect against (be honest; RL will look)
   - native code in the candidate's own process can write anything in that process's memory, including the
@@ -124,24 +125,25 @@ What it does NOT protect against (be honest; RL will look)
     (else a child could serve the pages read as they are read: 12b). Where it is missing the child is told the
     sample's position after its run, and such a kernel can compute only the sampled elements (reward +3 at 1/64 of
     the work, measured against that exchange on the CPU): the verdicts say so once on stderr.
-  - on the GPU, work done alongside the write of a run's input by native code that takes its process over as
-    above: the child holds no run's input before this process writes it, just before t0 (a kernel that loads its
-    own input computes the whole output then and returns it at once: reward +3 at 0.28 ms against 12.4 ms honest;
-    tests/test_redteam.py, 14), and on the CPU its processes are stopped during the write (a thread that follows
-    the write page by page, or stalls it by holding the memory map, would win +3: tests/test_redteam.py, 15); on the GPU it is not stopped (TODO: stop it too, once measured on a GPU), and a
-    thread or a persistent GPU kernel of its own could watch its buffers and compute on the part already copied:
-    at most the copy's time (one pass over the inputs at the device's bandwidth) saved per run. Where the reads are not possible, and for a task whose timed sets differ in
-    structure (a value drawn per set), the child loads each input itself, untimed, and such a kernel can compute
-    the whole output then.
+  - on the GPU, work done alongside the write of a run's input by native code that takes its process over as above:
+    the child holds no run's input before this process writes it, just before t0 (a kernel that loads its own input
+    computes the whole output then and returns it at once: reward +3 at 0.28 ms against 12.4 ms honest;
+    tests/test_redteam.py, 14), and on the CPU its processes are stopped during the write (a thread that follows the
+    write page by page, or stalls it by holding the memory map, would win +3: tests/test_redteam.py, 15); on the GPU it
+    is not stopped (TODO: stop it too, once measured on a GPU), and a thread or a persistent GPU kernel of its own
+    could watch its buffers and compute on the part already copied: at most the copy's time (one pass over the inputs
+    at the device's bandwidth) saved per run. Where the reads are not possible, and for a task whose timed sets differ
+    in structure (a value drawn per set), the child loads each input itself, untimed, and such a kernel can compute the
+    whole output then.
   - another child on the same GPU that guesses the CUDA IPC handle of a candidate's outputs or input buffers (the
     driver's handles are predictable) can open them: read them, or overwrite them before the parent reads them (a
-    sibling episode's run would fail). Each buffer of the native helper's is in pages of its own, so no handle
-    reaches the timed sets it holds. The same goes for a reference child's export of a timed set to this process:
-    a candidate of another verdict on the device at that time could open it, and pass outputs computed from it to
-    a candidate of this verdict through a channel between children (its own device memory, exported under a handle
-    the other guesses; the page cache of a file both can read, read back with mincore; flock: the kernel keyring is
-    refused to every child): collusion across two episodes, not tried. Closing it needs an export no other process can name (a VMM allocation shared
-    by file descriptor) or the sets over the pipe. (This verdict's own candidate is not alive then.)
+    sibling episode's run would fail). Each buffer of the native helper's is in pages of its own, so no handle reaches
+    the timed sets it holds. The same goes for a reference child's export of a timed set to this process: a candidate
+    of another verdict on the device at that time could open it, and pass outputs computed from it to a candidate of
+    this verdict through a channel between children (its own device memory, exported under a handle the other guesses;
+    the page cache of a file both can read, read back with mincore; flock: the kernel keyring is refused to every
+    child): collusion across two episodes, not tried. Closing it needs an export no other process can name (a VMM
+    allocation shared by file descriptor) or the sets over the pipe. (This verdict's own candidate is not alive then.)
   - inputs mutated by a timed run: checked on the check runs only (this process writes every timed run's input
     afresh). Timed runs get contiguous copies of strided inputs.
   - a kernel that tells the audited runs from the sampled ones (by the time between its calls) knows when the

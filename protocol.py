@@ -1693,13 +1693,13 @@ SPLIT_WARMUP_MS = 50.0
 
 def timing_shares(cfg, n_sets: int) -> list | None:
     """How a candidate's timed runs are shared out so that no input set is met twice, warm-up included: None where
-    there are more sets than runs (one child, warmed up on the set left over: timed_runs), else one (n_timed,
-    n_audits) per child, each child's runs at most n_sets (each set of its batch at most once) after a warm-up on an
-    input of its own (timed_runs' warm_seed). env.py gives the first share to the checked candidate child, on the
-    verdict's first batch, and each later one a fresh process and a fresh batch of sets (a reference child's, ended
-    before the candidate's starts): a cache keyed on input values has nothing to answer from, in its process or
-    through any channel to another. At most SPLIT_CHILDREN children (each costs a reference's outputs, a process
-    start and its warm-up), so with 2 sets 10 runs (2 of them audits), not n_timed + n_audits; the audits fall on runs drawn at
+    there are more sets than runs (one child, warmed up on the set left over: timed_runs), else one (n_timed, n_audits)
+    per child, each child's runs at most n_sets (each set of its batch at most once) after a warm-up on an input of its
+    own (timed_runs' warm_seed). env.py gives the first share to the checked candidate child, on the verdict's first
+    batch, and each later one a fresh process and a fresh batch of sets (a reference child's, ended before the
+    candidate's starts): a cache keyed on input values has nothing to answer from, in its process or through any
+    channel to another. At most SPLIT_CHILDREN children (each costs a reference's outputs, a process start and its
+    warm-up), so with 2 sets 10 runs (2 of them audits), not n_timed + n_audits; the audits fall on runs drawn at
     random among them (a child learns its number of audits only as it is audited)."""
     runs = cfg.n_timed + cfg.n_audits
     if n_sets > runs:
@@ -1718,12 +1718,12 @@ def timing_shares(cfg, n_sets: int) -> list | None:
 def timed_runs(child: Child, seeds: list, cfg, check=None, audit=None, inputs: TimedInputs | None = None,
                warm_seed: int | None = None) -> list:
     """Times fn over the input sets `seeds` in turn with the parent's clock, after untimed runs (cfg.warmup,
-    cfg.warmup_ms) on the last set: n_timed runs, and never more runs than there are sets besides the warm-up's
-    unless fewer sets fit in input_budget_mb (a repeated set lets a cache keyed on its values answer without
-    computing: where it matters, the candidate's, the caller shares the runs out over fresh children on fresh
-    batches, timing_shares). With `warm_seed`, the warm-up runs on that input instead, loaded by the child itself before any
-    timed set reaches it, and the runs (at most len(seeds)) meet each set at most once. check(k, values, where) sees each run's
-    sampled elements (checked_values: picks_of(reference, where) gives the reference's elements they must match).
+    cfg.warmup_ms) on the last set: n_timed runs, and never more runs than there are sets besides the warm-up's unless
+    fewer sets fit in input_budget_mb (a repeated set lets a cache keyed on its values answer without computing: where
+    it matters, the candidate's, the caller shares the runs out over fresh children on fresh batches, timing_shares).
+    With `warm_seed`, the warm-up runs on that input instead, loaded by the child itself before any timed set reaches
+    it, and the runs (at most len(seeds)) meet each set at most once. check(k, values, where) sees each run's sampled
+    elements (checked_values: picks_of(reference, where) gives the reference's elements they must match).
     With `audit`, n_audits more runs are made, and which of them are audits is told to the child only after each run
     has returned: audit(k) checks that run's whole output, and its time is not counted. A kernel that skips work on some timed
     runs, in a pattern the sample could miss, cannot know which runs are read in full. Milliseconds per run.

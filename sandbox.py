@@ -39,6 +39,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import platform
 import resource
 import shutil
 import signal
@@ -130,11 +131,12 @@ def _probe_isolation(kind: str) -> tuple[Isolation | None, Isolation]:
     tries = [full, ("--net", "--ipc", "--mount"), ("--net", "--pid", "--fork", "--kill-child"), ("--net",), ()]
     if not shutil.which("unshare") or os.environ.get("CUDA_AGENT_NO_NAMESPACES") == "1":
         tries = [()]
-    import platform
     keyctl = SECCOMP_DENY.get(platform.machine(), (0, {}))[1].get("keyctl")
-    # (and whether the seccomp filter holds: keyctl refused with EPERM)
-    probe = [sys.executable, "-c", (_CUDA_PROBE if kind == "cuda" else "pass") + "\nimport ctypes\nlibc = "
-             f"ctypes.CDLL(None, use_errno=True)\nprint('keyctl', libc.syscall({keyctl or 0}, 0, -4, 0), ctypes.get_errno())"]
+    code = _CUDA_PROBE if kind == "cuda" else "pass"
+    if keyctl:  # (and whether the seccomp filter holds: keyctl refused with EPERM)
+        code += (f"\nimport ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                 f"print('keyctl', libc.syscall({keyctl}, 0, -4, 0), ctypes.get_errno())")
+    probe = [sys.executable, "-c", code]
     said = {}
     # Before a weaker set of namespaces, the same set without the private /dev and read-only /proc knobs: a GPU driver
     # that needs a node or a /proc entry they leave out then keeps the mount namespace.
@@ -166,7 +168,7 @@ def _probe_isolation(kind: str) -> tuple[Isolation | None, Isolation]:
         missing.append("a private /dev and read-only /proc knobs")
     if root and found.uid is None:
         missing.append(f"unprivileged uid ({sys.executable} is not reachable by uid {NOBODY})")
-    filtered = keyctl is not None and "keyctl -1 1\n" in said.get(found, "")
+    filtered = bool(keyctl) and "keyctl -1 1\n" in said.get(found, "")
     if not filtered:
         missing.append("a seccomp filter")
     if missing:
@@ -300,9 +302,11 @@ def _private_dev(mount):
 # int 0x80, x32) are refused whole: their numbers mean other calls. {machine: (audit arch, {name: number})}
 SECCOMP_DENY = {
     "x86_64": (0xC000003E, {"add_key": 248, "request_key": 249, "keyctl": 250, "perf_event_open": 298, "bpf": 321,
-                            "userfaultfd": 323, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427}),
+                            "userfaultfd": 323, "io_uring_setup": 425, "io_uring_enter": 426,
+                            "io_uring_register": 427}),
     "aarch64": (0xC00000B7, {"add_key": 217, "request_key": 218, "keyctl": 219, "perf_event_open": 241, "bpf": 280,
-                             "userfaultfd": 282, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427}),
+                             "userfaultfd": 282, "io_uring_setup": 425, "io_uring_enter": 426,
+                             "io_uring_register": 427}),
 }
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER, EPERM = 22, 2, 1
 
@@ -325,7 +329,6 @@ def seccomp_filter(machine: str) -> list[tuple[int, int, int, int]] | None:
 def _seccomp(libc) -> bool:
     """Installs seccomp_filter (needs no_new_privs, set before); False where it cannot (another machine, a kernel
     without filters: isolation()'s probe finds that and says so once)."""
-    import platform
     prog = seccomp_filter(platform.machine())
     if prog is None:
         return False
@@ -505,7 +508,8 @@ def kill_group(pgid: int, wait_s: float = 60.0):
         if not left:
             return
         if time.monotonic() > deadline:
-            print(f"sandbox.py: {len(left)} process(es) of a killed child did not end within {wait_s:g} s", file=sys.stderr)
+            print(f"sandbox.py: {len(left)} process(es) of a killed child did not end within {wait_s:g} s",
+                  file=sys.stderr)
             return
         for pid in left:
             with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -725,8 +725,9 @@ def test_seccomp_refuses_what_the_namespaces_do_not_separate(tmp_path):
              "userfaultfd": (0,), "perf_event_open": (None, 0, -1, -1, 0), "bpf": (0, None, 0),
              "io_uring_setup": (1, None), "io_uring_enter": (-1, 0, 0, 0, None, 0), "io_uring_register": (-1, 0, None, 0)}
     assert set(tries) == set(calls)
+    each = [(n, calls[n], a) for n, a in tries.items()] + ([("x32 getpid", 0x40000000 | 39, ())] if machine == "x86_64" else [])
     code = ("import ctypes, json\nlibc = ctypes.CDLL(None, use_errno=True)\nout = {}\n"
-            f"for name, nr, args in {[(n, calls[n], a) for n, a in tries.items()] + ([('x32 getpid', 0x40000000 | 39, ())] if machine == 'x86_64' else [])}:\n"
+            f"for name, nr, args in {each}:\n"
             "    ctypes.set_errno(0)\n    out[name] = [libc.syscall(nr, *args), ctypes.get_errno()]\nprint(json.dumps(out))\n")
     r = sandbox.run_sandboxed([sys.executable, "-c", code], tmp_path, 60)
     assert r.returncode == 0, r.stderr
@@ -740,8 +741,9 @@ import mmap, os, sys, time
 if os.fork() == 0:  # a process that leaves the killed process group and writes until it dies
     os.setsid()
     while True:
-        with open(sys.argv[1], "w") as f:
+        with open(sys.argv[1] + ".tmp", "w") as f:
             f.write(repr(time.time()))
+        os.replace(sys.argv[1] + ".tmp", sys.argv[1])  # (whole: a kill between two writes leaves the last one)
         time.sleep(0.002)
 big = mmap.mmap(-1, 2 << 30, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
 open(sys.argv[1] + ".ready", "w").close()
