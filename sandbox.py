@@ -25,7 +25,8 @@ with every layer until a probe succeeds:
                interpreter is reachable by it, an unprivileged uid (65534) as well.
   seccomp      a filter, last: the system calls of SECCOMP_DENY answer EPERM (the kernel keyring, which no
                namespace separates; userfaultfd, perf_event_open, bpf, io_uring), and so does every call of
-               another ABI (i386, x32).
+               another ABI (i386, x32). Where it holds, no child runs without it; where a child does not start
+               under it (a GPU driver that would need one of those calls), it is the one layer given up.
   limits       own session and process group, a pids (and memory) cgroup where writable, RLIMIT_NPROC
                for ordinary users, RLIMIT_AS (CPU), RLIMIT_CPU, RLIMIT_FSIZE, no core files, a wall clock
                timeout that kills the process group, and the cgroup's leftovers.
@@ -143,6 +144,9 @@ def _probe_isolation(kind: str) -> tuple[Isolation | None, Isolation]:
     plans = [Isolation(("unshare", *user, *flags) if flags else (), uid, (), strict)
              for flags in tries for strict in ((True, False) if "--mount" in flags else (True,))
              for uid in ([NOBODY, None] if root else [None])]
+    # Last, the same plans without the seccomp filter: where a child (a GPU driver) does not start under it, it is the
+    # one layer given up (and only if the plans with it fail again once one without it has started, as for any layer)
+    plans += [dataclasses.replace(p, seccomp=False) for p in plans]
     found, failed = None, []
     with tempfile.TemporaryDirectory() as d:
         os.chmod(d, 0o777)

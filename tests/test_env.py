@@ -736,6 +736,22 @@ def test_seccomp_refuses_what_the_namespaces_do_not_separate(tmp_path):
     assert "a seccomp filter" not in sandbox.isolation("cpu").missing
 
 
+def test_a_child_that_cannot_start_under_the_seccomp_filter_keeps_every_other_layer(monkeypatch):
+    """Where a child (here a stand-in GPU driver that needs the kernel keyring) does not start under the filter, the
+    probe gives up that one layer, says so, and keeps the namespaces and the rest: children run without the filter
+    rather than not at all."""
+    machine = platform.machine()
+    if machine not in sandbox.SECCOMP_DENY or "--pid" not in sandbox.isolation("cpu").prefix:
+        pytest.skip("no seccomp filter or no PID namespace here")
+    keyctl = sandbox.SECCOMP_DENY[machine][1]["keyctl"]
+    monkeypatch.setattr(sandbox, "_CUDA_PROBE", "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                                                f"assert libc.syscall({keyctl}, 0, -4, 1) >= 0")
+    found, _ = sandbox._probe_isolation("cuda")
+    assert found is not None and found.seccomp is False and "a seccomp filter" in found.missing, found
+    assert "--pid" in found.prefix and found.prefix == sandbox.isolation("cpu").prefix, found
+    assert sandbox.isolation("cpu").seccomp is True
+
+
 LINGER = r"""
 import mmap, os, sys, time
 if os.fork() == 0:  # a process that leaves the killed process group and writes until it dies
