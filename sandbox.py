@@ -674,13 +674,18 @@ def _serve_forks(sock_fd: int, preload: list):
     if _cuda_initialised():
         sys.exit("sandbox.py: the fork server's imports initialised CUDA; it does not fork")  # (children are exec'ed)
     sock = socket.socket(fileno=sock_fd)
+
+    def end():  # the parent is gone (also killed: no atexit of its ran), and the server's folder goes with it
+        if Path(os.environ.get("HOME", "")).name.startswith("forkserver-"):
+            shutil.rmtree(os.environ["HOME"], ignore_errors=True)
+        os._exit(0)
     while True:
         try:
             msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 64)
         except OSError:
-            os._exit(0)
-        if not msg:  # the parent is gone
-            os._exit(0)
+            end()
+        if not msg:
+            end()
         server = os.getpid()
         if os.fork() == 0:
             sock.close()

@@ -886,6 +886,17 @@ def test_fork_server_folder_goes_with_its_process(tmp_path):
     home = Path(r.stdout.strip())
     assert home.parent == tmp_path and home.name.startswith("forkserver-"), r.stdout
     assert not home.exists(), list(tmp_path.iterdir())
+    # killed (no atexit runs): the server sees its socket close and removes the folder itself
+    p = subprocess.Popen([sys.executable, "-c", code + "; import sys, time; sys.stdout.flush(); time.sleep(60)", str(tmp_path)],
+                         stdout=subprocess.PIPE, text=True, cwd=Path(sandbox.__file__).parent)
+    home = Path(p.stdout.readline().strip())
+    assert home.name.startswith("forkserver-") and home.exists(), home
+    p.kill()
+    p.wait()
+    deadline = time.monotonic() + 30
+    while home.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not home.exists(), list(home.iterdir())
 
 
 def test_readable_folder_inside_the_hidden_cache_is_read_only(tmp_path):
