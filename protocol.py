@@ -35,7 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from build import error_excerpt
-from sandbox import kill_group, run_sandboxed
+from sandbox import kill_group, namespace_members, run_sandboxed
 from scan import ALLOWED_OPS, INIT_OPS
 
 ENV_PY = Path(__file__).resolve().parent / "env.py"  # a child is `python env.py _child SPEC`
@@ -1302,16 +1302,9 @@ def stop_processes(pid1: int, deadline: float) -> list:
     if ns == os.readlink("/proc/self/ns/pid"):
         raise HarnessError("the child shares this process's PID namespace: its processes cannot be told apart")
 
-    def members():
-        for name in os.listdir("/proc"):
-            if name.isdigit():
-                with contextlib.suppress(OSError):
-                    if os.readlink(f"/proc/{name}/ns/pid") == ns:
-                        yield int(name)
-
     done = set()
     while True:
-        found = list(members())
+        found = list(namespace_members(ns))
         if pid1 not in found:
             raise EOFError("the child process ended")
         running = [pid for pid in found if pid not in done or not stopped(pid)]

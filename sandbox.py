@@ -486,6 +486,16 @@ def run_sandboxed(argv: list[str], cwd: str | Path, timeout: float, *, writable=
     return SandboxResult(rc, texts[0], texts[1], timed_out, time.monotonic() - t0)
 
 
+def namespace_members(ns: str):
+    """The processes of PID namespace `ns` (a /proc/PID/ns/pid link's text), by a scan of /proc: a process cannot
+    leave its namespace, so none is missed (a zombie's links are gone with it)."""
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{name}/ns/pid") == ns:
+                    yield int(name)
+
+
 def kill_group(pgid: int, wait_s: float = 60.0):
     """SIGKILL a child's process group, and every process of the PID namespace its leader made (unshare's, or the
     fork server's M's), then wait until that namespace is empty. A process that called setsid() has left the group,
@@ -503,12 +513,7 @@ def kill_group(pgid: int, wait_s: float = 60.0):
         return
     deadline = time.monotonic() + wait_s
     while True:
-        left = []
-        for name in os.listdir("/proc"):
-            if name.isdigit():
-                with contextlib.suppress(OSError):  # (gone, or a zombie: its namespace links are gone with it)
-                    if os.readlink(f"/proc/{name}/ns/pid") == ns:
-                        left.append(int(name))
+        left = list(namespace_members(ns))
         if not left:
             return
         if time.monotonic() > deadline:
