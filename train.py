@@ -96,8 +96,8 @@ import agent
 import env
 import teacher
 import tools
-from rl import (adapter_params, add_adapters, barrier, choose_grad_ckpt, critic_epoch, critic_ev, gather, ppo_update, sft_epoch,
-                shard)
+from rl import (adapter_params, add_adapters, barrier, choose_grad_ckpt, critic_epoch, critic_ev, dist_on, gather, ppo_update,
+                sft_epoch, shard)
 from rollouts import fit_context, harness_failed, rft_filter, rollout_stats, split_tasks, step_tasks, trainable
 from runs import (Ctx, begin_stage, claim_devices, fmt_time, gpu_peak, latest, load_checkpoint, log_event, log_step, n_cores,
                   new_opts, open_tb, save_checkpoint, stage_done, stage_end, time_generate, workers, write_json)
@@ -291,6 +291,8 @@ def run(cfg: Config, a, stages: list, order: list, src: str | None) -> int:
     if tb is not None:
         tb.close()
     barrier()
+    if dist_on():  # gloo and NCCL ask for it: a rank torn down at interpreter exit may abort with its threads running
+        torch.distributed.destroy_process_group()
     return 0
 
 

@@ -1083,9 +1083,13 @@ res["ppo_grad_norm"] = torch.tensor(st["grad_norm"])
 res["rft"], _ = delta(actor, lambda: rl.sft_epoch(pm, sgd(actor), mine, cfg.minibatches, cfg, "cpu", 0))
 res["critic"], _ = delta(critic, lambda: rl.critic_epoch(pm, head, sgd(critic), mine, cfg, "cpu", 0))
 torch.save(res, f"{out}/rank{rank}.pt")
-if world > 1:  # (a rank that exits with its gloo threads running may abort: "terminate called without an active exception")
+if world > 1:
+    # Both results are on disk once both ranks pass the barrier. Leave without tearing gloo down: a rank whose peer
+    # has already closed its pairs can abort in gloo's destructors ("terminate called without an active exception",
+    # rc -6; seen once in CI under load), and this script has nothing left to clean up.
     dist.barrier()
-    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
 '''
 
 
