@@ -476,11 +476,12 @@ def header(backend: str) -> str:
                   for n in LIBRARY)
     return (f"// {HEADER_PATH[backend]}: op_X(v, ...) computes PyTorch's X (F.gelu(x, approximate='tanh'): op_gelu_tanh)"
             f"{'; reductions across threads below' if cuda else ''}. The same text for every task.\n"
-            "#pragma once\n#include <math.h>\n\n" + (TANH_FAST if cuda else "") + fns + (REDUCE_FUNCTIONS if cuda else ""))
+            "#pragma once\n#include <math.h>\n" + (TANH_FAST if cuda else CPU_FUNCTIONS) + fns
+            + (REDUCE_FUNCTIONS if cuda else ""))
 
 
 def _math(name: str, backend: str) -> str:
-    return OPS[name].get("cu", OPS[name]["c"]) if backend == "cuda" else OPS[name]["c"]
+    return OPS[name].get("cu", OPS[name]["c"]) if backend == "cuda" else cpu_math(OPS[name]["c"])
 
 
 TANH_FAST = ("// tanh(v) = 1 - 2 / (1 + e^(2v)) on the special function units (tanhf: ~20 instructions more)\n"
@@ -492,6 +493,71 @@ CUDA_MATH = [(r"\bexpf\(v - m\) / s$", "__fdividef(__expf(v - m), s)"), (r"\bexp
 
 def cuda_math(expr: str) -> str:
     for rx, to in CUDA_MATH:
+        expr = re.sub(rx, to, expr)
+    return expr
+
+
+# The C++ library's math, likewise: libm's expf, logf, tanhf, erff are scalar calls and fminf / fmaxf keep a loop
+# from vectorising (g++ -O3 -march=native without -ffast-math), so a chain with one of them ran ~10x slower than
+# eager's vectorised ops on the same core (bench/teacher_speed.py --backend cpu). In their place: exp and log from the
+# float's bits and a polynomial (Cephes' coefficients, 1-2 ulp), tanh and erf made of exp, min and max as
+# comparisons (NaN in, NaN out, as PyTorch's clamp), all branch-free, so that `#pragma omp simd` loops vectorise.
+CPU_FUNCTIONS = r"""#include <stdint.h>
+#include <string.h>
+
+// exp, log, tanh, erf, min, max without a libm call or a branch: a loop of them vectorises (1-2 ulp; erf 5e-7)
+static inline float lib_min(float a, float b) { return b < a ? b : a; }
+static inline float lib_max(float a, float b) { return a < b ? b : a; }
+static inline float lib_expf(float v) {
+  v = lib_min(lib_max(v, -87.33654f), 88.72283f);
+  // n = round(v / ln2), as a float and in the bits of k: adding 1.5 * 2^23 rounds (floorf and conversions between
+  // int and float keep a loop from vectorising: they may trap)
+  float k = v * 1.44269504f + 12582912.f, n = k - 12582912.f, two_n;
+  float r = v - n * 0.693359375f + n * 2.12194440e-4f;  // v = n ln2 + r, |r| <= ln2 / 2 (ln2 in two parts)
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f; p = p * r + 8.3334519073e-3f; p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f; p = p * r + 5.0000001201e-1f;
+  int32_t e;
+  memcpy(&e, &k, 4);
+  e = (e - 0x4b400000 + 127) << 23;  // 2^n
+  memcpy(&two_n, &e, 4);
+  return (p * r * r + r + 1.f) * two_n;
+}
+static inline float lib_logf(float v) {  // v > 0
+  int32_t i;
+  memcpy(&i, &v, 4);
+  int32_t big = (i & 0x007fffff) > 0x003504f3, j = 0x4b000000 | (((i >> 23) & 0xff) + big);
+  float e, m;  // v = 2^e m, m in [sqrt(1/2), sqrt(2)); e made from the bits of 2^23 + e + 127, in integers as above
+  memcpy(&e, &j, 4);
+  e -= 8388608.f + 127.f;
+  i = (i & 0x007fffff) | (0x3f800000 - (big << 23));
+  memcpy(&m, &i, 4);
+  float f = m - 1.f, z = f * f, p = 7.0376836292e-2f;
+  p = p * f - 1.1514610310e-1f; p = p * f + 1.1676998740e-1f; p = p * f - 1.2420140846e-1f;
+  p = p * f + 1.4249322787e-1f; p = p * f - 1.6668057665e-1f; p = p * f + 2.0000714765e-1f;
+  p = p * f - 2.4999993993e-1f; p = p * f + 3.3333331174e-1f;
+  return f * z * p - 0.5f * z + f + e * 0.693147182f;
+}
+static inline float lib_tanhf(float v) {  // a polynomial near 0, (1 - e^-2|v|) / (1 + e^-2|v|) beyond
+  float z = v * v, t = lib_expf(-2.f * fabsf(v));
+  float s = ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) * z + 1.33314422036e-1f) * z
+             - 3.33332819422e-1f) * z * v + v;
+  return fabsf(v) < 0.625f ? s : copysignf((1.f - t) / (1.f + t), v);
+}
+static inline float lib_erff(float v) {  // Abramowitz and Stegun 7.1.26
+  float a = fabsf(v), t = 1.f / (1.f + 0.3275911f * a);
+  float p = ((((1.061405429f * t - 1.453152027f) * t + 1.421413741f) * t - 0.284496736f) * t + 0.254829592f) * t;
+  return copysignf(1.f - p * lib_expf(-a * a), v);
+}
+static inline float lib_softplus(float v) { float s = lib_logf(1.f + lib_expf(v)); return v > 20.f ? v : s; }
+
+"""
+CPU_MATH = [(r"v > 20\.f \? v : log1pf\(expf\(v\)\)", "lib_softplus(v)"), (r"\bexpm1f\((\w+)\)", r"(lib_expf(\1) - 1.f)"),
+            (r"\b(exp|log|tanh|erf)f\(", r"lib_\1f("), (r"\bfm(in|ax)f\(", r"lib_m\1(")]
+
+
+def cpu_math(expr: str) -> str:
+    for rx, to in CPU_MATH:
         expr = re.sub(rx, to, expr)
     return expr
 
@@ -587,9 +653,9 @@ def kernel_source(steps: list[dict], backend: str, variant: str = "", block: int
                     f"    for (int64_t c = 0; c < cols; ++c) yr[c] = pre(xr[c], c{args});\n  }}\n}}\n")
         return src
     spec = REDUCTIONS[red["op"]]
-    stats = spec["stats"] if not cuda else [(n, kind, cuda_math(term), cuda_math(fin)) for n, kind, term, fin in spec["stats"]]
-    out = _c(spec.get("out") or spec["result"], red)
-    out = cuda_math(out) if cuda else out
+    math = cuda_math if cuda else cpu_math
+    stats = [(n, kind, math(term), math(fin)) for n, kind, term, fin in spec["stats"]]
+    out = math(_c(spec.get("out") or spec["result"], red))
     keeps = "out" in spec
     note = f"x = {torch_line(red)}"  # the reduction's line of Model.forward: above its statistics and its result
     if cuda:
@@ -643,13 +709,16 @@ INIT = {"sum": "0.f", "max": "-INFINITY"}
 ACC = {"sum": "{n} += {e};", "max": "{n} = fmaxf({n}, {e});"}
 
 
-def _stat_code(stats, loop: str, load: str, reduce: str, args: str, ind: str, note: str) -> str:
+def _stat_code(stats, loop: str, load: str, reduce: str, args: str, ind: str, note: str, simd: bool = False) -> str:
     """Each statistic in turn: accumulate over the row, reduce across threads (reduce: "block"/"warp"/""), finalise.
-    note: a comment line above them (the reduction's line of Model.forward)."""
+    note: a comment line above them (the reduction's line of Model.forward). simd (C++): each loop a vectorised
+    reduction (without the pragma a sum may not be reordered, so it stays one value at a time)."""
     code = f"{ind}// {note}: its statistics over the row\n"
     for name, kind, term, fin in stats:
-        code += (f"{ind}float {name} = {INIT[kind]};\n{ind}{loop} {{\n{ind}  float v = pre({load}, c{args});\n"
-                 f"{ind}  {ACC[kind].format(n=name, e=term)}\n{ind}}}\n")
+        acc = ACC[kind].format(n=name, e=term)
+        pragma = f"{ind}#pragma omp simd reduction({'+' if kind == 'sum' else 'max'}:{name})\n" if simd else ""
+        code += (f"{ind}float {name} = {INIT[kind]};\n{pragma}{ind}{loop} {{\n{ind}  float v = pre({load}, c{args});\n"
+                 f"{ind}  {cpu_math(acc) if simd else acc}\n{ind}}}\n")
         if reduce:
             code += f"{ind}{name} = {reduce}_{kind}({name});\n"
         if fin != name:
@@ -710,11 +779,12 @@ def _cpu_rows(variant, stats, out, keeps, args, unpack, launch_sig, note) -> str
     loop = "for (int64_t c = 0; c < cols; ++c)"
     val = "buf[c]" if buffered else f"pre(xr[c], c{args})"
     body = f"{ind}const float* xr = x + r * cols;\n"
+    simd = f"{ind}#pragma omp simd\n"
     if buffered:
-        body += f"{ind}{loop} buf[c] = pre(xr[c], c{args});\n"
-    body += _stat_code(stats, loop, "xr[c]", "", args, ind, note).replace(f"pre(xr[c], c{args})", val)
+        body += f"{simd}{ind}{loop} buf[c] = pre(xr[c], c{args});\n"
+    body += _stat_code(stats, loop, "xr[c]", "", args, ind, note, simd=True).replace(f"pre(xr[c], c{args})", val)
     if keeps:
-        body += (f"{ind}{loop} {{\n{ind}  float v = {val};\n{ind}  // {note}\n{ind}  v = {out};\n"
+        body += (f"{simd}{ind}{loop} {{\n{ind}  float v = {val};\n{ind}  // {note}\n{ind}  v = {out};\n"
                  f"{ind}  y[r * cols + c] = post(v, c{args});\n{ind}}}\n")
     else:
         body += f"{ind}{{\n{ind}  // {note}\n{ind}  float v = {out};\n{ind}  y[r] = post(v, 0{args});\n{ind}}}\n"

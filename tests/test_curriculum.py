@@ -191,6 +191,48 @@ def test_every_op_statement_computes_what_its_pytorch_line_does(tmp_path):
     assert "op_" in E._line(ops["gelu_tanh"]) and "op_" not in E._line(ops["mul_param"])
 
 
+def test_the_cpu_kernels_loops_vectorise(tmp_path):
+    """Every op statement of the C++ library in a `#pragma omp simd` loop, and every CPU kernel variant's loops over a
+    row (statistics and outputs), vectorise under the CPU backend's flags (build.py's): a loop with a libm call (expf, tanhf, ...) or fminf / fmaxf stays one value at a time, ~10x slower
+    than eager on the same core, and the teacher's CPU demonstrations would all be slower than eager."""
+    ops = {name: {"op": name, **dict(zip("ab", spec.get("consts", [()])[0])), **({"p": "w"} if "param" in spec else {})}
+           for name, spec in E.OPS.items()}
+    src = '#include <cstdint>\n#include "lib.h"\n'
+    lines = {}
+    for name, st in ops.items():
+        src += f'extern "C" void f_{name}(const float* __restrict__ x, float* __restrict__ y, const float* w, int64_t n) {{\n'
+        src += "  #pragma omp simd\n"
+        lines[(src.count("\n"), src.count("\n") + 1)] = name
+        src += f"  for (int64_t d = 0; d < n; ++d) {{ float v = x[d]; y[d] = {E._line(st)}; }}\n}}\n"
+    for red in E.REDUCTIONS:  # each reduction after an op of the library, in both row variants
+        steps = [ops["gelu"], {"op": red, **({"g": "g1"} if "{g}" in E.REDUCTIONS[red]["torch"] else {}),
+                               **({"o": "o1"} if "{o}" in E.REDUCTIONS[red]["torch"] else {})}]
+        for variant in E.VARIANTS_FOR[("cpu", True)]:
+            k = E.kernel_source(steps, "cpu", variant).replace('#include "lib.h"', "").replace("#include <cstdint>", "")
+            k = k.replace('extern "C" void launch', f'extern "C" void launch_{red}_{variant}')
+            k = re.sub(r"static inline float (pre|post)\(", rf"static inline float \1_{red}_{variant}(", k)
+            k = re.sub(r"\b(pre|post)\((?=[^)]*, c|[^)]*, 0)", rf"\1_{red}_{variant}(", k)
+            start, text = src.count("\n") + 1, k.splitlines()
+            for i, line in enumerate(text):
+                if line.strip().startswith("for (int64_t c = 0"):  # (lines from its pragma to its closing brace)
+                    end = i if not line.endswith("{") else next(j for j in range(i + 1, len(text))
+                                                                 if text[j] == line[:len(line) - len(line.lstrip())] + "}")
+                    lines[(start + i - 1, start + end)] = f"{red}/{variant}"
+            src += k
+    (tmp_path / "lib.h").write_text(E.header("cpu"))
+    (tmp_path / "k.cpp").write_text(src)
+    flags = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+    assert set(flags) <= set(build.toolchain("cpu")["cxx"])
+    # (-fno-ipa-icf: functions of the same code, clamp's and hardtanh's, are not merged into one that reports once)
+    r = subprocess.run(["g++", *flags, "-fno-ipa-icf", "-c", "-fopt-info-vec-optimized", "-o", str(tmp_path / "k.o"),
+                        "k.cpp"], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    done = {int(m) for m in re.findall(r"k\.cpp:(\d+):\d+: optimized: loop vectorized", r.stderr)}
+    assert len(set(lines.values())) == len(E.OPS) + 2 * len(E.REDUCTIONS)
+    # g++ names a vectorised loop by its pragma's line, its own or its body's: each loop owns those lines
+    assert not {what for (a, b), what in lines.items() if not any(a <= line <= b for line in done)}, r.stderr[-3000:]
+
+
 # The CUDA library's functions on the host: its device intrinsics replaced by their accurate functions, so that what is
 # checked is each formula (tanh made of exponentials, a product for a division), not the hardware's few ulp.
 HOST_INTRINSICS = """#define __device__
