@@ -1678,10 +1678,12 @@ class TimedInputs:
 
 MAX_WARMUP = 200  # untimed runs at most before the timed ones (timed_runs): a kernel of microseconds makes no more
 SPLIT_CHILDREN = 5  # candidate processes at most that share one verdict's timed runs (timing_shares)
-# ... and the least each one's warm-up lasts: 8 warm-up runs leave a fresh child's first timed run slower (relu
-# 64x4096 on 2 cores: median 0.59 ms over the shared-out runs, 0.50 in one checked child); 50 ms, 0.50 and 0.48
-# (docs/results.md)
-SPLIT_WARMUP_MS = 50.0
+# ... and the least each one's warm-up lasts (MAX_WARMUP runs at most). Each of them is timed twice or so where the
+# baselines' one child is timed 20 times, so a fresh child still warming up moves the candidate's median and not the
+# baselines'. 8 warm-up runs: relu 64x4096 on 2 cores 0.59 ms shared out, 0.50 in one child; mul_param 32768x256
+# (~16 ms a run, whose first ~5 runs in a fresh child take ~29 ms): 50 ms shared out 4% slower than one child, 500
+# ms the same (medians of 3 verdicts); on an H100, 50 ms: 7-10% slower (one verdict each; docs/results.md)
+SPLIT_WARMUP_MS = 500.0
 
 
 def timing_shares(cfg, n_sets: int) -> list | None:

@@ -204,8 +204,8 @@ big-verdict)
 split)
   # issue 17 / env.py: a verdict whose input sets repeat (2 sets of the 0.3-3 ms window's 67M-537M elements at the
   # default 1,024 MB) shares its timed runs out over 5 children, each on a fresh batch; 16 GB hold 23 sets: one child.
-  # Each shared-out setting with a shortest warm-up of 50 ms (protocol.SPLIT_WARMUP_MS) and of 500 ms, in turns:
-  # is a fresh child's kernel slower on this GPU (clocks ramping up after the gaps?), and does a longer warm-up fix it?
+  # Each shared-out setting with a shortest warm-up of 50 ms and of 500 ms (protocol.SPLIT_WARMUP_MS), in turns: is a
+  # fresh child's kernel slower on this GPU (clocks ramping up after the gaps?), and does the longer warm-up fix it?
   step ${SPLIT_LIMIT:-450} split python3 bench/big_verdict.py --backend cuda --window 0.3 3 --tasks 1 --repeats 3 \
     --budget-mb 16384,1024 --split-warmup-ms 50,500
   ;;
