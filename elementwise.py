@@ -501,29 +501,32 @@ def cuda_math(expr: str) -> str:
 # from vectorising (g++ -O3 -march=native without -ffast-math), so a chain with one of them ran ~10x slower than
 # eager's vectorised ops on the same core (bench/teacher_speed.py --backend cpu). In their place: exp and log from the
 # float's bits and a polynomial (Cephes' coefficients, 1-2 ulp), tanh and erf made of exp, min and max as
-# comparisons (NaN in, NaN out, as PyTorch's clamp), all branch-free, so that `#pragma omp simd` loops vectorise.
+# comparisons (NaN in, NaN out, as PyTorch's clamp), all branch-free, so that `#pragma omp simd` loops vectorise
+# (with build.py's -fno-trapping-math on any x86-64: without it only AVX-512's masks vectorise their selects).
+# log1p(e^v) and e^v - 1 lose relative precision in their tails (absolute error <= 1e-6: far inside atol = 1e-2).
 CPU_FUNCTIONS = r"""#include <stdint.h>
 #include <string.h>
 
 // exp, log, tanh, erf, min, max without a libm call or a branch: a loop of them vectorises (1-2 ulp; erf 5e-7)
 static inline float lib_min(float a, float b) { return b < a ? b : a; }
 static inline float lib_max(float a, float b) { return a < b ? b : a; }
-static inline float lib_expf(float v) {
-  v = lib_min(lib_max(v, -87.33654f), 88.72283f);
-  // n = round(v / ln2), as a float and in the bits of k: adding 1.5 * 2^23 rounds (floorf and conversions between
-  // int and float keep a loop from vectorising: they may trap)
-  float k = v * 1.44269504f + 12582912.f, n = k - 12582912.f, two_n;
+static inline float lib_expf(float v) {  // inf past 88.72, 0 below -103.9, as expf
+  v = lib_min(lib_max(v, -104.f), 89.f);
+  // n = round(v / ln2), as a float and in the bits of k: adding 1.5 * 2^23 rounds (floorf would not vectorise)
+  float k = v * 1.44269504f + 12582912.f, n = k - 12582912.f, two_a, two_b;
   float r = v - n * 0.693359375f + n * 2.12194440e-4f;  // v = n ln2 + r, |r| <= ln2 / 2 (ln2 in two parts)
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f; p = p * r + 8.3334519073e-3f; p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f; p = p * r + 5.0000001201e-1f;
-  int32_t e;
-  memcpy(&e, &k, 4);
-  e = (e - 0x4b400000 + 127) << 23;  // 2^n
-  memcpy(&two_n, &e, 4);
-  return (p * r * r + r + 1.f) * two_n;
+  int32_t n_int, a, b;
+  memcpy(&n_int, &k, 4);
+  n_int -= 0x4b400000;
+  a = ((n_int >> 1) + 127) << 23, b = (n_int - (n_int >> 1) + 127) << 23;  // 2^n in two normal factors (n: -150..128)
+  memcpy(&two_a, &a, 4);
+  memcpy(&two_b, &b, 4);
+  return (p * r * r + r + 1.f) * two_a * two_b;
 }
-static inline float lib_logf(float v) {  // v > 0
+static inline float lib_logf(float v) {  // v > 0 (NaN in, NaN out; 0, inf and below 0 are not its values)
   int32_t i;
   memcpy(&i, &v, 4);
   int32_t big = (i & 0x007fffff) > 0x003504f3, j = 0x4b000000 | (((i >> 23) & 0xff) + big);
@@ -536,7 +539,8 @@ static inline float lib_logf(float v) {  // v > 0
   p = p * f - 1.1514610310e-1f; p = p * f + 1.1676998740e-1f; p = p * f - 1.2420140846e-1f;
   p = p * f + 1.4249322787e-1f; p = p * f - 1.6668057665e-1f; p = p * f + 2.0000714765e-1f;
   p = p * f - 2.4999993993e-1f; p = p * f + 3.3333331174e-1f;
-  return f * z * p - 0.5f * z + f + e * 0.693147182f;
+  float y = f * z * p - 0.5f * z + f + e * 0.693147182f;
+  return v == v ? y : v;
 }
 static inline float lib_tanhf(float v) {  // a polynomial near 0, (1 - e^-2|v|) / (1 + e^-2|v|) beyond
   float z = v * v, t = lib_expf(-2.f * fabsf(v));
