@@ -476,7 +476,7 @@ def header(backend: str) -> str:
                   for n in LIBRARY)
     return (f"// {HEADER_PATH[backend]}: op_X(v, ...) computes PyTorch's X (F.gelu(x, approximate='tanh'): op_gelu_tanh)"
             f"{'; reductions across threads below' if cuda else ''}. The same text for every task.\n"
-            "#pragma once\n#include <math.h>\n" + (TANH_FAST if cuda else CPU_FUNCTIONS) + fns
+            "#pragma once\n#include <math.h>\n" + ("\n" + TANH_FAST if cuda else CPU_FUNCTIONS) + fns
             + (REDUCE_FUNCTIONS if cuda else ""))
 
 

@@ -154,8 +154,9 @@ big-1.5b|big-7b)
   # rollout batch), 4 teacher tasks x 2 SFT epochs, 2 critic epochs, 4 held-out tasks. Then bench/big_model.py
   # --report: per phase peak GPU memory, seconds, and the default / paper presets projected (bench/preset_time.py),
   # the warm-up and PPO step split (generation / tools+scoring / update), how the run ended (e.g. out of memory).
-  # The whole part stays under ~570 s (BIG_LIMIT=300: ~310 s once the model and data are saved). If the limit cuts the run, the same part again (on the still-warm machine)
-  # continues it (--resume; model, data and run folder are kept in /tmp); its report covers every big run there.
+  # The whole part stays under ~570 s (BIG_LIMIT=300: ~310 s once the model and data are saved). If the limit cuts
+  # the run, the same part again (on the still-warm machine) continues it (--resume; model, data and run folder are
+  # kept in /tmp); its report covers every big run there.
   # BIG_SET="--set micro_batch=1" (any train.py --set flags) runs with those settings in a run folder of its own.
   t0=$SECONDS m=${PART#big-} tag=$(echo ${BIG_SET:-} | sed 's/--set //g; s/[^A-Za-z0-9=_.]/_/g')
   run=/tmp/run-big-$m${tag:+-$tag}
