@@ -498,7 +498,7 @@ def cuda_math(expr: str) -> str:
 
 
 # The C++ library's math, likewise: libm's expf, logf, tanhf, erff are scalar calls and fminf / fmaxf keep a loop
-# from vectorising (g++ -O3 -march=native without -ffast-math), so a chain with one of them ran ~10x slower than
+# from vectorising (g++ -O3 -march=native without -ffast-math), so a chain written with them runs ~10x slower than
 # eager's vectorised ops on the same core (bench/teacher_speed.py --backend cpu). In their place: exp and log from the
 # float's bits and a polynomial (Cephes' coefficients, 1-2 ulp), tanh and erf made of exp, min and max as
 # comparisons (NaN in, NaN out, as PyTorch's clamp), all branch-free, so that `#pragma omp simd` loops vectorise

@@ -1084,9 +1084,9 @@ res["rft"], _ = delta(actor, lambda: rl.sft_epoch(pm, sgd(actor), mine, cfg.mini
 res["critic"], _ = delta(critic, lambda: rl.critic_epoch(pm, head, sgd(critic), mine, cfg, "cpu", 0))
 torch.save(res, f"{out}/rank{rank}.pt")
 if world > 1:
-    # Both results are on disk once both ranks pass the barrier. Leave without tearing gloo down: one rank aborted
-    # once in CI under load ("terminate called without an active exception", rc -6) in destroy_process_group or the
-    # interpreter's exit after it (the log does not say which), and this script has nothing left to clean up.
+    # Both results are on disk once both ranks pass the barrier. Leave without tearing gloo down: under load a rank
+    # can abort in destroy_process_group or at the interpreter's exit after it ("terminate called without an active
+    # exception", rc -6), and this script has nothing left to clean up.
     # (train.py does destroy its group, as PyTorch asks: test_accelerate_two_processes_cpu runs that end.)
     dist.barrier()
     sys.stdout.flush()
