@@ -166,12 +166,17 @@ def test_teachers_model_new_builds_with_allocation_ops_only(monkeypatch):
         assert m.load_state_dict(model["Model"](*model["get_init_inputs"]()).state_dict()) is not None
 
 
+def one_step_of_each_op() -> dict:
+    """op name -> one step of it (its first constants; a per-feature parameter named w)."""
+    return {name: {"op": name, **dict(zip("ab", spec.get("consts", [()])[0])), **({"p": "w"} if "param" in spec else {})}
+            for name, spec in E.OPS.items()}
+
+
 def test_every_op_statement_computes_what_its_pytorch_line_does(tmp_path):
     """Every op of the family, as the kernels spell it (a call of the op library, or arithmetic inline), compiled by
     g++ against kernels/lib.h and run on values around every op's kinks, matches its line of Model.forward; and
     each kernel writes that line as a comment right above the statement (what the student copies)."""
-    ops = {name: {"op": name, **dict(zip("ab", spec.get("consts", [()])[0])), **({"p": "w"} if "param" in spec else {})}
-           for name, spec in E.OPS.items()}
+    ops = one_step_of_each_op()
     fns = "".join(f'extern "C" void f_{n}(const float* x, float* y, const float* w, int n) {{\n'
                   f"  for (int d = 0; d < n; ++d) {{ float v = x[d]; y[d] = {E._line(st)}; }}\n}}\n" for n, st in ops.items())
     (tmp_path / "lib.h").write_text(E.header("cpu"))
@@ -200,8 +205,7 @@ def test_the_cpu_kernels_loops_vectorise(tmp_path):
     them on a plain AVX2 machine too: a loop with a libm call (expf, tanhf, ...), fminf / fmaxf or a select g++ may
     not evaluate ahead stays one value at a time, ~10x slower than eager on the same core, and the teacher's CPU
     demonstrations would all be slower than eager."""
-    ops = {name: {"op": name, **dict(zip("ab", spec.get("consts", [()])[0])), **({"p": "w"} if "param" in spec else {})}
-           for name, spec in E.OPS.items()}
+    ops = one_step_of_each_op()
     src = '#include <cstdint>\n#include "lib.h"\n'
     loops, expected = {}, {}  # (first line, last line) -> what it computes; what -> how many loops it has
     for name, st in ops.items():
