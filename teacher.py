@@ -135,8 +135,9 @@ def parse_plan(text: str) -> list:
 
 
 def choose_plan(code: str, backend: str, rng: random.Random) -> list:
-    """An episode's variants, in order: the kind's first variant (E.VARIANTS_FOR: the simplest, and the shortest
-    text) at 256 threads in every episode, then, in half of them, one other variant at a block size drawn at random.
+    """An episode's variants, in order: the kind's first variant (E.VARIANTS_FOR: a short text, and on the CPU the
+    one that vectorises) at 256 threads in every episode, then, in half of them, one other variant at a block size
+    drawn at random.
     One first kernel per kind gives a small student one template to learn per kind: after 40 demonstrations whose
     first kernels were drawn from 3 templates x 3 block sizes (18 of them reductions), the 135M model built none
     of 8 held-out reductions (6d42ee3's run, docs/results.md). The second variants keep demonstrations of

@@ -417,7 +417,7 @@ def test_teacher_speed_times_the_kernel_three_ways():
     figure measured in a child process of its own, then the verdict; a row per variant with host and verdict times."""
     out = bench("teacher_speed.py", "--backend", "cpu", "--tasks", "1", "--variants", "1", "--runs", "3", "--window", "0.1", "1")
     rows = [r.split(" | ") for r in out.splitlines() if r.startswith("| ") and " / " in r and "events" not in r]
-    assert len(rows) == 1 and rows[0][2] == "flat", out
+    assert len(rows) == 1 and rows[0][2] == "rows", out
     host = [float(x) for x in rows[0][4].split(" / ")]  # kernel / eager / compile, this process's clock
     verdict = [float(x) for x in rows[0][5].split(" / ")]
     assert all(x > 0 for x in host + verdict) and rows[0][3] == "- / - / -", out  # no CUDA events on the CPU
