@@ -188,10 +188,11 @@ def script(code: str, backend: str, plan: list, mistake: bool = False):
     _, red, _ = E.split(steps)
     ext = "cu" if backend == "cuda" else "cpp"
     op_path = f"kernels/op.{ext}"
-    # The reduction is tagged where the chain names it, and named again where the template is chosen: a small
-    # student decides the kind next to the op's own name (untagged, the 135M model wrote "sum -> silu ...: no
-    # reduction" after 20 demonstrations, and the elementwise template).
-    chain = " -> ".join(f"{st['op']} (reduction)" if st is red else st["op"] for st in steps)
+    # Every op is tagged with its kind where the chain names it, and the reduction named again where the template is
+    # chosen: a small student decides the kind next to each op's own name. Untagged, the 135M model wrote "sum ->
+    # silu ...: no reduction" and the elementwise template; with only the reduction tagged, "one reduction, clamp"
+    # on silu -> silu -> clamp and the row template (docs/results.md, sessions 26 and 30).
+    chain = " -> ".join(f"{st['op']} ({'reduction' if st is red else 'elementwise'})" for st in steps)
     shape = re.findall(r"^(BATCH|SEQ_LEN|DIM) = (\d+)$", code, re.M)
     how = (f"one reduction, {red['op']}, over the last dimension, so one fused kernel works row by row: statistics "
            f"first, then every element" if red else "no reduction, so one fused kernel reads x once and writes y once")
