@@ -618,7 +618,10 @@ def kernel_source(steps: list[dict], backend: str, variant: str = "", block: int
     ps = params(steps)
     plist = "".join(f", const float* {p}" for p in ps)
     args = "".join(f", {p}" for p in ps)
-    unpack = "".join(f"  const float* {p} = params[{i}];\n" for i, p in enumerate(ps))
+    unpack = "".join(f"  const float* {p} = params[{i}];\n" for i, p in enumerate(ps))  # the CPU's loops use them
+    # A CUDA launch hands params[i] straight to the kernel, whose signature names each one: with a line per parameter
+    # to unpack them first, the 135M student left that line out (`identifier "w0" is undefined`)
+    largs = "".join(f", params[{i}]" for i in range(len(ps)))
     cuda = backend == "cuda"
     qual = "__device__ __forceinline__" if cuda else "static inline"
     chain = " -> ".join(st["op"] for st in steps)
@@ -633,24 +636,24 @@ def kernel_source(steps: list[dict], backend: str, variant: str = "", block: int
         if variant == "naive":
             src += (f"\n__global__ void fused(const float* __restrict__ x, float* __restrict__ y{plist}, int64_t n, int64_t cols) {{\n"
                     "  int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;\n"
-                    f"  if (i < n) y[i] = pre(x[i], i % cols{args});\n}}\n\n" + launch_sig + unpack +
-                    f"  int64_t n = rows * cols;\n  fused<<<(n + {block - 1}) / {block}, {block}, 0, (cudaStream_t)stream>>>(x, y{args}, n, cols);\n}}\n")
+                    f"  if (i < n) y[i] = pre(x[i], i % cols{args});\n}}\n\n" + launch_sig +
+                    f"  int64_t n = rows * cols;\n  fused<<<(n + {block - 1}) / {block}, {block}, 0, (cudaStream_t)stream>>>(x, y{largs}, n, cols);\n}}\n")
         elif variant == "grid_stride":
             src += (f"\n__global__ void fused(const float* __restrict__ x, float* __restrict__ y{plist}, int64_t n, int64_t cols) {{\n"
                     + _stride(1) +
                     "  for (; i < n; i += stride) {\n"
                     f"    y[i] = pre(x[i], d{args});\n" + NEXT_D +
-                    "  }\n}\n\n" + launch_sig + unpack + GRID.format(block=block, n="rows * cols") +
-                    f"  fused<<<grid, {block}, 0, (cudaStream_t)stream>>>(x, y{args}, rows * cols, cols);\n}}\n")
+                    "  }\n}\n\n" + launch_sig + GRID.format(block=block, n="rows * cols") +
+                    f"  fused<<<grid, {block}, 0, (cudaStream_t)stream>>>(x, y{largs}, rows * cols, cols);\n}}\n")
         elif variant == "vec4":  # cols % 4 == 0 (every DIM of the family): 4 consecutive values share one row
             src += (f"\n__global__ void fused(const float4* __restrict__ x, float4* __restrict__ y{plist}, int64_t n4, int64_t cols) {{\n"
                     + _stride(4) +
                     "  for (; i < n4; i += stride) {\n    float4 v = x[i];\n"
                     f"    v.x = pre(v.x, d{args});\n    v.y = pre(v.y, d + 1{args});\n"
                     f"    v.z = pre(v.z, d + 2{args});\n    v.w = pre(v.w, d + 3{args});\n    y[i] = v;\n" + NEXT_D +
-                    "  }\n}\n\n" + launch_sig + unpack +
+                    "  }\n}\n\n" + launch_sig +
                     GRID.format(block=block, n="rows * cols / 4") +
-                    f"  fused<<<grid, {block}, 0, (cudaStream_t)stream>>>((const float4*)x, (float4*)y{args}, rows * cols / 4, cols);\n}}\n")
+                    f"  fused<<<grid, {block}, 0, (cudaStream_t)stream>>>((const float4*)x, (float4*)y{largs}, rows * cols / 4, cols);\n}}\n")
         elif variant == "flat":
             src += ("\n" + launch_sig + unpack + "  const int64_t n = rows * cols;\n  #pragma omp parallel for\n"
                     f"  for (int64_t i = 0; i < n; ++i) y[i] = pre(x[i], i % cols{args});\n}}\n")
@@ -666,7 +669,7 @@ def kernel_source(steps: list[dict], backend: str, variant: str = "", block: int
     keeps = "out" in spec
     note = f"x = {torch_line(red)}"  # the reduction's line of Model.forward: above its statistics and its result
     if cuda:
-        return src + _cuda_rows(variant, block, stats, out, keeps, plist, args, unpack, launch_sig, note)
+        return src + _cuda_rows(variant, block, stats, out, keeps, plist, args, largs, launch_sig, note)
     return src + _cpu_rows(variant, stats, out, keeps, args, unpack, launch_sig, note)
 
 
@@ -733,7 +736,7 @@ def _stat_code(stats, loop: str, load: str, reduce: str, args: str, ind: str, no
     return code
 
 
-def _cuda_rows(variant, block, stats, out, keeps, plist, args, unpack, launch_sig, note) -> str:
+def _cuda_rows(variant, block, stats, out, keeps, plist, args, largs, launch_sig, note) -> str:
     names = [s[0] for s in stats]
     result = (f"    // {note}\n    float v = {out};\n    y[row] = post(v, 0{args});\n")
     if variant in ("block_row", "warp_row"):
@@ -751,8 +754,8 @@ def _cuda_rows(variant, block, stats, out, keeps, plist, args, unpack, launch_si
             body += f"  if ({first} == 0) {{\n" + result + "  }\n"
         grid = f"(rows + {block // 32 - 1}) / {block // 32}" if warp else "rows"
         return (f"\n__global__ void fused_rows(const float* __restrict__ x, float* __restrict__ y{plist}, "
-                f"int64_t rows, int64_t cols) {{\n{body}}}\n\n" + launch_sig + unpack +
-                f"  fused_rows<<<{grid}, {block}, 0, (cudaStream_t)stream>>>(x, y{args}, rows, cols);\n}}\n")
+                f"int64_t rows, int64_t cols) {{\n{body}}}\n\n" + launch_sig +
+                f"  fused_rows<<<{grid}, {block}, 0, (cudaStream_t)stream>>>(x, y{largs}, rows, cols);\n}}\n")
     # two kernels: statistics per row into scratch, then every element (or row) on its own
     ns = len(stats)
     body = "  int64_t row = blockIdx.x;\n  const float* xr = x + row * cols;\n" + _stat_code(
@@ -774,10 +777,10 @@ def _cuda_rows(variant, block, stats, out, keeps, plist, args, unpack, launch_si
                   + load + result + "  }\n}\n")
         n = "rows"
     return (f"\n__global__ void row_stats(const float* __restrict__ x, float* __restrict__ stats{plist}, "
-            f"int64_t rows, int64_t cols) {{\n{body}}}\n\n{second}\n" + launch_sig + unpack +
-            f"  row_stats<<<rows, {block}, 0, (cudaStream_t)stream>>>(x, scratch{args}, rows, cols);\n" +
+            f"int64_t rows, int64_t cols) {{\n{body}}}\n\n{second}\n" + launch_sig +
+            f"  row_stats<<<rows, {block}, 0, (cudaStream_t)stream>>>(x, scratch{largs}, rows, cols);\n" +
             GRID.format(block=block, n=n) +
-            f"  apply<<<grid, {block}, 0, (cudaStream_t)stream>>>(x, y, scratch{args}, {n}, cols);\n}}\n")
+            f"  apply<<<grid, {block}, 0, (cudaStream_t)stream>>>(x, y, scratch{largs}, {n}, cols);\n}}\n")
 
 
 def _cpu_rows(variant, stats, out, keeps, args, unpack, launch_sig, note) -> str:
