@@ -135,17 +135,21 @@ learning)
      --set warmup_steps=2 --set tasks_per_step=10 --set rft_tasks=8 --set ppo_steps=2 --set critic_epochs=10
      --set window_lo_ms=$lo --set window_hi_ms=$hi"
   # LEARN_SET: more train.py flags (e.g. "--skip warmup,rft,critic,ppo --set sft_tasks=20"), after these; on a machine
-  # still warm from such a call, LEARN_SET="--skip warmup,rft,critic" continues that run with PPO
-  r=""; [ -f /tmp/run-sft/config.json ] && r="--resume"
-  if [ -z "$r" ] && [ -d .learn/run/data ]; then rm -rf /tmp/run-sft && mkdir -p /tmp/run-sft && cp -r .learn/run/. /tmp/run-sft/; fi
-  step 540 learning python3 train.py --stage all --run-dir /tmp/run-sft $S $r ${LEARN_SET:-}
-  mkdir -p "$OUT/learning" && cp /tmp/run-sft/stages.jsonl /tmp/run-sft/stages.png /tmp/run-sft/metrics.jsonl "$OUT/learning/" 2>/dev/null
-  tar czf "$OUT/learning/learn.tgz" -C /tmp/run-sft --exclude=workspaces data sft/teacher 2>/dev/null
+  # still warm from such a call, LEARN_SET="--skip warmup,rft,critic" continues that run with PPO.
+  # LEARN_RUN (default sft): the run's folder, /tmp/run-LEARN_RUN. Another name starts another run from the carried
+  # .learn/run on the same machine, e.g. LEARN_RUN=sft4 LEARN_SET="--skip warmup,rft,critic,ppo --set sft_epochs=4"
+  # after the default one: the same demonstrations, another setting; its files come back in OUT/learning-LEARN_RUN/
+  run=/tmp/run-${LEARN_RUN:-sft} res=learning${LEARN_RUN:+-$LEARN_RUN}
+  r=""; [ -f $run/config.json ] && r="--resume"
+  if [ -z "$r" ] && [ -d .learn/run/data ]; then rm -rf $run && mkdir -p $run && cp -r .learn/run/. $run/; fi
+  step 540 $res python3 train.py --stage all --run-dir $run $S $r ${LEARN_SET:-}
+  mkdir -p "$OUT/$res" && cp $run/stages.jsonl $run/stages.png $run/metrics.jsonl "$OUT/$res/" 2>/dev/null
+  tar czf "$OUT/$res/learn.tgz" -C $run --exclude=workspaces data sft/teacher 2>/dev/null
   # the episodes behind the rows: held-out ones per stage, the teacher's (kept or not), compressed
-  (cd /tmp/run-sft && tar czf "$OUT/learning/episodes.tgz" eval/*/rank*.jsonl sft/teacher/*/*/trajectories.jsonl 2>/dev/null)
+  (cd $run && tar czf "$OUT/$res/episodes.tgz" eval/*/rank*.jsonl sft/teacher/*/*/trajectories.jsonl 2>/dev/null)
   # where the teacher's verdicts and the held-out episodes' spent their time (phase medians, first vs later profiles)
-  for d in sft/teacher eval; do echo "== $d"; python3 bench/verdict_phases.py /tmp/run-sft/$d 2>&1; done \
-    | tee "$OUT/learning/verdict-phases.txt"
+  for d in sft/teacher eval; do echo "== $d"; python3 bench/verdict_phases.py $run/$d 2>&1; done \
+    | tee "$OUT/$res/verdict-phases.txt"
   ;;
 big-1.5b|big-7b)
   # issue 19: every stage of `train.py --stage all` on random bf16 weights of Qwen2.5-Coder-{1.5B,7B}-Instruct's exact
