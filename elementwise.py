@@ -618,9 +618,11 @@ def kernel_source(steps: list[dict], backend: str, variant: str = "", block: int
     ps = params(steps)
     plist = "".join(f", const float* {p}" for p in ps)
     args = "".join(f", {p}" for p in ps)
-    unpack = "".join(f"  const float* {p} = params[{i}];\n" for i, p in enumerate(ps))  # the CPU's loops use them
-    # A CUDA launch hands params[i] straight to the kernel, whose signature names each one: with a line per parameter
-    # to unpack them first, the 135M student left that line out (`identifier "w0" is undefined`)
+    # plist: the parameters in a kernel's signature; args: their names passed on inside it. A CUDA launch passes
+    # params[i] straight to the kernel (largs), which names each one: no local pointer per parameter, so no line for a
+    # student to leave out (a build error a 135M student made: docs/results.md). The CPU's launch runs the loops
+    # itself and unpacks them.
+    unpack = "".join(f"  const float* {p} = params[{i}];\n" for i, p in enumerate(ps)) if backend == "cpu" else ""
     largs = "".join(f", params[{i}]" for i in range(len(ps)))
     cuda = backend == "cuda"
     qual = "__device__ __forceinline__" if cuda else "static inline"

@@ -17,10 +17,11 @@ ScriptedTeacher solves any task of the elementwise family (elementwise.py): it r
 code, writes the fixed binding, a fused kernel that calls the op library the workspace starts with
 (elementwise.provided_files) and model_new.py, compiles, profiles (a profile checks before it times: no verify
 first). Its first kernel is one template per kind (choose_plan: a thread per element; a block per row for
-reductions; on CPU one OpenMP loop, or passes over each row); in half of the episodes one other variant follows
-(grid-stride or float4, at a drawn block size; a warp per row or two kernels; OpenMP by rows or with a row buffer)
+reductions; on CPU OpenMP over rows with a vectorised inner loop, or passes over each row); in half of the episodes
+one other variant follows (grid-stride or float4, at a drawn block size; a warp per row or two kernels; one flat
+OpenMP loop, or a row buffer)
 and the faster is kept, so demonstrations differ in speed and RL has something left to find. In a share of the
-episodes (MISTAKES) it plays one turn wrong on purpose, a student's typical mistake, and the turns after it recover
+episodes (drawn at MISTAKES, played where the chain allows one: script) it plays one turn wrong on purpose, a student's typical mistake, and the turns after it recover
 (Unlearned): that turn's tokens are masked out of the demonstration, so the student learns the recovery, never the
 mistake.
 Its memory of an episode is the conversation itself (recorded per token prefix): each turn replays the script
@@ -136,7 +137,7 @@ def parse_plan(text: str) -> list:
 
 def choose_plan(code: str, backend: str, rng: random.Random) -> list:
     """An episode's variants, in order: the kind's first variant (E.VARIANTS_FOR: a short text, and on the CPU the
-    one that vectorises) at 256 threads in every episode, then, in half of them, one other variant at a block size
+    one that vectorises; 256 threads on CUDA) in every episode, then, in half of them, one other variant at a block size
     drawn at random.
     One first kernel per kind gives a small student one template to learn per kind: after 40 demonstrations whose
     first kernels were drawn from 3 templates x 3 block sizes (18 of them reductions), the 135M model built none
@@ -155,7 +156,7 @@ def choose_plan(code: str, backend: str, rng: random.Random) -> list:
 # A student that saw only correct turns does not recover: after 20 demonstrations the 135M model finished after
 # its first compile error, and finished with a broken second variant that replaced a correct first kernel (H100,
 # docs/results.md, session 26). Demonstrations need failures to recover from; the failures must not be learned.
-MISTAKES = 0.25  # share of the teacher's episodes with one mistake played on purpose
+MISTAKES = 0.25  # share of the teacher's episodes drawn for a mistake (played where the chain allows one: script)
 
 
 class Unlearned(str):

@@ -612,9 +612,9 @@ def test_cli_synth_family_errors_are_one_line(tmp_path):
 
 def test_cuda_kernels_take_their_parameters_from_params_at_the_launch():
     """Every CUDA variant hands `params[i]` straight to its kernel where it launches it; the launch function declares
-    no local pointer per parameter. Trained on kernels with such a line (`const float* w0 = params[0];`), the 135M
-    student left it out on 3 of 16 held-out tasks and the compiler said `identifier "w0" is undefined` (docs/results.md,
-    session 30): one less line to remember, and the kernel's own signature still names each parameter."""
+    no local pointer per parameter. A 135M student trained on kernels with such a line (`const float* w0 = params[0];`)
+    leaves it out and the build fails (`identifier "w0" is undefined`, 3 of 16 held-out tasks in docs/results.md): one
+    line less to remember, and the kernel's own signature still names each parameter."""
     steps = [{"op": "mul_param", "p": "w1"}, {"op": "silu"}, {"op": "add_param", "p": "w2"}]
     red = [{"op": "mul_param", "p": "w1"}, {"op": "softmax"}, {"op": "add_param", "p": "w2"}]
     for chain in (steps, red):
