@@ -19,11 +19,10 @@ code, writes the fixed binding, a fused kernel that calls the op library the wor
 first). Its first kernel is one template per kind (choose_plan: a thread per element; a block per row for
 reductions; on CPU OpenMP over rows with a vectorised inner loop, or passes over each row); in half of the episodes
 one other variant follows (grid-stride or float4, at a drawn block size; a warp per row or two kernels; one flat
-OpenMP loop, or a row buffer)
-and the faster is kept, so demonstrations differ in speed and RL has something left to find. In a share of the
-episodes (drawn at MISTAKES, played where the chain allows one: script) it plays one turn wrong on purpose, a student's typical mistake, and the turns after it recover
-(Unlearned): that turn's tokens are masked out of the demonstration, so the student learns the recovery, never the
-mistake.
+OpenMP loop, or a row buffer) and the faster is kept, so demonstrations differ in speed and RL has something left
+to find. In a share of the episodes (drawn at MISTAKES, played where the chain allows one: script) it plays one turn
+wrong on purpose, a student's typical mistake, and the turns after it recover (Unlearned): that turn's tokens are
+masked out of the demonstration, so the student learns the recovery, never the mistake.
 Its memory of an episode is the conversation itself (recorded per token prefix): each turn replays the script
 on the observations so far, and the plan is read back from its own first turn.
 
