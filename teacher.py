@@ -154,7 +154,7 @@ def choose_plan(code: str, backend: str, rng: random.Random) -> list:
 
 # A student that saw only correct turns does not recover: after 20 demonstrations the 135M model finished after
 # its first compile error, and finished with a broken second variant that replaced a correct first kernel (H100,
-# docs/results.md, session 26). Demonstrations need failures to recover from; the failures must not be learned.
+# docs/results.md). Demonstrations need failures to recover from; the failures must not be learned.
 MISTAKES = 0.25  # share of the teacher's episodes drawn for a mistake (played where the chain allows one: script)
 
 
@@ -191,7 +191,7 @@ def script(code: str, backend: str, plan: list, mistake: bool = False):
     # Every op is tagged with its kind where the chain names it, and the reduction named again where the template is
     # chosen: a small student decides the kind next to each op's own name. Untagged, the 135M model wrote "sum ->
     # silu ...: no reduction" and the elementwise template; with only the reduction tagged, "one reduction, clamp"
-    # on silu -> silu -> clamp and the row template (docs/results.md, sessions 26 and 30).
+    # on silu -> silu -> clamp and the row template (docs/results.md).
     chain = " -> ".join(f"{st['op']} ({'reduction' if st is red else 'elementwise'})" for st in steps)
     shape = re.findall(r"^(BATCH|SEQ_LEN|DIM) = (\d+)$", code, re.M)
     how = (f"one reduction, {red['op']}, over the last dimension, so one fused kernel works row by row: statistics "
