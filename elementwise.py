@@ -622,9 +622,9 @@ def kernel_source(steps: list[dict], backend: str, variant: str = "", block: int
     # params[i] straight to the kernel (largs), which names each one: no local pointer per parameter, so no line for a
     # student to leave out (a build error a 135M student made: docs/results.md). The CPU's launch runs the loops
     # itself and unpacks them.
-    unpack = "".join(f"  const float* {p} = params[{i}];\n" for i, p in enumerate(ps)) if backend == "cpu" else ""
-    largs = "".join(f", params[{i}]" for i in range(len(ps)))
     cuda = backend == "cuda"
+    unpack = "" if cuda else "".join(f"  const float* {p} = params[{i}];\n" for i, p in enumerate(ps))
+    largs = "".join(f", params[{i}]" for i in range(len(ps)))
     qual = "__device__ __forceinline__" if cuda else "static inline"
     chain = " -> ".join(st["op"] for st in steps)
     head = (f"// kernels/op.{'cu' if cuda else 'cpp'}: {chain}, fused into one pass. Variant {variant}"

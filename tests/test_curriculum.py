@@ -436,7 +436,7 @@ def test_teacher_names_each_ops_kind_where_it_names_the_op(tasks):
     """The first thought tags every op of the chain with its kind ("sum (reduction) -> silu (elementwise)") and names
     the reduction again in the choice of template: a small student decides the kind next to each op's own name, not
     from the whole chain at once. With only the reduction tagged, the 135M model said "one reduction" on 5 of 11
-    held-out chains without one ("one reduction, clamp" on silu -> silu -> clamp; docs/results.md, session 30)."""
+    held-out chains without one ("one reduction, clamp" on silu -> silu -> clamp; docs/results.md)."""
     for t in tasks:
         steps = E.parse(t["code"])
         _, red, _ = E.split(steps)
