@@ -15,8 +15,9 @@ What this module holds, top to bottom:
      KernelBench-format module; synth.py runs its own filters on the result (--family elementwise);
   3. parse(): the chain back from a task's code (what the teacher reads);
   4. emitters: the op library a workspace of this family starts with (one function per op, so that a kernel's
-     chain is a copy of Model.forward, a line and its C per op), the fixed binding, the kernel source (CUDA .cu or
-     C++/OpenMP .cpp) in several variants, and model_new.py; teacher.py writes the last three through the tools.
+     chain is a copy of Model.forward, a line and its C per op, and one row function per reduction, so that a
+     reduction is a name too), the fixed binding, the kernel source (CUDA .cu or C++/OpenMP .cpp) in several
+     variants, and model_new.py; teacher.py writes the last three through the tools.
 
 Degenerate tasks are dropped at composition, because they would reward a wrong kernel at atol = rtol = 1e-2:
 a task whose output a constant (zeros included) matches on more than 3/4 of the elements (softmax over
@@ -451,9 +452,13 @@ def provided_files(code: str, backend: str) -> dict:
 def provided_note(backend: str) -> str:
     """The task message's line about the op library (agent.task_message, for a task of this family)."""
     fns = ", ".join(f"op_{n}({_signature(n).replace('float ', '')})" for n in LIBRARY)
-    reductions = "; and warp_sum, warp_max, block_sum, block_max (every thread gets the result)"
+    cuda = backend == "cuda"
+    rows = (f"; the row reductions {', '.join(f'op_{n}' for n in REDUCTIONS)}: op_R<pre, post>(x, y, row, cols, "
+            f"params...) computes R over row `row` of x, pre and post being the kernel's chain before and after it "
+            f"(an affine norm's g, o before params){'; every thread of a block calls it (op_R_warp: of one warp)' if cuda else ''}")
+    threads = "; and warp_sum, warp_max, block_sum, block_max (every thread gets the result)"
     return (f"{HEADER_PATH[backend]} (provided) defines {fns}: PyTorch's op of that name on one value "
-            f"(F.gelu(x, approximate='tanh'): op_gelu_tanh){reductions if backend == 'cuda' else ''}.")
+            f"(F.gelu(x, approximate='tanh'): op_gelu_tanh){rows}{threads if cuda else ''}.")
 
 
 def solution_files(code: str, backend: str, variant: str = "", block: int = 256) -> dict:
@@ -475,9 +480,10 @@ def header(backend: str) -> str:
     fns = "".join(f"{qual} float op_{n}({_signature(n)}) {{ return {_math(n, backend).format(a='a', b='b')}; }}\n"
                   for n in LIBRARY)
     return (f"// {HEADER_PATH[backend]}: op_X(v, ...) computes PyTorch's X (F.gelu(x, approximate='tanh'): op_gelu_tanh)"
-            f"{'; reductions across threads below' if cuda else ''}. The same text for every task.\n"
+            f"{'; reductions across threads, then' if cuda else '; then'} the row reductions. The same text for every task.\n"
             "#pragma once\n#include <math.h>\n" + ("\n" + TANH_FAST if cuda else CPU_FUNCTIONS) + fns
-            + (REDUCE_FUNCTIONS if cuda else ""))
+            + (REDUCE_FUNCTIONS if cuda else "") + ROW_NOTE.format(who=ROW_WHO[backend])
+            + "".join(_row_function(r, backend, warp) for r in REDUCTIONS for warp in ([False, True] if cuda else [False])))
 
 
 def _math(name: str, backend: str) -> str:
@@ -593,12 +599,12 @@ VARIANTS = {
     "naive": "one thread per element",
     "grid_stride": "a grid-stride loop, a few blocks per SM",
     "vec4": "float4 loads and stores, grid-stride",
-    "block_row": "one block per row, warp-shuffle + shared-memory reductions",
-    "warp_row": "one warp per row, warp-shuffle reductions only",
+    "block_row": "one block per row, the library's op_R (warp shuffles + shared memory)",
+    "warp_row": "one warp per row, the library's op_R_warp (warp shuffles only)",
     "two_kernels": "a statistics kernel (one block per row), then an elementwise kernel",
     "flat": "one OpenMP loop over all elements (index % cols for the feature)",
     "rows": "OpenMP over rows, a contiguous inner loop the compiler vectorises",
-    "passes": "OpenMP over rows, the chain recomputed in every pass over the row",
+    "passes": "OpenMP over rows, the library's op_R: the chain recomputed in every pass over the row",
     "row_buffer": "OpenMP over rows, the chain computed once into a per-thread row buffer",
 }
 # The first variant of each kind is the teacher's first kernel (teacher.choose_plan), the template a student learns.
@@ -670,9 +676,13 @@ def kernel_source(steps: list[dict], backend: str, variant: str = "", block: int
     out = math(_c(spec.get("out") or spec["result"], red))
     keeps = "out" in spec
     note = f"x = {torch_line(red)}"  # the reduction's line of Model.forward: above its statistics and its result
+    # the library's row function (block_row, warp_row, passes): its name, the affine norm's weight and bias, the chain's
+    # parameters for pre and post
+    call = (f"op_{red['op']}{'_warp' if variant == 'warp_row' else ''}<pre, post>(x, y, row, cols"
+            + "".join(f", {red[k]}" for k in "go" if k in red) + f"{args});")
     if cuda:
-        return src + _cuda_rows(variant, block, stats, out, keeps, plist, args, largs, launch_sig, note)
-    return src + _cpu_rows(variant, stats, out, keeps, args, unpack, launch_sig, note)
+        return src + _cuda_rows(variant, block, stats, out, keeps, plist, args, largs, launch_sig, note, call)
+    return src + _cpu_rows(variant, stats, out, keeps, args, unpack, launch_sig, note, call)
 
 
 # Grid-stride loops carry the feature index d (the column of element i) from one step to the next: a 64-bit `%` per
@@ -738,22 +748,57 @@ def _stat_code(stats, loop: str, load: str, reduce: str, args: str, ind: str, no
     return code
 
 
-def _cuda_rows(variant, block, stats, out, keeps, plist, args, largs, launch_sig, note) -> str:
+# The library's row reductions: the statistics of every reduction written once, in the header, so that a kernel
+# calls one by name as it calls op_gelu (a small student copies a name; it does not recall 8-12 lines of statistics
+# per reduction: docs/curriculum.md). pre and post, the kernel's chain before and after the reduction, are template
+# arguments: direct calls, inlined, the loops the same machine code as written out in the kernel.
+ROW_NOTE = """
+// Row reductions: op_R<pre, post>(x, y, row, cols, params...) computes PyTorch's R over the last dimension of row `row`
+// of x (cols values), each value read as pre(x[...], c, params...) (the chain before R) and each output written as
+// post(value, c, params...) (the chain after it) to y[row * cols + c], or to y[row] where R removes the last
+// dimension. An affine norm takes its weight and bias first: op_layer_norm_affine<pre, post>(x, y, row, cols, g, o,
+// params...).{who}
+"""
+
+ROW_WHO = {"cuda": "\n// Every thread of a block calls op_R (a block per row); every lane of one warp, op_R_warp (a warp per row).",
+           "cpu": "\n// One thread calls it for a row; its loops are vectorised (omp simd)."}
+
+
+def _row_function(name: str, backend: str, warp: bool = False) -> str:
+    """op_<name> (op_<name>_warp) of the header: one row of the reduction; CUDA: every thread of the block (of one
+    warp) calls it; C++: one thread, its loops vectorised."""
+    spec, cuda = REDUCTIONS[name], backend == "cuda"
+    math = cuda_math if cuda else cpu_math
+    stats = [(n, kind, math(term), math(fin)) for n, kind, term, fin in spec["stats"]]
+    affine = "".join(f", const float* __restrict__ {k}" for k in "go" if f"{{{k}}}" in spec["torch"])
+    out = math(_c(spec.get("out") or spec["result"], {"g": "g", "o": "o"}))
+    first, loop = (("lane", "for (int64_t c = lane; c < cols; c += 32)") if warp else
+                   ("threadIdx.x", "for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)")) if cuda else \
+        ("", "for (int64_t c = 0; c < cols; ++c)")
+    simd = "" if cuda else "  #pragma omp simd\n"
+    body = ("  int lane = threadIdx.x & 31;\n" if warp else "") + "  const float* xr = x + row * cols;\n"
+    body += _stat_code(stats, loop, "xr[c]", ("warp" if warp else "block") if cuda else "", ", p...", "  ",
+                       f"x = {torch_line({'op': name, 'g': 'g', 'o': 'o'})}", simd=not cuda)
+    if "out" in spec:
+        body += f"{simd}  {loop} {{\n    float v = pre(xr[c], c, p...);\n    v = {out};\n    y[row * cols + c] = post(v, c, p...);\n  }}\n"
+    elif cuda:
+        body += f"  if ({first} == 0) y[row] = post({out}, 0, p...);\n"
+    else:
+        body += f"  y[row] = post({out}, 0, p...);\n"
+    qual = "__device__ __forceinline__" if cuda else "static inline"
+    return (f"template <auto pre, auto post, class... P>\n{qual} void op_{name}{'_warp' if warp else ''}(const float* "
+            f"__restrict__ x, float* __restrict__ y, int64_t row, int64_t cols{affine}, P... p) {{\n{body}}}\n")
+
+
+def _cuda_rows(variant, block, stats, out, keeps, plist, args, largs, launch_sig, note, call) -> str:
     names = [s[0] for s in stats]
     result = (f"    // {note}\n    float v = {out};\n    y[row] = post(v, 0{args});\n")
     if variant in ("block_row", "warp_row"):
         warp = variant == "warp_row"
-        step, first = ("32", "lane") if warp else ("blockDim.x", "threadIdx.x")
-        loop = f"for (int64_t c = {first}; c < cols; c += {step})"
-        body = ("  int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;\n  int lane = threadIdx.x & 31;\n"
+        body = ("  int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;\n"
                 "  if (row >= rows) return;  // the whole warp leaves: no shuffle is missing a lane\n") if warp else \
             "  int64_t row = blockIdx.x;\n"
-        body += "  const float* xr = x + row * cols;\n" + _stat_code(stats, loop, "xr[c]", "warp" if warp else "block", args, "  ", note)
-        if keeps:
-            body += (f"  {loop} {{\n    float v = pre(xr[c], c{args});\n    // {note}\n    v = {out};\n"
-                     f"    y[row * cols + c] = post(v, c{args});\n  }}\n")
-        else:
-            body += f"  if ({first} == 0) {{\n" + result + "  }\n"
+        body += f"  // {note}\n  {call}\n"
         grid = f"(rows + {block // 32 - 1}) / {block // 32}" if warp else "rows"
         return (f"\n__global__ void fused_rows(const float* __restrict__ x, float* __restrict__ y{plist}, "
                 f"int64_t rows, int64_t cols) {{\n{body}}}\n\n" + launch_sig +
@@ -785,25 +830,22 @@ def _cuda_rows(variant, block, stats, out, keeps, plist, args, largs, launch_sig
             f"  apply<<<grid, {block}, 0, (cudaStream_t)stream>>>(x, y, scratch{largs}, {n}, cols);\n}}\n")
 
 
-def _cpu_rows(variant, stats, out, keeps, args, unpack, launch_sig, note) -> str:
-    buffered = variant == "row_buffer"  # the chain before the reduction runs once per element into a row buffer
-    ind = "      " if buffered else "    "
-    loop = "for (int64_t c = 0; c < cols; ++c)"
-    val = "buf[c]" if buffered else f"pre(xr[c], c{args})"
-    body = f"{ind}const float* xr = x + r * cols;\n"
-    simd = f"{ind}#pragma omp simd\n"
-    if buffered:
-        body += f"{simd}{ind}{loop} buf[c] = pre(xr[c], c{args});\n"
-    body += _stat_code(stats, loop, "xr[c]", "", args, ind, note, simd=True).replace(f"pre(xr[c], c{args})", val)
+def _cpu_rows(variant, stats, out, keeps, args, unpack, launch_sig, note, call) -> str:
+    if variant == "passes":  # the library's row function: a pass over the row per statistic, the chain recomputed
+        return ("\n" + launch_sig + unpack + "  #pragma omp parallel for\n  for (int64_t row = 0; row < rows; ++row) {\n"
+                f"    // {note}\n    {call}\n  }}\n}}\n")
+    # row_buffer, written out: the chain before the reduction runs once per element into a row buffer, then a pass
+    # over the buffer per statistic
+    ind, loop, simd = "      ", "for (int64_t c = 0; c < cols; ++c)", "      #pragma omp simd\n"
+    body = (f"{ind}const float* xr = x + r * cols;\n{simd}{ind}{loop} buf[c] = pre(xr[c], c{args});\n"
+            + _stat_code(stats, loop, "xr[c]", "", args, ind, note, simd=True).replace(f"pre(xr[c], c{args})", "buf[c]"))
     if keeps:
-        body += (f"{simd}{ind}{loop} {{\n{ind}  float v = {val};\n{ind}  // {note}\n{ind}  v = {out};\n"
+        body += (f"{simd}{ind}{loop} {{\n{ind}  float v = buf[c];\n{ind}  // {note}\n{ind}  v = {out};\n"
                  f"{ind}  y[r * cols + c] = post(v, c{args});\n{ind}}}\n")
     else:
         body += f"{ind}{{\n{ind}  // {note}\n{ind}  float v = {out};\n{ind}  y[r] = post(v, 0{args});\n{ind}}}\n"
-    if buffered:
-        return ("\n" + launch_sig + unpack + "  #pragma omp parallel\n  {\n    std::vector<float> buf(cols);  // one per thread\n"
-                "    #pragma omp for\n    for (int64_t r = 0; r < rows; ++r) {\n" + body + "    }\n  }\n}\n")
-    return "\n" + launch_sig + unpack + "  #pragma omp parallel for\n  for (int64_t r = 0; r < rows; ++r) {\n" + body + "  }\n}\n"
+    return ("\n" + launch_sig + unpack + "  #pragma omp parallel\n  {\n    std::vector<float> buf(cols);  // one per thread\n"
+            "    #pragma omp for\n    for (int64_t r = 0; r < rows; ++r) {\n" + body + "    }\n  }\n}\n")
 
 
 def task_hash(code: str) -> str:

@@ -194,8 +194,8 @@ def script(code: str, backend: str, plan: list, mistake: bool = False):
     # on silu -> silu -> clamp and the row template (docs/results.md).
     chain = " -> ".join(f"{st['op']} ({'reduction' if st is red else 'elementwise'})" for st in steps)
     shape = re.findall(r"^(BATCH|SEQ_LEN|DIM) = (\d+)$", code, re.M)
-    how = (f"one reduction, {red['op']}, over the last dimension, so one fused kernel works row by row: statistics "
-           f"first, then every element" if red else "no reduction, so one fused kernel reads x once and writes y once")
+    how = (f"one reduction, {red['op']}, over the last dimension, so one fused kernel works row by row: the library's "
+           f"op_{red['op']} over each row, the ops before it in pre and the ops after it in post" if red else "no reduction, so one fused kernel reads x once and writes y once")
     yield call(f"The reference computes {chain} on x of shape ({', '.join(f'{n}={v}' for n, v in shape)}): {how}. "
                f"Layout: a fixed binding (kernels/binding.cpp: checks, raw pointers, one call of launch) and the chain in "
                f"{op_path}, which includes the provided op library ({E.HEADER_PATH[backend]}): per op, its Model.forward "
@@ -226,8 +226,8 @@ def script(code: str, backend: str, plan: list, mistake: bool = False):
                        "write_file", path="model_new.py", content=E.model_new(code, steps, backend))
             obs = yield call("Compile.", "compile")
             if current != src and not obs.startswith("compiled OK"):  # the mistake's compile error: the row kernel
-                yield call(f"op_{red['op']} is not in the op library: {red['op']} is the reduction, so one fused kernel "
-                           f"works row by row: {name}, {E.VARIANTS[v]}.", "write_file", path=op_path, content=src)
+                yield call(f"op_{red['op']} works on a whole row, not on one value: {red['op']} is the reduction, so one "
+                           f"fused kernel works row by row: {name}, {E.VARIANTS[v]}.", "write_file", path=op_path, content=src)
                 current = src
                 obs = yield call("Compile.", "compile")
             if not obs.startswith("compiled OK"):
