@@ -17,7 +17,8 @@ ScriptedTeacher solves any task of the elementwise family (elementwise.py): it r
 code, writes the fixed binding, a fused kernel that calls the op library the workspace starts with
 (elementwise.provided_files) and model_new.py, compiles, profiles (a profile checks before it times: no verify
 first). Its first kernel is one template per kind (choose_plan: a thread per element; a block per row for
-reductions; on CPU OpenMP over rows with a vectorised inner loop, or passes over each row); in half of the episodes
+reductions, a call of the library's row function; on CPU OpenMP over rows with a vectorised inner loop, or the row
+function over each row); in half of the episodes
 one other variant follows (grid-stride or float4, at a drawn block size; a warp per row or two kernels; one flat
 OpenMP loop, or a row buffer) and the faster is kept, so demonstrations differ in speed and RL has something left
 to find. In a share of the episodes (drawn at MISTAKES, played where the chain allows one: script) it plays one turn

@@ -200,8 +200,9 @@ def test_every_op_statement_computes_what_its_pytorch_line_does(tmp_path):
 
 
 def test_the_cpu_kernels_loops_vectorise(tmp_path):
-    """Every op statement of the C++ library in a `#pragma omp simd` loop, and every loop over a row of the CPU kernel
-    variants (statistics, outputs, a row buffer), vectorise under the CPU backend's flags (build.py's), and under
+    """Every op statement of the C++ library in a `#pragma omp simd` loop, every loop over a row of the library's row
+    functions (as the kernels instantiate them) and of the CPU kernel variants (statistics, outputs, a row buffer)
+    vectorise under the CPU backend's flags (build.py's), and under
     them on a plain AVX2 machine too: a loop with a libm call (expf, tanhf, ...), fminf / fmaxf or a select g++ may
     not evaluate ahead stays one value at a time, ~10x slower than eager on the same core, and the teacher's CPU
     demonstrations would all be slower than eager."""
