@@ -433,7 +433,7 @@ def model_new(code: str, steps: list[dict], backend: str) -> str:
 #     v = op_leaky_relu(v, 0.1f);
 # Why: a small model copies text from its context far better than it recalls a C expression per op (the embedded
 # model, trained on 16 demonstrations, wrote the right op names with other ops' math: docs/curriculum.md), and a
-# header the policy had to write itself would be 1,300 tokens to recall in every episode.
+# header the policy had to write itself would be 1,300 tokens to recall in every episode (its op functions alone).
 LIBRARY = [name for name, spec in OPS.items() if not spec["torch"].startswith("x ")]
 assert not any("param" in OPS[n] for n in LIBRARY), "a library function takes scalars only (_line passes no {p})"
 HEADER_PATH = {"cuda": "kernels/lib.cuh", "cpu": "kernels/lib.h"}
@@ -482,7 +482,7 @@ def header(backend: str) -> str:
     return (f"// {HEADER_PATH[backend]}: op_X(v, ...) computes PyTorch's X (F.gelu(x, approximate='tanh'): op_gelu_tanh)"
             f"{'; reductions across threads, then' if cuda else '; then'} the row reductions. The same text for every task.\n"
             "#pragma once\n#include <math.h>\n" + ("\n" + TANH_FAST if cuda else CPU_FUNCTIONS) + fns
-            + (REDUCE_FUNCTIONS if cuda else "") + ROW_NOTE.format(who=ROW_WHO[backend])
+            + (REDUCE_FUNCTIONS if cuda else "") + ROW_NOTE + ROW_WHO[backend]
             + "".join(_row_function(r, backend, warp) for r in REDUCTIONS for warp in ([False, True] if cuda else [False])))
 
 
@@ -675,7 +675,7 @@ def kernel_source(steps: list[dict], backend: str, variant: str = "", block: int
     stats = [(n, kind, math(term), math(fin)) for n, kind, term, fin in spec["stats"]]
     out = math(_c(spec.get("out") or spec["result"], red))
     keeps = "out" in spec
-    note = f"x = {torch_line(red)}"  # the reduction's line of Model.forward: above its statistics and its result
+    note = f"x = {torch_line(red)}"  # the reduction's line of Model.forward: above its call, or its statistics
     # the library's row function (block_row, warp_row, passes): its name, the affine norm's weight and bias, the chain's
     # parameters for pre and post
     call = (f"op_{red['op']}{'_warp' if variant == 'warp_row' else ''}<pre, post>(x, y, row, cols"
@@ -751,17 +751,16 @@ def _stat_code(stats, loop: str, load: str, reduce: str, args: str, ind: str, no
 # The library's row reductions: the statistics of every reduction written once, in the header, so that a kernel
 # calls one by name as it calls op_gelu (a small student copies a name; it does not recall 8-12 lines of statistics
 # per reduction: docs/curriculum.md). pre and post, the kernel's chain before and after the reduction, are template
-# arguments: direct calls, inlined, the loops the same machine code as written out in the kernel.
+# arguments: direct calls, inlined (no call is left in the PTX; every C++ row loop vectorises).
 ROW_NOTE = """
 // Row reductions: op_R<pre, post>(x, y, row, cols, params...) computes PyTorch's R over the last dimension of row `row`
 // of x (cols values), each value read as pre(x[...], c, params...) (the chain before R) and each output written as
 // post(value, c, params...) (the chain after it) to y[row * cols + c], or to y[row] where R removes the last
-// dimension. An affine norm takes its weight and bias first: op_layer_norm_affine<pre, post>(x, y, row, cols, g, o,
-// params...).{who}
+// dimension. An affine norm takes its weight g (and bias o) first: op_layer_norm_affine<pre, post>(x, y, row, cols,
+// g, o, params...).
 """
-
-ROW_WHO = {"cuda": "\n// Every thread of a block calls op_R (a block per row); every lane of one warp, op_R_warp (a warp per row).",
-           "cpu": "\n// One thread calls it for a row; its loops are vectorised (omp simd)."}
+ROW_WHO = {"cuda": "// Every thread of a block calls op_R (a block per row); every lane of one warp, op_R_warp (a warp per row).\n",
+           "cpu": "// One thread calls it for a row; its loops are vectorised (omp simd).\n"}
 
 
 def _row_function(name: str, backend: str, warp: bool = False) -> str:
@@ -772,27 +771,28 @@ def _row_function(name: str, backend: str, warp: bool = False) -> str:
     stats = [(n, kind, math(term), math(fin)) for n, kind, term, fin in spec["stats"]]
     affine = "".join(f", const float* __restrict__ {k}" for k in "go" if f"{{{k}}}" in spec["torch"])
     out = math(_c(spec.get("out") or spec["result"], {"g": "g", "o": "o"}))
-    first, loop = (("lane", "for (int64_t c = lane; c < cols; c += 32)") if warp else
-                   ("threadIdx.x", "for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)")) if cuda else \
-        ("", "for (int64_t c = 0; c < cols; ++c)")
-    simd = "" if cuda else "  #pragma omp simd\n"
-    body = ("  int lane = threadIdx.x & 31;\n" if warp else "") + "  const float* xr = x + row * cols;\n"
-    body += _stat_code(stats, loop, "xr[c]", ("warp" if warp else "block") if cuda else "", ", p...", "  ",
-                       f"x = {torch_line({'op': name, 'g': 'g', 'o': 'o'})}", simd=not cuda)
-    if "out" in spec:
-        body += f"{simd}  {loop} {{\n    float v = pre(xr[c], c, p...);\n    v = {out};\n    y[row * cols + c] = post(v, c, p...);\n  }}\n"
-    elif cuda:
-        body += f"  if ({first} == 0) y[row] = post({out}, 0, p...);\n"
+    # which columns of the row this thread takes, how its partial statistics are combined, who writes a row's one value
+    if not cuda:
+        first, step, reduce, simd = "0", "1", "", "  #pragma omp simd\n"
+    elif warp:
+        first, step, reduce, simd = "lane", "32", "warp", ""
     else:
-        body += f"  y[row] = post({out}, 0, p...);\n"
+        first, step, reduce, simd = "threadIdx.x", "blockDim.x", "block", ""
+    loop = f"for (int64_t c = {first}; c < cols; c += {step})" if cuda else "for (int64_t c = 0; c < cols; ++c)"
+    body = ("  int lane = threadIdx.x & 31;\n" if warp else "") + "  const float* xr = x + row * cols;\n"
+    body += _stat_code(stats, loop, "xr[c]", reduce, ", p...", "  ", f"x = {torch_line({'op': name, 'g': 'g', 'o': 'o'})}",
+                       simd=not cuda)
+    if "out" in spec:
+        body += (f"{simd}  {loop} {{\n    float v = pre(xr[c], c, p...);\n    v = {out};\n"
+                 "    y[row * cols + c] = post(v, c, p...);\n  }\n")
+    else:  # (on CUDA every thread holds the result: one writes it)
+        body += f"  {f'if ({first} == 0) ' if cuda else ''}y[row] = post({out}, 0, p...);\n"
     qual = "__device__ __forceinline__" if cuda else "static inline"
     return (f"template <auto pre, auto post, class... P>\n{qual} void op_{name}{'_warp' if warp else ''}(const float* "
             f"__restrict__ x, float* __restrict__ y, int64_t row, int64_t cols{affine}, P... p) {{\n{body}}}\n")
 
 
 def _cuda_rows(variant, block, stats, out, keeps, plist, args, largs, launch_sig, note, call) -> str:
-    names = [s[0] for s in stats]
-    result = (f"    // {note}\n    float v = {out};\n    y[row] = post(v, 0{args});\n")
     if variant in ("block_row", "warp_row"):
         warp = variant == "warp_row"
         body = ("  int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + threadIdx.x / 32;\n"
@@ -804,7 +804,8 @@ def _cuda_rows(variant, block, stats, out, keeps, plist, args, largs, launch_sig
                 f"int64_t rows, int64_t cols) {{\n{body}}}\n\n" + launch_sig +
                 f"  fused_rows<<<{grid}, {block}, 0, (cudaStream_t)stream>>>(x, y{largs}, rows, cols);\n}}\n")
     # two kernels: statistics per row into scratch, then every element (or row) on its own
-    ns = len(stats)
+    names, ns = [s[0] for s in stats], len(stats)
+    result = (f"    // {note}\n    float v = {out};\n    y[row] = post(v, 0{args});\n")
     body = "  int64_t row = blockIdx.x;\n  const float* xr = x + row * cols;\n" + _stat_code(
         stats, "for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)", "xr[c]", "block", args, "  ", note)
     body += "  if (threadIdx.x == 0) {\n" + "".join(f"    stats[row * {ns} + {i}] = {n};\n" for i, n in enumerate(names)) + "  }\n"
@@ -837,15 +838,15 @@ def _cpu_rows(variant, stats, out, keeps, args, unpack, launch_sig, note, call) 
     # row_buffer, written out: the chain before the reduction runs once per element into a row buffer, then a pass
     # over the buffer per statistic
     ind, loop, simd = "      ", "for (int64_t c = 0; c < cols; ++c)", "      #pragma omp simd\n"
-    body = (f"{ind}const float* xr = x + r * cols;\n{simd}{ind}{loop} buf[c] = pre(xr[c], c{args});\n"
+    body = (f"{ind}const float* xr = x + row * cols;\n{simd}{ind}{loop} buf[c] = pre(xr[c], c{args});\n"
             + _stat_code(stats, loop, "xr[c]", "", args, ind, note, simd=True).replace(f"pre(xr[c], c{args})", "buf[c]"))
     if keeps:
         body += (f"{simd}{ind}{loop} {{\n{ind}  float v = buf[c];\n{ind}  // {note}\n{ind}  v = {out};\n"
-                 f"{ind}  y[r * cols + c] = post(v, c{args});\n{ind}}}\n")
+                 f"{ind}  y[row * cols + c] = post(v, c{args});\n{ind}}}\n")
     else:
-        body += f"{ind}{{\n{ind}  // {note}\n{ind}  float v = {out};\n{ind}  y[r] = post(v, 0{args});\n{ind}}}\n"
+        body += f"{ind}{{\n{ind}  // {note}\n{ind}  float v = {out};\n{ind}  y[row] = post(v, 0{args});\n{ind}}}\n"
     return ("\n" + launch_sig + unpack + "  #pragma omp parallel\n  {\n    std::vector<float> buf(cols);  // one per thread\n"
-            "    #pragma omp for\n    for (int64_t r = 0; r < rows; ++r) {\n" + body + "    }\n  }\n}\n")
+            "    #pragma omp for\n    for (int64_t row = 0; row < rows; ++row) {\n" + body + "    }\n  }\n}\n")
 
 
 def task_hash(code: str) -> str:

@@ -165,8 +165,9 @@ class Unlearned(str):
 
 
 def wrong_template(steps: list[dict], backend: str) -> str:
-    """The elementwise template on a chain with a reduction, the reduction called as if the op library had it
-    (op_<name>): what the student writes when it takes a reduction for an elementwise op. It does not compile."""
+    """The elementwise template on a chain with a reduction, the reduction called on one value as an elementwise op,
+    op_<name>(v) (the library's op_<name> takes a row): what the student writes when it takes a reduction for an
+    elementwise op. It does not compile."""
     _, red, _ = E.split(steps)
     i, stand_in = steps.index(red), {"op": "relu"}  # a library op in the reduction's place, rendered, then replaced
     src = E.kernel_source(steps[:i] + [stand_in] + steps[i + 1:], backend)

@@ -270,13 +270,10 @@ HOST_INTRINSICS = """#define __device__
 """
 
 
-ROW_FUNCTIONS = "\n// Row reductions:"  # where the header's row functions start
-
-
 def _library(tmp_path, gpu: bool):
     """kernels/lib.cuh's op_X as f_X(x, y, n) over host arrays, built for the host (HOST_INTRINSICS, g++) or for the
     GPU (nvcc: the special function units' __expf, __logf and __fdividef themselves, one thread per value)."""
-    lib_text = E.header("cuda").replace(E.REDUCE_FUNCTIONS, "").split(ROW_FUNCTIONS)[0]
+    lib_text = E.header("cuda").replace(E.REDUCE_FUNCTIONS, "").split(E.ROW_NOTE)[0]  # (the op functions)
     if gpu:
         call = ("  float *dx, *dy;\n  cudaMalloc(&dx, n * 4); cudaMalloc(&dy, n * 4);\n"
                 "  cudaMemcpy(dx, x, n * 4, cudaMemcpyHostToDevice);\n  k_{n}<<<(n + 255) / 256, 256>>>(dx, dy, n);\n"
@@ -317,43 +314,6 @@ def test_the_cuda_library_computes_what_the_pytorch_lines_do(tmp_path):
             assert E.accurate_math(E.cuda_math(expr)) == expr, (expr, E.cuda_math(expr))
     lib = E.accurate_math(E.header("cuda").replace(E.TANH_FAST, "").replace(E.REDUCE_FUNCTIONS, ""))
     assert not re.search(r"__expf|__logf|__fdividef|rsqrtf|lib_fast_tanh", lib), lib
-
-
-# The CUDA header's row functions on the host: one thread per block and one lane per warp (every warp-or-block
-# reduction of one value is that value, a lane's loop steps over every column)
-HOST_THREADS = """struct Dim { unsigned x; };
-static Dim threadIdx = {0}, blockDim = {1};
-static inline float block_sum(float v) { return v; }
-static inline float block_max(float v) { return v; }
-static inline float warp_sum(float v) { return v; }
-static inline float warp_max(float v) { return v; }
-static inline float rsqrtf(float v) { return 1.f / sqrtf(v); }
-"""
-
-
-def test_the_cuda_librarys_row_reductions_compute_what_the_pytorch_lines_do(tmp_path):
-    """kernels/lib.cuh's op_<reduction> and op_<reduction>_warp of every reduction, built for the host (g++, one
-    thread: HOST_THREADS), called as the block_row and warp_row kernels call them, against PyTorch. What a GPU adds
-    (the threads' shares of a row, their shuffles) is the gpu test's."""
-    lib_text = E.header("cuda").replace(E.REDUCE_FUNCTIONS, HOST_THREADS).replace("c += 32)", "c += 1)")
-    src = HOST_INTRINSICS + lib_text.replace("#include <math.h>", "").replace("\n#pragma once", "")
-    for red in E.REDUCTIONS:
-        for v in LIBRARY_VARIANTS["cuda"]:
-            steps = reduction_chain(red)
-            k = E.kernel_source(steps, "cuda", v)
-            fns, call = k[k.index("__device__"):k.index("__global__")], re.search(r"  (op_\w+<pre, post>\(.*\);)", k).group(1)
-            src += (f'namespace k_{red}_{v} {{\n{fns}extern "C" void launch_{red}_{v}(const float* x, float* y, '
-                    "const float* const* params, float* scratch, int64_t rows, int64_t cols, void* stream) {\n"
-                    + "".join(f"  const float* {p} = params[{i}];\n" for i, p in enumerate(E.params(steps)))
-                    + f"  for (int64_t row = 0; row < rows; ++row) {call}\n}}\n}}\n")
-    (tmp_path / "rows.cpp").write_text("#include <cstdint>\n" + src)
-    r = subprocess.run(["g++", "-O2", "-std=c++20", "-fPIC", "-shared", "-o", str(tmp_path / "rows.so"),
-                        str(tmp_path / "rows.cpp")], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    lib = ctypes.CDLL(str(tmp_path / "rows.so"))
-    for red in E.REDUCTIONS:
-        for v in LIBRARY_VARIANTS["cuda"]:
-            _run_rows(getattr(lib, f"launch_{red}_{v}"), reduction_chain(red), "cpu")
 
 
 @pytest.mark.gpu
@@ -847,3 +807,47 @@ def test_every_cuda_reduction_in_every_variant_computes_what_the_pytorch_lines_d
     for red in E.REDUCTIONS:
         for v in E.VARIANTS_FOR[("cuda", True)]:
             _run_rows(getattr(lib, f"launch_{red}_{v}"), reduction_chain(red), "cuda")
+
+
+# The CUDA header's row functions on the host: one thread per block and one lane per warp (every warp-or-block
+# reduction of one value is that value, a lane's loop steps over every column)
+HOST_THREADS = """struct Dim { unsigned x; };
+static Dim threadIdx = {0}, blockDim = {1};
+static inline float block_sum(float v) { return v; }
+static inline float block_max(float v) { return v; }
+static inline float warp_sum(float v) { return v; }
+static inline float warp_max(float v) { return v; }
+static inline float rsqrtf(float v) { return 1.f / sqrtf(v); }
+"""
+
+
+def test_the_cuda_librarys_row_reductions_compute_what_the_pytorch_lines_do(tmp_path):
+    """kernels/lib.cuh's op_<reduction> and op_<reduction>_warp of every reduction, built for the host (g++, one
+    thread: HOST_THREADS), called as the block_row and warp_row kernels call them, against PyTorch. What a GPU adds
+    (the threads' shares of a row, their shuffles) is the gpu test's."""
+    header = E.header("cuda")
+    for red in E.REDUCTIONS:  # what one lane cannot show: the warp's function is the block's with a lane's share
+        block, warp = (re.search(rf"template[^\n]*\n[^\n]* void op_{red}{w}\(.*?\n}}\n", header, re.S).group(0)
+                       for w in ("", "_warp"))
+        assert warp == block.replace(f"op_{red}(", f"op_{red}_warp(").replace(
+            "  const float* xr", "  int lane = threadIdx.x & 31;\n  const float* xr").replace("threadIdx.x", "lane").replace(
+            "lane & 31", "threadIdx.x & 31").replace("blockDim.x", "32").replace("block_", "warp_"), (red, warp)
+    lib_text = header.replace(E.REDUCE_FUNCTIONS, HOST_THREADS).replace("c += 32)", "c += 1)")
+    src = HOST_INTRINSICS + lib_text.replace("#include <math.h>", "").replace("\n#pragma once", "")
+    for red in E.REDUCTIONS:
+        for v in LIBRARY_VARIANTS["cuda"]:
+            steps = reduction_chain(red)
+            k = E.kernel_source(steps, "cuda", v)
+            fns, call = k[k.index("__device__"):k.index("__global__")], re.search(r"  (op_\w+<pre, post>\(.*\);)", k).group(1)
+            src += (f'namespace k_{red}_{v} {{\n{fns}extern "C" void launch_{red}_{v}(const float* x, float* y, '
+                    "const float* const* params, float* scratch, int64_t rows, int64_t cols, void* stream) {\n"
+                    + "".join(f"  const float* {p} = params[{i}];\n" for i, p in enumerate(E.params(steps)))
+                    + f"  for (int64_t row = 0; row < rows; ++row) {call}\n}}\n}}\n")
+    (tmp_path / "rows.cpp").write_text("#include <cstdint>\n" + src)
+    r = subprocess.run(["g++", "-O2", "-std=c++20", "-fPIC", "-shared", "-o", str(tmp_path / "rows.so"),
+                        str(tmp_path / "rows.cpp")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lib = ctypes.CDLL(str(tmp_path / "rows.so"))
+    for red in E.REDUCTIONS:
+        for v in LIBRARY_VARIANTS["cuda"]:
+            _run_rows(getattr(lib, f"launch_{red}_{v}"), reduction_chain(red), "cpu")
