@@ -583,10 +583,11 @@ def accurate_math(text: str) -> str:
 
 
 def _line(st: dict) -> str:
-    """The C statement of one op: a call of the library, or the arithmetic inline."""
+    """The C statement of one op: a call of the library, or the arithmetic inline (a parameter read as Model.forward
+    reads it, self.w0[d]: kernel_source's Params)."""
     if st["op"] in LIBRARY:
         return f"op_{st['op']}(" + ", ".join(["v"] + [c_float(st[k]) for k in "ab" if k in st]) + ")"
-    return _c(OPS[st["op"]]["c"], st)
+    return _c(OPS[st["op"]]["c"], {**st, "p": f"self.{st['p']}"} if "p" in st else st)
 
 
 def _fn(name: str, steps: list[dict], plist: str, qual: str) -> str:
@@ -621,22 +622,25 @@ def kernel_source(steps: list[dict], backend: str, variant: str = "", block: int
     variant = variant or VARIANTS_FOR[(backend, red is not None)][0]
     if variant not in VARIANTS_FOR[(backend, red is not None)]:
         raise ValueError(f"variant {variant} does not apply here")
+    # Model's parameters are one struct, declared once: every function takes `Params self` (plist; passed on as args),
+    # the same text for every task, and reads a parameter as Model.forward does, self.w0[d]. A CUDA launch fills it
+    # where it launches a kernel (largs); the CPU's launch runs the loops itself and fills one (unpack). With a pointer
+    # per parameter in every signature and call, or a line per parameter to unpack it, the 135M student left one out
+    # or wrote the comment's `self.w0` into a function that took none (docs/results.md).
     ps = params(steps)
-    plist = "".join(f", const float* {p}" for p in ps)
-    args = "".join(f", {p}" for p in ps)
-    # plist: the parameters in a kernel's signature; args: their names passed on inside it. A CUDA launch passes
-    # params[i] straight to the kernel (largs), which names each one: no local pointer per parameter, so no line for a
-    # student to leave out (a build error a 135M student made: docs/results.md). The CPU's launch runs the loops
-    # itself and unpacks them.
+    fill = "Params{" + ", ".join(f"params[{i}]" for i in range(len(ps))) + "}"
+    plist, args = ", Params self", ", self"
     cuda = backend == "cuda"
-    unpack = "" if cuda else "".join(f"  const float* {p} = params[{i}];\n" for i, p in enumerate(ps))
-    largs = "".join(f", params[{i}]" for i in range(len(ps)))
+    unpack = "" if cuda else f"  const Params self = {fill};\n"
+    largs = f", {fill}"
+    fields = "".join(f" const float* {p};" for p in ps)
     qual = "__device__ __forceinline__" if cuda else "static inline"
     chain = " -> ".join(st["op"] for st in steps)
     head = (f"// kernels/op.{'cu' if cuda else 'cpp'}: {chain}, fused into one pass. Variant {variant}"
             f"{f'/{block}' if cuda else ''}: {VARIANTS[variant]}.\n"
             + ('#include <cstdint>\n#include <cuda_runtime.h>\n#include "lib.cuh"\n\n' if cuda else
-               '#include <cstdint>\n#include <vector>\n#include "lib.h"\n\n'))
+               '#include <cstdint>\n#include <vector>\n#include "lib.h"\n\n')
+            + f"struct Params {{{fields} }};  // Model's parameters, in the order model_new.py passes them\n\n")
     launch_sig = ('extern "C" void launch(const float* x, float* y, const float* const* params, float* scratch, '
                   'int64_t rows, int64_t cols, void* stream) {\n')
     src = head + _fn("pre", pre, plist, qual) + (_fn("post", post, plist, qual) if red else "")
@@ -673,13 +677,13 @@ def kernel_source(steps: list[dict], backend: str, variant: str = "", block: int
     spec = REDUCTIONS[red["op"]]
     math = cuda_math if cuda else cpu_math
     stats = [(n, kind, math(term), math(fin)) for n, kind, term, fin in spec["stats"]]
-    out = math(_c(spec.get("out") or spec["result"], red))
+    out = math(_c(spec.get("out") or spec["result"], {k: f"self.{red[k]}" for k in "go" if k in red}))
     keeps = "out" in spec
     note = f"x = {torch_line(red)}"  # the reduction's line of Model.forward: above its call, or its statistics
     # the library's row function (block_row, warp_row, passes): its name, the affine norm's weight and bias, the chain's
     # parameters for pre and post
     call = (f"op_{red['op']}{'_warp' if variant == 'warp_row' else ''}<pre, post>(x, y, row, cols"
-            + "".join(f", {red[k]}" for k in "go" if k in red) + f"{args});")
+            + "".join(f", self.{red[k]}" for k in "go" if k in red) + f"{args});")
     if cuda:
         return src + _cuda_rows(variant, block, stats, out, keeps, plist, args, largs, launch_sig, note, call)
     return src + _cpu_rows(variant, stats, out, keeps, args, unpack, launch_sig, note, call)

@@ -172,13 +172,17 @@ def one_step_of_each_op() -> dict:
             for name, spec in E.OPS.items()}
 
 
+SELF_W = "const struct { const float* w; } self = {w};"  # (a kernel's Params, for a parameter named w)
+
+
 def test_every_op_statement_computes_what_its_pytorch_line_does(tmp_path):
     """Every op of the family, as the kernels spell it (a call of the op library, or arithmetic inline), compiled by
     g++ against kernels/lib.h and run on values around every op's kinks, matches its line of Model.forward; and
     each kernel writes that line as a comment right above the statement (what the student copies)."""
     ops = one_step_of_each_op()
     fns = "".join(f'extern "C" void f_{n}(const float* x, float* y, const float* w, int n) {{\n'
-                  f"  for (int d = 0; d < n; ++d) {{ float v = x[d]; y[d] = {E._line(st)}; }}\n}}\n" for n, st in ops.items())
+                  f"  {SELF_W}\n  for (int d = 0; d < n; ++d) {{ float v = x[d]; y[d] = {E._line(st)}; }}\n}}\n"
+                  for n, st in ops.items())
     (tmp_path / "lib.h").write_text(E.header("cpu"))
     (tmp_path / "ops.cpp").write_text('#include "lib.h"\n' + fns)
     r = subprocess.run(["g++", "-O2", "-shared", "-fPIC", "-o", str(tmp_path / "ops.so"), str(tmp_path / "ops.cpp")],
@@ -221,7 +225,7 @@ def test_the_cpu_kernels_loops_vectorise(tmp_path):
 
     for name, st in ops.items():
         src += f'extern "C" void f_{name}(const float* __restrict__ x, float* __restrict__ y, const float* w, int64_t n) {{\n'
-        src += "  #pragma omp simd\n"
+        src += f"  {SELF_W}\n  #pragma omp simd\n"
         loops[("k.cpp", src.count("\n"), src.count("\n") + 1)], expected[name] = name, 1
         src += f"  for (int64_t d = 0; d < n; ++d) {{ float v = x[d]; y[d] = {E._line(st)}; }}\n}}\n"
     for red, spec in E.REDUCTIONS.items():  # each reduction after an op of the library, in both row variants
@@ -231,7 +235,7 @@ def test_the_cpu_kernels_loops_vectorise(tmp_path):
             # (passes calls the library's op_<red>: its loops are the header's, below)
             expected[what] = 0 if variant == "passes" else len(spec["stats"]) + ("out" in spec) + 1
             k = E.kernel_source(steps, "cpu", variant).replace('#include "lib.h"', "").replace("#include <cstdint>", "")
-            k = re.sub(r"\b(pre|post|launch)\b", rf"\1_{red}_{variant}", k)  # (one file holds them all)
+            k = re.sub(r"\b(pre|post|launch|Params)\b", rf"\1_{red}_{variant}", k)  # (one file holds them all)
             row_loops("k.cpp", k.splitlines(), src.count("\n") + 1, lambda i: what)
             src += k
     header = E.header("cpu").splitlines()
@@ -623,22 +627,34 @@ def test_cli_synth_family_errors_are_one_line(tmp_path):
     assert r.returncode == 2 and r.stderr.strip().startswith("synth.py: error: --composer llm")
 
 
-def test_cuda_kernels_take_their_parameters_from_params_at_the_launch():
-    """Every CUDA variant hands `params[i]` straight to its kernel where it launches it; the launch function declares
-    no local pointer per parameter. A 135M student trained on kernels with such a line (`const float* w0 = params[0];`)
-    leaves it out and the build fails (`identifier "w0" is undefined`, 3 of 16 held-out tasks in docs/results.md): one
-    line less to remember, and the kernel's own signature still names each parameter."""
-    steps = [{"op": "mul_param", "p": "w1"}, {"op": "silu"}, {"op": "add_param", "p": "w2"}]
-    red = [{"op": "mul_param", "p": "w1"}, {"op": "softmax"}, {"op": "add_param", "p": "w2"}]
-    for chain in (steps, red):
-        for v in E.VARIANTS_FOR[("cuda", chain is red)]:
-            src = E.kernel_source(chain, "cuda", v)
-            launch = src[src.index('extern "C" void launch('):]
-            assert "= params[" not in launch, (v, launch)
-            calls = re.findall(r">>>\((.*)\);", launch)
-            assert calls and all("params[0], params[1]" in c for c in calls), (v, launch)
-            kernels = re.findall(r"__global__ void \w+\((.*)\)", src)
-            assert kernels and all("const float* w1, const float* w2" in k for k in kernels), (v, src)
+def test_a_kernels_parameters_are_one_struct_read_as_model_forward_reads_them():
+    """Every variant of both backends declares Model's parameters once, `struct Params { const float* w1; ... };`, and
+    reads them as Model.forward does, `self.w1[d]` below `// x = x * self.w1`; every function takes the one
+    `Params self` (the same text for every task), and the launch fills it from params[i]. With a pointer per parameter
+    in each signature and call, the 135M student wrote `v = v * self.w0;` (the comment's Python) into a `pre` that took
+    no parameter, or `v * v` for `x * self.w1`, on 3 of 16 held-out tasks (docs/results.md); with a line per parameter
+    to unpack it in launch (`const float* w0 = params[0];`), it left the line out on 3 of 16."""
+    chains = [[{"op": "mul_param", "p": "w1"}, {"op": "silu"}, {"op": "add_param", "p": "w2"}],
+              [{"op": "mul_param", "p": "w1"}, {"op": "layer_norm_affine", "g": "g2", "o": "o2"}, {"op": "add_param", "p": "w3"}],
+              [{"op": "silu"}, {"op": "sum"}]]
+    for steps in chains:
+        ps = E.params(steps)
+        red = E.split(steps)[1] is not None
+        for backend in ("cuda", "cpu"):
+            for v in E.VARIANTS_FOR[(backend, red)]:
+                src = E.kernel_source(steps, backend, v)
+                where = (backend, v, [st["op"] for st in steps])
+                assert src.count("struct Params {") == 1 and f"struct Params {{{''.join(f' const float* {p};' for p in ps)} }};" in src, (where, src)
+                assert not re.search(r"const float\* (w|g|o)\d", src.split("struct Params")[1].split("\n", 1)[1]), (where, src)
+                fns = re.findall(r"float (?:pre|post)\((.*?)\) \{", src)
+                assert fns and all(fn == "float v, int64_t d, Params self" for fn in fns), (where, fns)
+                for st in steps:
+                    if "p" in st:
+                        line = f"// x = {E.torch_line(st)}\n  v = {E._c(E.OPS[st['op']]['c'], {**st, 'p': 'self.' + st['p']})};"
+                        assert line in src, (where, line, src)
+                assert "Params{" + ", ".join(f"params[{i}]" for i in range(len(ps))) + "}" in src, (where, src)
+                if red and v in ("block_row", "warp_row", "passes"):
+                    assert re.search(r"op_\w+<pre, post>\(x, y, row, cols(, self\.[go]2)*, self\);", src), (where, src)
 
 
 @pytest.mark.slow
@@ -722,23 +738,22 @@ LIBRARY_VARIANTS = {"cuda": ["block_row", "warp_row"], "cpu": ["passes"]}  # the
 
 
 def test_a_reduction_kernel_is_one_call_of_the_librarys_row_function():
-    """A reduction's row kernel calls op_<reduction><pre, post>(x, y, row, cols, ...) of the op library: apart from
-    its comments, every reduction's kernel is the same text but that name (and an affine norm's g, o). The 135M
-    student copies the elementwise chain but recalls each reduction's statistics, and built none of 5 held-out
-    reductions after 40 demonstrations (docs/results.md): a name is what it can copy."""
-    def strip(src, red):  # the first line, comments, the affine norm's g2 and o2, which params[i] a pointer is
-        lines = [l for l in src.splitlines()[1:] if not l.strip().startswith("//") and not re.search(r"[go]2 = params", l)]
-        text = re.sub(r", (const float\* )?[go]2\b", "", "\n".join(lines).replace(f"op_{red}", "op_R"))
-        return re.sub(r"(, params\[i\])+", ", P", re.sub(r"params\[\d\]", "params[i]", text))
+    """A reduction's row kernel calls op_<reduction><pre, post>(x, y, row, cols, self) of the op library: apart from
+    its comments and its Params, every reduction's kernel is the same text but that name (and an affine norm's
+    self.g, self.o). The 135M student copies the elementwise chain but recalls each reduction's statistics, and
+    built none of 5 held-out reductions after 40 demonstrations (docs/results.md): a name is what it can copy."""
+    def strip(src, red):  # the first line, comments, the Params struct and its filling, the affine norm's g2 and o2
+        lines = [l for l in src.splitlines()[1:] if not l.strip().startswith("//") and not l.startswith("struct Params")]
+        text = re.sub(r"Params\{[^}]*\}", "Params{P}", "\n".join(lines).replace(f"op_{red}", "op_R"))
+        return re.sub(r", self\.[go]2\b", "", text)
     for backend, variants in LIBRARY_VARIANTS.items():
         for v in variants:
             texts = {}
             for red, spec in E.REDUCTIONS.items():
                 steps = reduction_chain(red)
                 src = E.kernel_source(steps, backend, v)
-                aff = "".join(f", {steps[1][k]}" for k in "go" if k in steps[1])
-                call = f"op_{red}{'_warp' if v == 'warp_row' else ''}<pre, post>(x, y, row, cols{aff}, " + \
-                    ", ".join(E.params(steps)) + ");"
+                aff = "".join(f", self.{steps[1][k]}" for k in "go" if k in steps[1])
+                call = f"op_{red}{'_warp' if v == 'warp_row' else ''}<pre, post>(x, y, row, cols{aff}, self);"
                 assert src.count(call) == 1, (backend, v, red, src)
                 assert not re.search(r"block_sum|block_max|warp_sum|warp_max|omp simd|INFINITY", src), (backend, v, red, src)
                 texts.setdefault("out" in spec, set()).add(strip(src, red).replace("_warp<", "<"))
@@ -838,11 +853,11 @@ def test_the_cuda_librarys_row_reductions_compute_what_the_pytorch_lines_do(tmp_
         for v in LIBRARY_VARIANTS["cuda"]:
             steps = reduction_chain(red)
             k = E.kernel_source(steps, "cuda", v)
-            fns, call = k[k.index("__device__"):k.index("__global__")], re.search(r"  (op_\w+<pre, post>\(.*\);)", k).group(1)
+            fns, call = k[k.index("struct Params"):k.index("__global__")], re.search(r"  (op_\w+<pre, post>\(.*\);)", k).group(1)
+            fill = re.search(r"Params\{.*?\}", k).group(0)
             src += (f'namespace k_{red}_{v} {{\n{fns}extern "C" void launch_{red}_{v}(const float* x, float* y, '
                     "const float* const* params, float* scratch, int64_t rows, int64_t cols, void* stream) {\n"
-                    + "".join(f"  const float* {p} = params[{i}];\n" for i, p in enumerate(E.params(steps)))
-                    + f"  for (int64_t row = 0; row < rows; ++row) {call}\n}}\n}}\n")
+                    f"  const Params self = {fill};\n  for (int64_t row = 0; row < rows; ++row) {call}\n}}\n}}\n")
     (tmp_path / "rows.cpp").write_text("#include <cstdint>\n" + src)
     r = subprocess.run(["g++", "-O2", "-std=c++20", "-fPIC", "-shared", "-o", str(tmp_path / "rows.so"),
                         str(tmp_path / "rows.cpp")], capture_output=True, text=True)
