@@ -454,8 +454,9 @@ def provided_note(backend: str) -> str:
     fns = ", ".join(f"op_{n}({_signature(n).replace('float ', '')})" for n in LIBRARY)
     cuda = backend == "cuda"
     rows = (f"; the row reductions {', '.join(f'op_{n}' for n in REDUCTIONS)}: op_R<pre, post>(x, y, row, cols, "
-            f"params...) computes R over row `row` of x, pre and post being the kernel's chain before and after it "
-            f"(an affine norm's g, o before params){'; every thread of a block calls it (op_R_warp: of one warp)' if cuda else ''}")
+            f"self) computes R over row `row` of x, pre and post being the kernel's chain before and after it, self its "
+            f"Params (an affine norm's self.g, self.o before self)"
+            f"{'; every thread of a block calls it (op_R_warp: of one warp)' if cuda else ''}")
     threads = "; and warp_sum, warp_max, block_sum, block_max (every thread gets the result)"
     return (f"{HEADER_PATH[backend]} (provided) defines {fns}: PyTorch's op of that name on one value "
             f"(F.gelu(x, approximate='tanh'): op_gelu_tanh){rows}{threads if cuda else ''}.")
@@ -622,16 +623,17 @@ def kernel_source(steps: list[dict], backend: str, variant: str = "", block: int
     variant = variant or VARIANTS_FOR[(backend, red is not None)][0]
     if variant not in VARIANTS_FOR[(backend, red is not None)]:
         raise ValueError(f"variant {variant} does not apply here")
-    # Model's parameters are one struct, declared once: every function takes `Params self` (plist; passed on as args),
-    # the same text for every task, and reads a parameter as Model.forward does, self.w0[d]. A CUDA launch fills it
-    # where it launches a kernel (largs); the CPU's launch runs the loops itself and fills one (unpack). With a pointer
-    # per parameter in every signature and call, or a line per parameter to unpack it, the 135M student left one out
-    # or wrote the comment's `self.w0` into a function that took none (docs/results.md).
+    # Model's parameters are one struct, declared once (its fields differ by task); every function's signature takes
+    # `Params self` (plist) and passes it on (args), text that is the same for every task, and reads a parameter as
+    # Model.forward does, self.w0[d]. A CUDA launch fills it where it launches a kernel (largs); the CPU's launch runs
+    # the loops itself and fills one local self (local_self). With a pointer per parameter in every signature and call,
+    # or a line per parameter to unpack it, the 135M student left one out or wrote the comment's `self.w0` into a
+    # function that took none (docs/results.md).
     ps = params(steps)
     fill = "Params{" + ", ".join(f"params[{i}]" for i in range(len(ps))) + "}"
     plist, args = ", Params self", ", self"
     cuda = backend == "cuda"
-    unpack = "" if cuda else f"  const Params self = {fill};\n"
+    local_self = "" if cuda else f"  const Params self = {fill};\n"
     largs = f", {fill}"
     fields = "".join(f" const float* {p};" for p in ps)
     qual = "__device__ __forceinline__" if cuda else "static inline"
@@ -667,10 +669,10 @@ def kernel_source(steps: list[dict], backend: str, variant: str = "", block: int
                     GRID.format(block=block, n="rows * cols / 4") +
                     f"  fused<<<grid, {block}, 0, (cudaStream_t)stream>>>((const float4*)x, (float4*)y{largs}, rows * cols / 4, cols);\n}}\n")
         elif variant == "flat":
-            src += ("\n" + launch_sig + unpack + "  const int64_t n = rows * cols;\n  #pragma omp parallel for\n"
+            src += ("\n" + launch_sig + local_self + "  const int64_t n = rows * cols;\n  #pragma omp parallel for\n"
                     f"  for (int64_t i = 0; i < n; ++i) y[i] = pre(x[i], i % cols{args});\n}}\n")
         else:  # rows
-            src += ("\n" + launch_sig + unpack + "  #pragma omp parallel for\n  for (int64_t r = 0; r < rows; ++r) {\n"
+            src += ("\n" + launch_sig + local_self + "  #pragma omp parallel for\n  for (int64_t r = 0; r < rows; ++r) {\n"
                     "    const float* xr = x + r * cols;\n    float* yr = y + r * cols;\n    #pragma omp simd\n"
                     f"    for (int64_t c = 0; c < cols; ++c) yr[c] = pre(xr[c], c{args});\n  }}\n}}\n")
         return src
@@ -686,7 +688,7 @@ def kernel_source(steps: list[dict], backend: str, variant: str = "", block: int
             + "".join(f", self.{red[k]}" for k in "go" if k in red) + f"{args});")
     if cuda:
         return src + _cuda_rows(variant, block, stats, out, keeps, plist, args, largs, launch_sig, note, call)
-    return src + _cpu_rows(variant, stats, out, keeps, args, unpack, launch_sig, note, call)
+    return src + _cpu_rows(variant, stats, out, keeps, args, local_self, launch_sig, note, call)
 
 
 # Grid-stride loops carry the feature index d (the column of element i) from one step to the next: a 64-bit `%` per
@@ -757,11 +759,11 @@ def _stat_code(stats, loop: str, load: str, reduce: str, args: str, ind: str, no
 # per reduction: docs/curriculum.md). pre and post, the kernel's chain before and after the reduction, are template
 # arguments: direct calls, inlined (no call is left in the PTX; every C++ row loop vectorises).
 ROW_NOTE = """
-// Row reductions: op_R<pre, post>(x, y, row, cols, params...) computes PyTorch's R over the last dimension of row `row`
-// of x (cols values), each value read as pre(x[...], c, params...) (the chain before R) and each output written as
-// post(value, c, params...) (the chain after it) to y[row * cols + c], or to y[row] where R removes the last
-// dimension. An affine norm takes its weight g (and bias o) first: op_layer_norm_affine<pre, post>(x, y, row, cols,
-// g, o, params...).
+// Row reductions: op_R<pre, post>(x, y, row, cols, self) computes PyTorch's R over the last dimension of row `row` of
+// x (cols values), each value read as pre(x[...], c, self) (the chain before R) and each output written as
+// post(value, c, self) (the chain after it) to y[row * cols + c], or to y[row] where R removes the last dimension;
+// self: the kernel's Params. An affine norm takes its weight g (and bias o) first: op_layer_norm_affine<pre, post>(x,
+// y, row, cols, self.g, self.o, self).
 """
 ROW_WHO = {"cuda": "// Every thread of a block calls op_R (a block per row); every lane of one warp, op_R_warp (a warp per row).\n",
            "cpu": "// One thread calls it for a row; its loops are vectorised (omp simd).\n"}
@@ -835,9 +837,9 @@ def _cuda_rows(variant, block, stats, out, keeps, plist, args, largs, launch_sig
             f"  apply<<<grid, {block}, 0, (cudaStream_t)stream>>>(x, y, scratch{largs}, {n}, cols);\n}}\n")
 
 
-def _cpu_rows(variant, stats, out, keeps, args, unpack, launch_sig, note, call) -> str:
+def _cpu_rows(variant, stats, out, keeps, args, local_self, launch_sig, note, call) -> str:
     if variant == "passes":  # the library's row function: a pass over the row per statistic, the chain recomputed
-        return ("\n" + launch_sig + unpack + "  #pragma omp parallel for\n  for (int64_t row = 0; row < rows; ++row) {\n"
+        return ("\n" + launch_sig + local_self + "  #pragma omp parallel for\n  for (int64_t row = 0; row < rows; ++row) {\n"
                 f"    // {note}\n    {call}\n  }}\n}}\n")
     # row_buffer, written out: the chain before the reduction runs once per element into a row buffer, then a pass
     # over the buffer per statistic
@@ -849,7 +851,7 @@ def _cpu_rows(variant, stats, out, keeps, args, unpack, launch_sig, note, call) 
                  f"{ind}  y[row * cols + c] = post(v, c{args});\n{ind}}}\n")
     else:
         body += f"{ind}{{\n{ind}  // {note}\n{ind}  float v = {out};\n{ind}  y[row] = post(v, 0{args});\n{ind}}}\n"
-    return ("\n" + launch_sig + unpack + "  #pragma omp parallel\n  {\n    std::vector<float> buf(cols);  // one per thread\n"
+    return ("\n" + launch_sig + local_self + "  #pragma omp parallel\n  {\n    std::vector<float> buf(cols);  // one per thread\n"
             "    #pragma omp for\n    for (int64_t row = 0; row < rows; ++row) {\n" + body + "    }\n  }\n}\n")
 
 
