@@ -682,8 +682,8 @@ def kernel_source(steps: list[dict], backend: str, variant: str = "", block: int
     out = math(_c(spec.get("out") or spec["result"], {k: f"self.{red[k]}" for k in "go" if k in red}))
     keeps = "out" in spec
     note = f"x = {torch_line(red)}"  # the reduction's line of Model.forward: above its call, or its statistics
-    # the library's row function (block_row, warp_row, passes): its name, the affine norm's weight and bias, the chain's
-    # parameters for pre and post
+    # the library's row function (block_row, warp_row, passes): its name, the affine norm's weight and bias, then self
+    # for pre and post
     call = (f"op_{red['op']}{'_warp' if variant == 'warp_row' else ''}<pre, post>(x, y, row, cols"
             + "".join(f", self.{red[k]}" for k in "go" if k in red) + f"{args});")
     if cuda:
