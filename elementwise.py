@@ -777,14 +777,12 @@ def _row_function(name: str, backend: str, warp: bool = False) -> str:
     stats = [(n, kind, math(term), math(fin)) for n, kind, term, fin in spec["stats"]]
     affine = "".join(f", const float* __restrict__ {k}" for k in "go" if f"{{{k}}}" in spec["torch"])
     out = math(_c(spec.get("out") or spec["result"], {"g": "g", "o": "o"}))
-    # which columns of the row this thread takes, how its partial statistics are combined, who writes a row's one value
-    if not cuda:
-        first, step, reduce, simd = "0", "1", "", "  #pragma omp simd\n"
-    elif warp:
-        first, step, reduce, simd = "lane", "32", "warp", ""
+    # which columns of the row this thread takes (from `first`), how its partial statistics are combined (reduce)
+    if cuda:
+        first, step, reduce = ("lane", "32", "warp") if warp else ("threadIdx.x", "blockDim.x", "block")
+        loop, simd = f"for (int64_t c = {first}; c < cols; c += {step})", ""
     else:
-        first, step, reduce, simd = "threadIdx.x", "blockDim.x", "block", ""
-    loop = f"for (int64_t c = {first}; c < cols; c += {step})" if cuda else "for (int64_t c = 0; c < cols; ++c)"
+        loop, reduce, simd = "for (int64_t c = 0; c < cols; ++c)", "", "  #pragma omp simd\n"
     body = ("  int lane = threadIdx.x & 31;\n" if warp else "") + "  const float* xr = x + row * cols;\n"
     body += _stat_code(stats, loop, "xr[c]", reduce, ", p...", "  ", f"x = {torch_line({'op': name, 'g': 'g', 'o': 'o'})}",
                        simd=not cuda)
