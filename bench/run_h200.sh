@@ -18,6 +18,7 @@
 #   bash bench/run_h200.sh cuda-agent OUT  # CUDA Agent's compile.sh / verification / profiling beside env.py
 #   bash bench/run_h200.sh model OUT       # the embedded model from two carried parts (.gm1, then .gm2: two calls)
 #   bash bench/run_h200.sh learning OUT    # the staged run in small (sft ... ppo, held-out rows); several calls (.learn/run)
+#   bash bench/run_h200.sh teacher OUT     # the learning part's teacher chunks without the model (beside `model`'s first call)
 #   bash bench/run_h200.sh rollout   OUT   # rollout speed (HF generate vs FastEngine), with a kernel profile
 #   bash bench/run_h200.sh update    OUT   # PPO update vs TRL (135M and 1.4B)
 #   bash bench/run_h200.sh big-1.5b  OUT   # train.py --stage all at Qwen2.5-Coder-1.5B's shape (random weights), its table
@@ -34,7 +35,7 @@
 #   .kb/KernelBench/level{1,2,3}/   KernelBench problem files (the data part samples 10 per level)
 #   .cuda_agent/agent_workdir/      CUDA Agent's workspace and scripts (a clone of BytedTsinghua-SIA/CUDA-Agent)
 set -u
-PARTS=${1:?usage: run_h200.sh "data|reference|train|default-random|gpu-tests|gpu-tests-all|verdict|big-verdict|split|teacher-speed|transfer|ipc|sample-read|cuda-agent|model|learning|rollout|update|big-1.5b|big-7b|big-rollout ..." OUT}
+PARTS=${1:?usage: run_h200.sh "data|reference|train|default-random|gpu-tests|gpu-tests-all|verdict|big-verdict|split|teacher-speed|transfer|ipc|sample-read|cuda-agent|model|learning|teacher|rollout|update|big-1.5b|big-7b|big-rollout ..." OUT}
 OUT=${2:-${OUT:-/tmp/h200}}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUDA_AGENT_CACHE=${CUDA_AGENT_CACHE:-/tmp/cam-cache} TOKENIZERS_PARALLELISM=false
@@ -142,6 +143,8 @@ learning)
   run=/tmp/run-${LEARN_RUN:-sft} res=learning${LEARN_RUN:+-$LEARN_RUN}
   r=""; [ -f $run/config.json ] && r="--resume"
   if [ -z "$r" ] && [ -d .learn/run/data ]; then rm -rf $run && mkdir -p $run && cp -r .learn/run/. $run/; fi
+  # chunks the `teacher` part made on this machine (same dataset, same sizes) join the carried ones
+  if [ -z "$r" ] && [ -d /tmp/teach/sft/teacher ]; then mkdir -p $run/sft && cp -rn /tmp/teach/sft/teacher $run/sft/; fi
   step 540 $res python3 train.py --stage all --run-dir $run $S $r ${LEARN_SET:-}
   mkdir -p "$OUT/$res" && cp $run/stages.jsonl $run/stages.png $run/metrics.jsonl "$OUT/$res/" 2>/dev/null
   tar czf "$OUT/$res/learn.tgz" -C $run --exclude=workspaces data sft/teacher 2>/dev/null
@@ -150,6 +153,18 @@ learning)
   # where the teacher's verdicts and the held-out episodes' spent their time (phase medians, first vs later profiles)
   for d in sft/teacher eval; do echo "== $d"; python3 bench/verdict_phases.py $run/$d 2>&1; done \
     | tee "$OUT/$res/verdict-phases.txt"
+  ;;
+teacher)
+  # the learning part's first step, the scripted teacher's chunks, with the tokenizer only (.tok carried): in the
+  # `model` part's first call, while the model's second half is still to come. /tmp/teach starts from .learn/run
+  # (its dataset and finished chunks); the learning part takes its new chunks, and OUT/teacher/learn.tgz brings
+  # them back (tar xzf ... -C .learn/run). TEACHER_LIMIT (default 540) s.
+  read lo hi <<< "${LEARN_WINDOW:-0.3 3}"
+  [ -d /tmp/teach ] || { mkdir -p /tmp/teach && cp -r .learn/run/. /tmp/teach/; }
+  step ${TEACHER_LIMIT:-540} teacher python3 bench/teacher_chunks.py --run-dir /tmp/teach --preset default --backend cuda \
+    --set synth_tasks=56 --set eval_tasks=16 --set sft_tasks=40 --set tasks_per_step=10 \
+    --set window_lo_ms=$lo --set window_hi_ms=$hi
+  mkdir -p "$OUT/teacher" && tar czf "$OUT/teacher/learn.tgz" -C /tmp/teach --exclude=workspaces data sft/teacher 2>/dev/null
   ;;
 big-1.5b|big-7b)
   # issue 19: every stage of `train.py --stage all` on random bf16 weights of Qwen2.5-Coder-{1.5B,7B}-Instruct's exact
@@ -242,5 +257,5 @@ verdict)
   step 200 verdict_split python3 bench/verdict_split.py --backend cuda --repeats 8
   step 340 env_bench python3 bench/env_bench.py --backend cuda --no-naive --repeats 6
   ;;
-*) echo "unknown part $PART (data|reference|train|default-random|gpu-tests|gpu-tests-all|verdict|big-verdict|split|teacher-speed|transfer|ipc|sample-read|cuda-agent|model|learning|rollout|update|big-1.5b|big-7b|big-rollout)"; exit 2 ;;
+*) echo "unknown part $PART (data|reference|train|default-random|gpu-tests|gpu-tests-all|verdict|big-verdict|split|teacher-speed|transfer|ipc|sample-read|cuda-agent|model|learning|teacher|rollout|update|big-1.5b|big-7b|big-rollout)"; exit 2 ;;
 esac; done

