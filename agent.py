@@ -239,6 +239,7 @@ class HFPolicy:
     """A local transformers causal LM. generate() is batched: FastEngine for Llama-family models,
     model.generate otherwise (engine="hf" forces it)."""
     kind = "hf"
+    batched = True  # run_episodes plays its episodes in lockstep, one generate() per turn for all of them
 
     def __init__(self, model, tokenizer, max_context=8192, engine="auto", engine_kw=None, compile_layers=None):
         self.model, self.tokenizer, self.max_context = model, tokenizer, max_context
@@ -330,6 +331,7 @@ class OpenAIPolicy:
     its episodes are approximate: the server's own tokens are not visible; with `tokenizer` the text is
     tokenised locally, otherwise tokens stay empty and the exact conversation is kept in "messages"."""
     kind = "openai"
+    batched = False  # one request per episode and turn: run_episodes gives each episode a thread of its own
 
     def __init__(self, model, base_url, api_key=None, tokenizer=None, timeout=600.0, retries=3):
         self.model, self.base_url = model, base_url.rstrip("/")
@@ -465,25 +467,61 @@ def _print_turn(ep, turn, thought):
 
 def run_episodes(policy, tasks, backend="auto", max_turns=None, max_context=None, out_dir=None, cfg=None,
                  transcript=False, progress=True, **overrides):
-    """Runs one episode per task, all in flight together: each turn, every unfinished episode generates
-    in one batch, then their tool calls run in a thread pool. Returns episode dicts (see module doc);
-    with out_dir, workspaces go to out_dir/workspaces/ and episodes to out_dir/trajectories.jsonl."""
+    """Runs one episode per task. Returns episode dicts (see module doc); with out_dir, workspaces go to
+    out_dir/workspaces/ and episodes to out_dir/trajectories.jsonl.
+    A batched policy (HFPolicy) plays them in lockstep: each turn, every unfinished episode generates in one
+    batch, then their tool calls run in a thread pool. A policy that answers one prompt at a time anyway
+    (`batched = False`: teacher.py's teachers, a chat server) plays each episode on a thread of its own,
+    tool_workers at a time: in lockstep every turn would wait for the slowest verdict of all the episodes."""
     cfg = dataclasses.replace(cfg or AgentConfig(), **{k: v for k, v in dict(
         max_turns=max_turns, max_context=max_context, **overrides).items() if v is not None})
     backend = env.resolve_backend(backend)
-    root = Path(out_dir) / "workspaces" if out_dir else Path(tempfile.mkdtemp(prefix="agent-ws-"))
-    root.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    eps = []
     for i, task in enumerate(tasks):
         if "code" not in task:
             raise env.UsageError(f"task {i} has no 'code'")
+    root = Path(out_dir) / "workspaces" if out_dir else Path(tempfile.mkdtemp(prefix="agent-ws-"))
+    root.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    indexed = list(enumerate(tasks))
+    if getattr(policy, "batched", True) or transcript or len(tasks) < 2:
+        eps = _lockstep(policy, indexed, backend, cfg, root, stamp, transcript, progress)
+    else:
+        # the samples of one task play one after another on one thread, in the list's order: a teacher that draws
+        # each sample's plan in turn (teacher.ScriptedTeacher) draws them as it does in lockstep
+        groups = {}
+        for it in indexed:
+            groups.setdefault(it[1]["code"], []).append(it)
+        one = dataclasses.replace(cfg, tool_workers=1)  # (an episode's calls come one at a time)
+        bar = tqdm(total=len(tasks), desc="agent episodes", unit="episode") if progress else None
+
+        def play(group):
+            out = []
+            for it in group:
+                out.append((it[0], _lockstep(policy, [it], backend, one, root, stamp, False, False)[0]))
+                if bar is not None:
+                    bar.update(1)
+            return out
+        with concurrent.futures.ThreadPoolExecutor(max(1, cfg.tool_workers)) as pool:
+            eps = [ep for _, ep in sorted((x for played in pool.map(play, groups.values()) for x in played),
+                                          key=lambda x: x[0])]
+        if bar is not None:
+            bar.close()
+    if out_dir:
+        save_episodes(Path(out_dir) / "trajectories.jsonl", eps, append=True)
+    return eps
+
+
+def _lockstep(policy, indexed, backend, cfg, root, stamp, transcript, progress) -> list:
+    """The episodes of (index, task) pairs in lockstep (run_episodes), each in root/STAMP-INDEX-TASK_ID/."""
+    eps = []
+    for i, task in indexed:
         safe = re.sub(r"[^\w.-]", "_", str(task.get("task_id", i)))[:40]
         ws = root / f"{stamp}-{i:04d}-{safe}"
         new_workspace(ws, task, backend)
         ep = _new_episode(i, task, ws)
         ep["_code"] = task["code"]
         eps.append(ep)
+    tasks = [task for _, task in indexed]
     tok = getattr(policy, "tokenizer", None)
     openai = policy.kind == "openai"
     stop_text = ""
@@ -642,8 +680,6 @@ def run_episodes(policy, tasks, backend="auto", max_turns=None, max_context=None
         for k in ("_done", "_code"):
             ep.pop(k, None)
     pool.shutdown()
-    if out_dir:
-        save_episodes(Path(out_dir) / "trajectories.jsonl", eps, append=True)
     return eps
 
 

@@ -58,6 +58,7 @@ class ToolTeacher:
     """Base of the teachers: maps the token prompt run_episodes gives to (task code, [(reply, observation)]),
     asks reply() for the next turn's text and returns it as token ids ending with the stop token."""
     kind = "hf"
+    batched = False  # a reply per prompt: run_episodes gives each episode a thread of its own (no turn waits for the others)
 
     def __init__(self, tokenizer, backend: str):
         self.tokenizer, self.backend = tokenizer, env.resolve_backend(backend)
@@ -66,7 +67,9 @@ class ToolTeacher:
         self.cut = set()  # lengths of prompt + reply where a reply was cut at its token budget (no stop token)
         wrapped = tokenizer.decode(agent.observation_tokens(tokenizer, MARK, True, ""))
         self.wrap = [w.strip() for w in wrapped.split(MARK)]  # the template's text around an observation
-        self.started = collections.Counter()  # episodes started per task (plans differ between them)
+        # episodes started per task (plans differ between them); run_episodes plays one task's samples one after
+        # another, in order, so each draws its plan as it would in lockstep
+        self.started = collections.Counter()
 
     def _state(self, prompt: list) -> tuple[str, list]:
         """A reply ends with a stop token (or was cut): the longest such prefix that is a recorded reply is this

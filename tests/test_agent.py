@@ -125,6 +125,49 @@ def test_scripted_episode_reaches_reward_and_trajectory_is_token_exact(tok, tmp_
     assert (Path(ep["workspace"]) / "kernels" / "relu.cpp").read_text() == RELU_CPP
 
 
+def two_speed_teacher(tok, slow_waits: bool):
+    """A teacher.ToolTeacher (batched = False) with two kinds of episode: the task whose code says SLOW reads a file
+    twice, and (slow_waits) before its second turn waits up to 20 s for the other episode to reach its last turn;
+    the other reads a file three times. Returns (policy, what the slow episode's wait saw)."""
+    import teacher
+    other_done, seen = threading.Event(), []
+
+    class TwoSpeeds(teacher.ToolTeacher):
+        def reply(self, code, history, temperature=0.0):
+            slow = "SLOW" in code
+            if slow and len(history) == 1 and slow_waits:
+                seen.append(other_done.wait(20))
+            if len(history) < (2 if slow else 3):
+                return teacher.call(f"Read it ({len(history)}).", "read_file", path="model.py")
+            if not slow:
+                other_done.set()
+            return teacher.call("Done.", "finish")
+    return TwoSpeeds(tok, "cpu"), seen
+
+
+def test_a_policy_that_is_not_batched_plays_each_episode_without_waiting_for_the_others(tok, tmp_path):
+    """A policy that answers one prompt at a time (a teacher, a chat server) gains nothing from lockstep turns, where
+    every turn waits for the slowest tool call of all the episodes: each episode plays on a thread of its own, and
+    its trajectory is token for token the one lockstep gives."""
+    tasks = [{"task_id": "slow", "code": RELU + "\n# SLOW\n"}, {"task_id": "fast", "code": RELU}]
+    pol, seen = two_speed_teacher(tok, slow_waits=True)
+    eps = agent.run_episodes(pol, tasks, backend="cpu", max_turns=6, max_context=60000, out_dir=tmp_path / "s",
+                             tool_workers=2)
+    assert seen == [True]  # the fast episode reached its last turn while the slow one was between two turns
+    assert [e["task_id"] for e in eps] == ["slow", "fast"]  # in the tasks' order
+    assert [[t["tool"] for t in e["turns"]] for e in eps] == [["read_file"] * 2 + ["finish"], ["read_file"] * 3 + ["finish"]]
+    assert [e["task_id"] for e in agent.load_episodes(tmp_path / "s" / "trajectories.jsonl")] == ["slow", "fast"]
+    assert len({e["workspace"] for e in eps}) == 2
+    ref, _ = two_speed_teacher(tok, slow_waits=False)
+    ref.batched = True  # the same teacher in lockstep
+    lock = agent.run_episodes(ref, tasks, backend="cpu", max_turns=6, max_context=60000, tool_workers=2)
+    for a, b in zip(eps, lock):
+        assert a["tokens"] == b["tokens"] and a["loss_mask"] == b["loss_mask"]
+        assert [(t["start"], t["end"], t["observation"]) for t in a["turns"]] == \
+            [(t["start"], t["end"], t["observation"]) for t in b["turns"]]
+        assert a["reward"] == b["reward"] and a["finished"] and b["finished"]
+
+
 def test_bad_calls_give_clear_observations(tok, tmp_path):
     replies = ["I think I should just answer in prose.",  # no call
                '<tool_call>{"name": "write_file", "arguments": {"path": "x.cu", </tool_call>',  # broken JSON
