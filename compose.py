@@ -24,6 +24,7 @@ import datasets
 
 import env
 from ops import MEM_CAP, build_op, grow_batch, meta_run
+from scan import parse_python
 from tasks import KERNELBENCH_HUB
 
 PAPER_MIX = {"torch#1": 3.4, "torch#2": 84.0, "torch#3": 7.6, "torch#4": 2.8, "torch#5": 1.2, "transformers": 1.2}
@@ -120,7 +121,7 @@ def compose_one(index: int, seeds: list[dict], seed: int = 0, backend: str = "cp
 # ----------------------------------------------------------------------------------------------
 def structure_key(code: str) -> str:
     """Duplicate key: the AST with every numeric literal replaced by 0 (same ops, any sizes)."""
-    tree = ast.parse(code)
+    tree = parse_python(code)
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
             node.value = 0
@@ -131,7 +132,7 @@ def ast_tokens(code: str) -> list[str]:
     """Python-AST token sequence used for similarity: node types plus attribute/function names
     (literal values and local variable names ignored, so renaming or resizing does not hide a copy)."""
     toks = []
-    for node in ast.walk(ast.parse(code)):
+    for node in ast.walk(parse_python(code)):
         toks.append(type(node).__name__)
         if isinstance(node, ast.Attribute):
             toks.append(node.attr)

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from ops import MEM_CAP, ROOFLINE, grow_batch
+from scan import parse_python
 
 # ----------------------------------------------------------------------------------------------
 # 1. The op table. {a}, {b}: scalar constants (sampled from "consts"); {p}: a per-feature parameter of DIM values.
@@ -285,7 +286,7 @@ def compose_one(index: int, seed: int = 0, backend: str = "cpu", window_ms=(0.1,
 # ----------------------------------------------------------------------------------------------
 def _pattern(template: str) -> re.Pattern:
     """A regex of the template as ast.unparse spells it (1e-5 -> 1e-05): constants {a} {b}, names {p} {g} {o}."""
-    text = ast.unparse(ast.parse(re.sub(r"\{(\w)\}", r"PH_\1", template)))
+    text = ast.unparse(parse_python(re.sub(r"\{(\w)\}", r"PH_\1", template)))
     rx = re.escape(text)
     for k in "ab":
         rx = rx.replace(f"PH_{k}", rf"(?P<{k}>-?[\d.]+(?:e-?\d+)?)")
@@ -300,7 +301,7 @@ PATTERNS = [(name, _pattern(spec["torch"])) for name, spec in {**OPS, **REDUCTIO
 def parse(code: str) -> list[dict]:
     """The steps of a task of this family, from Model.forward: one `x = ...` line per op, then `return x`.
     ValueError for anything else (a forward that returns another expression computes more than its steps)."""
-    tree = ast.parse(code)
+    tree = parse_python(code)
     model = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Model"), None)
     fwd = next((f for f in (model.body if model else []) if isinstance(f, ast.FunctionDef) and f.name == "forward"), None)
     if fwd is None:
@@ -402,12 +403,12 @@ def model_new(code: str, steps: list[dict], backend: str) -> str:
     """model_new.py: Model's constructor with the same parameters, each only allocated (`torch.rand(dim) + 0.5`
     would be a PyTorch op that env.py refuses while ModelNew is built; the harness loads Model's values into them),
     and a forward that allocates and calls the kernel."""
-    tree = ast.parse(code)
+    tree = parse_python(code)
     model = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Model")
     init = next(f for f in model.body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
     for node in ast.walk(init):  # nn.Parameter(<any expression>) -> nn.Parameter(torch.empty(dim)): every family
         if isinstance(node, ast.Call) and ast.unparse(node.func) == "nn.Parameter":  # parameter is per feature
-            node.args = [ast.parse("torch.empty(dim)", mode="eval").body]
+            node.args = [parse_python("torch.empty(dim)", mode="eval").body]
     _, red, _ = split(steps)
     keeps = keeps_shape(red)
     n_stats = len(REDUCTIONS[red["op"]]["stats"]) if red else 0

@@ -348,7 +348,7 @@ and call the extension."""
 def new_workspace(path: str | Path, problem_code: str, backend: str = "auto") -> Path:
     """Scaffold a workspace: model.py (the reference), a starter model_new.py, an empty kernels/."""
     path = Path(path)
-    tree = ast.parse(problem_code)  # raises SyntaxError on a broken problem file
+    tree = scan.parse_python(problem_code)  # raises SyntaxError on a broken problem file
     names = {n.name for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
     missing = {"Model", "get_inputs", "get_init_inputs"} - names
     if missing:
@@ -364,16 +364,16 @@ def new_workspace(path: str | Path, problem_code: str, backend: str = "auto") ->
 
 def starter_model_new(problem_code: str) -> str:
     """Model's imports, a ModelNew with Model's __init__, and a forward that calls the extension."""
-    tree = ast.parse(problem_code)
+    tree = scan.parse_python(problem_code)
     keep = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
     model = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Model")
     model.name = "ModelNew"
     for fn in model.body:
         if isinstance(fn, ast.FunctionDef) and fn.name == "forward":
             args = [a.arg for a in fn.args.args[1:]]
-            fn.body = [ast.parse(f"return cuda_extension.forward({', '.join(args + ['*self.parameters()'])})").body[0]]
+            fn.body = [scan.parse_python(f"return cuda_extension.forward({', '.join(args + ['*self.parameters()'])})").body[0]]
     consts = [n for n in tree.body if isinstance(n, ast.Assign)]
-    body = keep + [ast.parse("import cuda_extension").body[0]] + consts + [model]
+    body = keep + [scan.parse_python("import cuda_extension").body[0]] + consts + [model]
     return STARTER_DOC + ast.unparse(ast.Module(body=body, type_ignores=[])) + "\n"
 
 
@@ -591,7 +591,7 @@ def evaluate(workspace, backend: str = "auto", reference: str | None = None, cfg
     v.warnings += notes
     model_new = (ws / "model_new.py").read_text(errors="replace")
     try:
-        ast.parse(model_new)
+        scan.parse_python(model_new)
         bad, v.hints = static_scan(files, model_new)
     except SyntaxError as e:
         v.error = f"model_new.py line {e.lineno}: SyntaxError: {e.msg}"

@@ -57,6 +57,7 @@ import agent
 import elementwise
 import env
 from reward import beats, summarize
+from scan import parse_python
 from tasks import KERNELBENCH_HUB, load_bench_dir, load_hub, load_split, parse_levels
 
 EVAL_PY = Path(__file__).resolve()
@@ -237,7 +238,7 @@ def convert_load_inline(code: str, backend: str) -> tuple[str, dict, list]:
     torch.utils.cpp_extension.load() of files, two hand-written PYBIND11_MODULEs. Extra compiler flags and
     libraries are ignored (env.py builds with fixed flags; cuBLAS/cuDNN are not linked)."""
     try:
-        tree = ast.parse(code)
+        tree = parse_python(code)
     except SyntaxError as e:
         raise ConversionError(f"syntax error line {e.lineno}: {e.msg}")
     consts = {t.id: n.value for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}

@@ -48,9 +48,23 @@ import functools
 import importlib
 import os
 import re
+import threading
 import types
 
 # ---------------------------------------------------------------------------------------------- Python
+# CPython 3.11 and 3.12 count the ast module's recursion depth per interpreter, not per thread: two threads building
+# trees at once (one switched out inside ast.parse, say by a garbage collection that runs a finalizer) raise
+# "SystemError: AST constructor recursion depth mismatch" (python/cpython#106905). The parent's threads parse at
+# once (agent.run_episodes: a teacher's episodes, every tool call's verdict), so every library parse takes one lock.
+_AST_LOCK = threading.Lock()
+
+
+def parse_python(source: str, mode: str = "exec") -> ast.AST:
+    """ast.parse, one thread at a time (see _AST_LOCK)."""
+    with _AST_LOCK:
+        return ast.parse(source, mode=mode)
+
+
 ALLOWED_IMPORTS = {"torch", "torch.nn", "torch.nn.functional", "math", "typing", "cuda_extension", "__future__"}
 ALLOWED_BUILTINS = {"len", "range", "int", "float", "bool", "tuple", "list", "dict", "min", "max", "abs", "round", "zip",
                     "enumerate", "isinstance", "super", "print", "sum", "any", "all", "sorted", "reversed", "str", "divmod",
@@ -133,7 +147,7 @@ BANNED_METHODS = {"numpy", "tolist", "as_subclass", "untyped_storage", "storage"
 def check_python(source: str) -> list[str]:
     """Violations of the model_new.py allow-list (an empty list: the file is allowed)."""
     try:
-        tree = ast.parse(source)
+        tree = parse_python(source)
     except SyntaxError as e:
         return [f"model_new.py line {e.lineno}: SyntaxError: {e.msg}"]
     out = []

@@ -74,6 +74,7 @@ import env
 from checker import Checker
 from compose import PAPER_MIX, compose_one, load_kernelbench, most_similar, structure_key
 from ops import mine_seeds
+from scan import parse_python
 from tasks import FEATURES
 
 # the execution filter's child (checker.Checker starts one per worker, in a sandbox): _filter_child below
@@ -155,7 +156,7 @@ def _llm_code(text: str) -> str | None:
         part = text.split("```", 2)[1]
         text = part[len("python"):] if part.startswith("python") else part
     try:
-        names = {n.name for n in ast.parse(text).body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+        names = {n.name for n in parse_python(text).body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
     except SyntaxError:
         return None
     return text.strip() + "\n" if {"Model", "get_inputs", "get_init_inputs"} <= names else None

@@ -168,6 +168,29 @@ def test_a_policy_that_is_not_batched_plays_each_episode_without_waiting_for_the
         assert a["reward"] == b["reward"] and a["finished"] and b["finished"]
 
 
+def test_the_library_parses_python_under_one_lock():
+    """Threads of one process parse at once (streamed episodes, tool calls), and CPython 3.11-3.12 count the ast
+    module's recursion depth per interpreter: two trees built at once raise SystemError (the teacher's episodes did,
+    twice in a row, in the curriculum tests). So no library module calls ast.parse but scan.parse_python."""
+    import re
+    import scan
+    for f in sorted(ROOT.glob("*.py")):
+        for n, line in enumerate(f.read_text().splitlines(), 1):
+            if re.search(r"\bast\.parse\(", line.split("#")[0]):
+                assert f.name == "scan.py" and "return ast.parse(source, mode=mode)" in line, f"{f.name}:{n}: {line.strip()}"
+    assert scan._AST_LOCK.acquire(blocking=False)  # the lock is free between parses...
+    try:
+        done = []
+        t = threading.Thread(target=lambda: done.append(scan.parse_python("x = 1")))
+        t.start()
+        t.join(0.5)
+        assert not done  # ...and a parse waits for it
+    finally:
+        scan._AST_LOCK.release()
+    t.join(10)
+    assert done and isinstance(done[0], __import__("ast").Module)
+
+
 def test_bad_calls_give_clear_observations(tok, tmp_path):
     replies = ["I think I should just answer in prose.",  # no call
                '<tool_call>{"name": "write_file", "arguments": {"path": "x.cu", </tool_call>',  # broken JSON
