@@ -466,9 +466,11 @@ def _print_turn(ep, turn, thought):
 
 
 def run_episodes(policy, tasks, backend="auto", max_turns=None, max_context=None, out_dir=None, cfg=None,
-                 transcript=False, progress=True, **overrides):
+                 transcript=False, progress=True, ws_dir=None, on_episode=None, **overrides):
     """Runs one episode per task. Returns episode dicts (see module doc); with out_dir, workspaces go to
-    out_dir/workspaces/ and episodes to out_dir/trajectories.jsonl.
+    out_dir/workspaces/ (or ws_dir) and episodes to out_dir/trajectories.jsonl. on_episode(i, ep) is called with
+    each finished episode, final score in, as soon as it is (from the episode's thread when it has one of its own),
+    so a caller can keep it before the others end.
     A batched policy (HFPolicy) plays them in lockstep: each turn, every unfinished episode generates in one
     batch, then their tool calls run in a thread pool. A policy that answers one prompt at a time anyway
     (`batched = False`: teacher.py's teachers, a chat server) plays each episode on a thread of its own,
@@ -479,12 +481,14 @@ def run_episodes(policy, tasks, backend="auto", max_turns=None, max_context=None
     for i, task in enumerate(tasks):
         if "code" not in task:
             raise env.UsageError(f"task {i} has no 'code'")
-    root = Path(out_dir) / "workspaces" if out_dir else Path(tempfile.mkdtemp(prefix="agent-ws-"))
+    root = Path(ws_dir) if ws_dir else Path(out_dir) / "workspaces" if out_dir else Path(tempfile.mkdtemp(prefix="agent-ws-"))
     root.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     indexed = list(enumerate(tasks))
     if getattr(policy, "batched", True) or transcript or len(tasks) < 2:
         eps = _lockstep(policy, indexed, backend, cfg, root, stamp, transcript, progress)
+        for i, ep in enumerate(eps if on_episode is not None else []):
+            on_episode(i, ep)
     else:
         # the samples of one task play one after another on one thread, in the list's order: a teacher that draws
         # each sample's plan in turn (teacher.ScriptedTeacher) draws them as it does in lockstep
@@ -498,6 +502,8 @@ def run_episodes(policy, tasks, backend="auto", max_turns=None, max_context=None
             out = []
             for it in group:
                 out.append((it[0], _lockstep(policy, [it], backend, one, root, stamp, False, False)[0]))
+                if on_episode is not None:
+                    on_episode(*out[-1])
                 if bar is not None:
                     bar.update(1)
             return out

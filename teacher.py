@@ -35,10 +35,12 @@ import argparse
 import collections
 import concurrent.futures
 import json
+import os
 import random
 import re
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -388,22 +390,78 @@ def single_turn_demo(ep: dict, task: dict, tokenizer, backend: str, stop: int) -
             "text": text, "files": files, "reward": ep["reward"], "end_reason": "single_turn"}
 
 
-def make_demos(policy, tasks: list[dict], backend: str, out_dir, samples: int = 1, **run_kw) -> tuple[list, list]:
+def make_demos(policy, tasks: list[dict], backend: str, out_dir, samples: int = 1, chunk: int = 0,
+               **run_kw) -> tuple[list, list]:
     """Runs `samples` teacher episodes per task; writes every episode to OUT/trajectories.jsonl (agent.py's
-    format) and the demonstrations (is_demonstration) to OUT/demos.jsonl. Returns (demos, all episodes)."""
+    format) and the demonstrations (is_demonstration) to OUT/demos.jsonl. Returns (demos, all episodes).
+    chunk=N writes the tasks N at a time into OUT/chunk-0000/, OUT/chunk-0001/, ... (train.py's sft stage), so
+    an interrupted run loses nothing it finished: a chunk with demos.jsonl is done (it must hold these tasks), and
+    a task whose samples all finished in a chunk's trajectories.jsonl is not worked again. Every episode is kept as
+    it finishes; all of them run in one agent.run_episodes call, so no chunk waits for the end of the one before."""
     out = Path(out_dir)
     run_kw = {"max_turns": 16, "max_context": 16384, "max_new_tokens": 4096, "temperature": 0.0, **run_kw}
-    eps = agent.run_episodes(policy, [t for t in tasks for _ in range(samples)], backend=backend, out_dir=out, **run_kw)
-    code_of = {t["task_id"]: t["code"] for t in tasks}
-    for ep in eps:  # the turns the teacher played wrong on purpose are not learned (Unlearned)
-        for t in ep["turns"]:
+    groups = [(out / f"chunk-{k // chunk:04d}", tasks[k:k + chunk]) for k in range(0, len(tasks), chunk)] if chunk \
+        else [(out, tasks)]
+    code_of, tasks_of = {t["task_id"]: t["code"] for t in tasks}, dict(groups)
+    kept, jobs, left = {}, [], {}  # kept: chunk -> its finished episodes; jobs: (chunk, task) per episode to play
+    for g, group in groups:
+        finished = (g / "demos.jsonl").is_file()
+        old = agent.load_episodes(_episodes_file(g)) if _episodes_file(g).is_file() else []
+        if not {chunk_key(e) for e in old} <= {chunk_key(t) for t in group}:
+            raise env.UsageError(f"{g} holds teacher episodes of other tasks than this run's chunk (another dataset "
+                                 f"or chunk size?): remove {out}, or run with the settings that made it")
+        if finished:
+            continue
+        n = collections.Counter(chunk_key(e) for e in old)  # a task keeps its episodes only with all its samples
+        kept[g] = [e for e in old if n[chunk_key(e)] >= samples]
+        todo = [t for t in group if n[chunk_key(t)] < samples]
+        jobs += [(g, t) for t in todo for _ in range(samples)]
+        left[g] = samples * len(todo)
+        if len(kept[g]) < len(old) or not todo:  # a task's unfinished samples go; or only demos.jsonl was missing
+            _write_chunk(g, group, kept[g], final=not todo)
+    new = {g: [] for g in left}
+    lock = threading.Lock()
+
+    def keep(i, ep):  # from the episode's thread: mask its mistakes, append it, and close its chunk when it is the last
+        g = jobs[i][0]
+        for t in ep["turns"]:  # the turns the teacher played wrong on purpose are not learned (Unlearned)
             args = t.get("args") if isinstance(t.get("args"), dict) else {}
             if t["tool"] == "write_file" and (E.task_hash(code_of[ep["task_id"]]), args.get("content")) in getattr(
                     policy, "unlearned", ()):
                 ep["loss_mask"][t["start"]:t["end"]] = [0] * (t["end"] - t["start"])
-    demos = [ep for ep in eps if is_demonstration(ep)]
-    agent.save_episodes(out / "demos.jsonl", demos)
+        with lock:
+            agent.save_episodes(g / "trajectories.jsonl", [ep], append=True)
+            new[g].append((i, ep))
+            left[g] -= 1
+            if left[g] == 0:
+                _write_chunk(g, tasks_of[g], kept[g] + [e for _, e in sorted(new[g], key=lambda x: x[0])])
+    if jobs:
+        agent.run_episodes(policy, [t for _, t in jobs], backend=backend, ws_dir=out / "workspaces", on_episode=keep,
+                           **run_kw)
+    eps = [e for g, _ in groups for e in agent.load_episodes(_episodes_file(g))]
+    demos = [e for g, _ in groups for e in agent.load_episodes(g / "demos.jsonl")]
     return demos, eps
+
+
+def _episodes_file(g: Path) -> Path:
+    """A chunk's episodes: trajectories.jsonl (a finished chunk carried without it: its demos.jsonl)."""
+    t = g / "trajectories.jsonl"
+    return t if t.is_file() or not (g / "demos.jsonl").is_file() else g / "demos.jsonl"
+
+
+def _write_chunk(g: Path, tasks: list, eps: list, final: bool = True):
+    """A chunk's episodes in its tasks' order, and (final) its demonstrations: each file whole (tmp, then rename),
+    demos.jsonl last, so a chunk with demos.jsonl is a finished one."""
+    pos = {chunk_key(t): k for k, t in enumerate(tasks)}
+    eps = sorted(eps, key=lambda e: pos[chunk_key(e)])  # (stable: a task's samples keep their order)
+    for name, part in (("trajectories.jsonl", eps), ("demos.jsonl", [e for e in eps if is_demonstration(e)]))[:1 + final]:
+        agent.save_episodes(g / (name + ".tmp"), part)
+        os.replace(g / (name + ".tmp"), g / name)
+
+
+def chunk_key(x: dict) -> tuple:
+    """What ties a teacher episode to its task (a task, or an episode of it): its id and its chain of operators."""
+    return x["task_id"], tuple(x.get("ops") or ())
 
 
 def summary(eps: list) -> str:

@@ -376,30 +376,21 @@ def stage_sft(ctx: Ctx, resume: bool):
 
 def teacher_demos(ctx: Ctx) -> tuple[list, int]:
     """(demonstrations, teacher episodes). RUN/demos.jsonl when it exists (a rerun reuses it: scoring is the
-    expensive part); otherwise each rank's teacher works its share of the training tasks in chunks of
-    tasks_per_step (teacher.make_demos: episodes scored by env.py, only reward >= 1 kept; each chunk is kept in
-    RUN/sft/teacher/rankR/chunk-N/, so a killed run loses one chunk at most) and rank 0 writes the union."""
+    expensive part); otherwise each rank's teacher works its share of the training tasks (teacher.make_demos:
+    episodes scored by env.py, only reward >= 1 kept), kept in chunks of tasks_per_step tasks in
+    RUN/sft/teacher/rankR/chunk-N/, each episode as it finishes, so a killed run loses only the episodes in flight;
+    rank 0 writes the union."""
     cfg, path = ctx.cfg, ctx.run_dir / "demos.jsonl"
     parts = ctx.run_dir / "sft" / "teacher"
     if not path.is_file():
         who = f"{cfg.teacher_model} at {cfg.teacher_url}" if cfg.teacher_url else "the scripted teacher (teacher.py)"
         ctx.say(f"sft: {who} works {len(ctx.teacher_tasks)} training task(s) x {cfg.sft_samples} episode(s) "
                 f"(the {len(ctx.heldout)} held-out tasks are never shown to it); env.py scores each, reward >= 1 kept")
-        mine, n = shard(ctx.teacher_tasks, ctx.rank, ctx.world), max(1, cfg.tasks_per_step)
-        policy = None
-        for c in tqdm(range(0, len(mine), n), desc="sft teacher", unit="chunk", disable=not ctx.main or len(mine) <= n):
-            out = parts / f"rank{ctx.rank}" / f"chunk-{c // n:04d}"
-            if (out / "demos.jsonl").is_file():  # done before (a resumed or carried run): the same tasks, or stop here
-                done = out / ("trajectories.jsonl" if (out / "trajectories.jsonl").is_file() else "demos.jsonl")
-                if not {chunk_key(e) for e in agent.load_episodes(done)} <= {chunk_key(t) for t in mine[c:c + n]}:
-                    raise env.UsageError(f"{out} holds teacher episodes of other tasks than this run's chunk (another dataset "
-                                         f"or tasks_per_step?): remove {parts}, or run with the settings that made it")
-                continue
-            (out / "trajectories.jsonl").unlink(missing_ok=True)  # an interrupted run's partial episodes
-            policy = policy or teacher.load_teacher(ctx.backend, url=cfg.teacher_url, teacher_model=cfg.teacher_model,
-                                                    seed=cfg.seed, tokenizer=ctx.policy.tokenizer)
-            teacher.make_demos(policy, mine[c:c + n], ctx.backend, out, samples=cfg.sft_samples, progress=ctx.main,
-                               tool_workers=cfg.tool_workers)
+        policy = teacher.load_teacher(ctx.backend, url=cfg.teacher_url, teacher_model=cfg.teacher_model, seed=cfg.seed,
+                                      tokenizer=ctx.policy.tokenizer)
+        teacher.make_demos(policy, shard(ctx.teacher_tasks, ctx.rank, ctx.world), ctx.backend, parts / f"rank{ctx.rank}",
+                           samples=cfg.sft_samples, chunk=max(1, cfg.tasks_per_step), progress=ctx.main,
+                           tool_workers=cfg.tool_workers)
         barrier()
         if ctx.main:
             demos = [e for f in sorted(parts.glob("rank*/chunk-*/demos.jsonl")) for e in agent.load_episodes(f)]
@@ -412,11 +403,6 @@ def teacher_demos(ctx: Ctx) -> tuple[list, int]:
         ctx.say(f"sft: reusing the demonstrations in {path}")
     n_eps = sum(len(agent.load_episodes(f)) for f in parts.glob("rank*/chunk-*/trajectories.jsonl"))
     return agent.load_episodes(path), n_eps
-
-
-def chunk_key(x: dict) -> tuple:
-    """What ties a teacher episode to its task (a task, or an episode of it): its id and its chain of operators."""
-    return x["task_id"], tuple(x.get("ops") or ())
 
 
 def ppo_stage(ctx: Ctx, stage: str, n_steps: int, resume: bool):

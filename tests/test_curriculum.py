@@ -406,6 +406,44 @@ def test_teacher_demonstrations_score_reward_and_are_token_exact(tasks, tok, tmp
 
 
 @pytest.mark.slow
+def test_teacher_chunks_keep_every_finished_episode_and_work_only_the_rest(tasks, tok, tmp_path):
+    """make_demos(chunk=N), as train.py's sft stage runs it: every episode kept as it finishes, the chunks in the
+    tasks' order; a run cut short works again only the tasks with no finished episode, and leaves a finished chunk
+    (demos.jsonl) alone; a chunk of other tasks stops it with one line."""
+    asked = collections.Counter()
+
+    class Reader(teacher.ToolTeacher):  # reads the reference, then finishes: a cheap episode (reward -1)
+        def reply(self, code, history, temperature=0.0):
+            asked[code] += not history
+            return teacher.call("Done.", "finish") if history else teacher.call("Read.", "read_file", path="model.py")
+    run = lambda: teacher.make_demos(Reader(tok, "cpu"), tasks, "cpu", tmp_path, chunk=2, progress=False, tool_workers=2)
+    demos, eps = run()
+    chunks = [tmp_path / "chunk-0000", tmp_path / "chunk-0001"]
+    ids = lambda c, f="trajectories.jsonl": [e["task_id"] for e in agent.load_episodes(c / f)]
+    assert sorted(p.name for p in tmp_path.glob("chunk-*")) == [c.name for c in chunks]
+    assert [ids(c) for c in chunks] == [[tasks[0]["task_id"], tasks[1]["task_id"]], [tasks[2]["task_id"]]]
+    assert [ids(c, "demos.jsonl") for c in chunks] == [[], []] and demos == [] and len(eps) == 3  # (reward -1 each)
+    assert sum(asked.values()) == 3
+    # cut short: the first chunk holds its first task's episode only, the second was never started
+    first = [e for e in agent.load_episodes(chunks[0] / "trajectories.jsonl") if e["task_id"] == tasks[0]["task_id"]]
+    agent.save_episodes(chunks[0] / "trajectories.jsonl", first)
+    (chunks[0] / "demos.jsonl").unlink()
+    shutil.rmtree(chunks[1])
+    asked.clear()
+    demos, eps = run()
+    assert asked == collections.Counter({tasks[1]["code"]: 1, tasks[2]["code"]: 1})  # the kept episode is not played again
+    assert [ids(c) for c in chunks] == [[tasks[0]["task_id"], tasks[1]["task_id"]], [tasks[2]["task_id"]]]
+    assert agent.load_episodes(chunks[0] / "trajectories.jsonl")[0] == first[0] and len(eps) == 3
+    assert all((c / "demos.jsonl").is_file() for c in chunks)
+    stamp = (chunks[0] / "demos.jsonl").stat().st_mtime_ns
+    asked.clear()
+    run()  # every chunk finished: nothing to play, nothing rewritten
+    assert not asked and (chunks[0] / "demos.jsonl").stat().st_mtime_ns == stamp
+    other = [{**tasks[0], "task_id": "another"}] + tasks[1:]
+    with pytest.raises(env.UsageError, match="chunk-0000 holds teacher episodes of other tasks"):
+        teacher.make_demos(Reader(tok, "cpu"), other, "cpu", tmp_path, chunk=2, progress=False)
+
+
 def test_teacher_mistakes_are_recovered_and_masked(tasks, tok, tmp_path):
     """A teacher that plays a mistake in every episode it can: env.py scores each episode >= 1 all the same (the
     wrong template does not compile, the broken variant fails its checks, the turns after them recover), and the
