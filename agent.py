@@ -38,6 +38,7 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -469,49 +470,63 @@ def run_episodes(policy, tasks, backend="auto", max_turns=None, max_context=None
                  transcript=False, progress=True, ws_dir=None, on_episode=None, **overrides):
     """Runs one episode per task. Returns episode dicts (see module doc); with out_dir, workspaces go to
     out_dir/workspaces/ (or ws_dir) and episodes to out_dir/trajectories.jsonl. on_episode(i, ep) is called with
-    each finished episode, final score in, as soon as it is (from the episode's thread when it has one of its own),
-    so a caller can keep it before the others end.
+    each finished episode, final score in.
     A batched policy (HFPolicy) plays them in lockstep: each turn, every unfinished episode generates in one
-    batch, then their tool calls run in a thread pool. A policy that answers one prompt at a time anyway
-    (`batched = False`: teacher.py's teachers, a chat server) plays each episode on a thread of its own,
-    tool_workers at a time: in lockstep every turn would wait for the slowest verdict of all the episodes."""
+    batch, then their tool calls run in a thread pool; on_episode comes once all have ended. A policy that answers
+    one prompt at a time anyway (`batched = False`: teacher.py's teachers, a chat server) plays each episode on a
+    thread of its own, tool_workers at a time (in lockstep every turn would wait for the slowest verdict of all the
+    episodes), and on_episode comes from that thread as the episode ends, so a caller can keep it before the
+    others end. A policy with `ordered_samples` (teacher.ScriptedTeacher) has a task's samples played one after
+    another, in the list's order, as lockstep would start them."""
     cfg = dataclasses.replace(cfg or AgentConfig(), **{k: v for k, v in dict(
         max_turns=max_turns, max_context=max_context, **overrides).items() if v is not None})
     backend = env.resolve_backend(backend)
     for i, task in enumerate(tasks):
         if "code" not in task:
             raise env.UsageError(f"task {i} has no 'code'")
-    root = Path(ws_dir) if ws_dir else Path(out_dir) / "workspaces" if out_dir else Path(tempfile.mkdtemp(prefix="agent-ws-"))
+    if ws_dir is None:
+        ws_dir = Path(out_dir) / "workspaces" if out_dir else tempfile.mkdtemp(prefix="agent-ws-")
+    root = Path(ws_dir)
     root.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     indexed = list(enumerate(tasks))
     if getattr(policy, "batched", True) or transcript or len(tasks) < 2:
         eps = _lockstep(policy, indexed, backend, cfg, root, stamp, transcript, progress)
-        for i, ep in enumerate(eps if on_episode is not None else []):
-            on_episode(i, ep)
+        if on_episode is not None:
+            for i, ep in enumerate(eps):
+                on_episode(i, ep)
     else:
-        # the samples of one task play one after another on one thread, in the list's order: a teacher that draws
-        # each sample's plan in turn (teacher.ScriptedTeacher) draws them as it does in lockstep
-        groups = {}
-        for it in indexed:
-            groups.setdefault(it[1]["code"], []).append(it)
+        groups = {}  # the episodes each thread plays in turn: one, or (ordered_samples) a task's samples
+        for i, task in indexed:
+            groups.setdefault(task["code"] if getattr(policy, "ordered_samples", False) else i, []).append((i, task))
         one = dataclasses.replace(cfg, tool_workers=1)  # (an episode's calls come one at a time)
         bar = tqdm(total=len(tasks), desc="agent episodes", unit="episode") if progress else None
+        failed = threading.Event()
 
         def play(group):
             out = []
             for it in group:
+                if failed.is_set():  # another episode raised: stop rather than play the rest first
+                    break
                 out.append((it[0], _lockstep(policy, [it], backend, one, root, stamp, False, False)[0]))
                 if on_episode is not None:
                     on_episode(*out[-1])
                 if bar is not None:
                     bar.update(1)
             return out
-        with concurrent.futures.ThreadPoolExecutor(max(1, cfg.tool_workers)) as pool:
-            eps = [ep for _, ep in sorted((x for played in pool.map(play, groups.values()) for x in played),
-                                          key=lambda x: x[0])]
-        if bar is not None:
-            bar.close()
+        pool = concurrent.futures.ThreadPoolExecutor(max(1, cfg.tool_workers))
+        futures, played = [pool.submit(play, g) for g in groups.values()], []
+        try:
+            for f in concurrent.futures.as_completed(futures):  # (the first error raises at once)
+                played += f.result()
+        except BaseException:  # (an error or Ctrl-C: the queued episodes are dropped, the running ones end first)
+            failed.set()
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+            if bar is not None:
+                bar.close()
+        eps = [ep for _, ep in sorted(played, key=lambda x: x[0])]
     if out_dir:
         save_episodes(Path(out_dir) / "trajectories.jsonl", eps, append=True)
     return eps

@@ -69,14 +69,13 @@ class ToolTeacher:
         self.cut = set()  # lengths of prompt + reply where a reply was cut at its token budget (no stop token)
         wrapped = tokenizer.decode(agent.observation_tokens(tokenizer, MARK, True, ""))
         self.wrap = [w.strip() for w in wrapped.split(MARK)]  # the template's text around an observation
-        # episodes started per task (plans differ between them); run_episodes plays one task's samples one after
-        # another, in order, so each draws its plan as it would in lockstep
-        self.started = collections.Counter()
+        self.started = collections.Counter()  # episodes started per task (ScriptedTeacher's plans differ between them)
 
     def _state(self, prompt: list) -> tuple[str, list]:
         """A reply ends with a stop token (or was cut): the longest such prefix that is a recorded reply is this
         episode's last turn, and the tokens after it are the observation."""
-        ends = [i + 1 for i, t in enumerate(prompt) if t in self.stop] + [n for n in self.cut if n < len(prompt)]
+        # (a copy of cut: other episodes' threads add to it)
+        ends = [i + 1 for i, t in enumerate(prompt) if t in self.stop] + [n for n in tuple(self.cut) if n < len(prompt)]
         for n in sorted(ends, reverse=True):
             if (hit := self.sessions.get(hash(tuple(prompt[:n])))) is not None:
                 code, history, text = hit
@@ -264,6 +263,7 @@ def script(code: str, backend: str, plan: list, mistake: bool = False):
 
 
 class ScriptedTeacher(ToolTeacher):
+    ordered_samples = True  # a task's samples draw their plans in turn (started): run_episodes plays them in order
     def __init__(self, tokenizer, backend: str, seed: int = 0, mistakes: float = MISTAKES):
         super().__init__(tokenizer, backend)
         self.seed, self.mistakes = seed, mistakes
@@ -395,9 +395,9 @@ def make_demos(policy, tasks: list[dict], backend: str, out_dir, samples: int = 
     """Runs `samples` teacher episodes per task; writes every episode to OUT/trajectories.jsonl (agent.py's
     format) and the demonstrations (is_demonstration) to OUT/demos.jsonl. Returns (demos, all episodes).
     chunk=N writes the tasks N at a time into OUT/chunk-0000/, OUT/chunk-0001/, ... (train.py's sft stage), so
-    an interrupted run loses nothing it finished: a chunk with demos.jsonl is done (it must hold these tasks), and
-    a task whose samples all finished in a chunk's trajectories.jsonl is not worked again. Every episode is kept as
-    it finishes; all of them run in one agent.run_episodes call, so no chunk waits for the end of the one before."""
+    an interrupted run loses only the tasks in flight: a chunk with demos.jsonl is done (it must hold these tasks),
+    and a task whose samples all finished in a chunk's trajectories.jsonl is not worked again. Every episode is kept
+    as it finishes; all of them run in one agent.run_episodes call, so no chunk waits for the end of the one before."""
     out = Path(out_dir)
     run_kw = {"max_turns": 16, "max_context": 16384, "max_new_tokens": 4096, "temperature": 0.0, **run_kw}
     groups = [(out / f"chunk-{k // chunk:04d}", tasks[k:k + chunk]) for k in range(0, len(tasks), chunk)] if chunk \
@@ -405,8 +405,13 @@ def make_demos(policy, tasks: list[dict], backend: str, out_dir, samples: int = 
     code_of, tasks_of = {t["task_id"]: t["code"] for t in tasks}, dict(groups)
     kept, jobs, left = {}, [], {}  # kept: chunk -> its finished episodes; jobs: (chunk, task) per episode to play
     for g, group in groups:
+        if not chunk:  # one folder, played whole: what an earlier run left there is replaced
+            kept[g], jobs, left[g] = [], [(g, t) for t in group for _ in range(samples)], samples * len(group)
+            (g / "demos.jsonl").unlink(missing_ok=True)
+            _write_chunk(g, group, [], final=False)
+            break
         finished = (g / "demos.jsonl").is_file()
-        old = agent.load_episodes(_episodes_file(g)) if _episodes_file(g).is_file() else []
+        old = _load_kept(_episodes_file(g)) if _episodes_file(g).is_file() else []
         if not {chunk_key(e) for e in old} <= {chunk_key(t) for t in group}:
             raise env.UsageError(f"{g} holds teacher episodes of other tasks than this run's chunk (another dataset "
                                  f"or chunk size?): remove {out}, or run with the settings that made it")
@@ -441,6 +446,16 @@ def make_demos(policy, tasks: list[dict], backend: str, out_dir, samples: int = 
     eps = [e for g, _ in groups for e in agent.load_episodes(_episodes_file(g))]
     demos = [e for g, _ in groups for e in agent.load_episodes(g / "demos.jsonl")]
     return demos, eps
+
+
+def _load_kept(path: Path) -> list:
+    """A chunk's episodes, less a last line that a killed run left half written."""
+    lines = path.read_text().splitlines()
+    try:
+        json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        lines = lines[:-1]
+    return [json.loads(x) for x in lines if x.strip()]
 
 
 def _episodes_file(g: Path) -> Path:

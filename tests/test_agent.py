@@ -168,10 +168,29 @@ def test_a_policy_that_is_not_batched_plays_each_episode_without_waiting_for_the
         assert a["reward"] == b["reward"] and a["finished"] and b["finished"]
 
 
+def test_an_episode_that_raises_stops_the_streamed_run_at_once(tok):
+    """A streamed episode's error (a teacher that cannot read its task) comes out at once: the episodes still
+    queued are not played first, as they would be for hours on a long run."""
+    import teacher
+    asked = []
+
+    class Picky(teacher.ToolTeacher):
+        def reply(self, code, history, temperature=0.0):
+            asked.append(code)
+            if "BAD" in code:
+                raise ValueError("a task this teacher cannot read")
+            return teacher.call("Done.", "finish")
+    tasks = [{"task_id": "bad", "code": RELU + "\n# BAD\n"}] + [{"task_id": f"ok{k}", "code": RELU + f"\n# {k}\n"} for k in range(6)]
+    with pytest.raises(ValueError, match="cannot read"):
+        agent.run_episodes(Picky(tok, "cpu"), tasks, backend="cpu", max_turns=3, max_context=60000, tool_workers=1,
+                           progress=False)
+    assert len(asked) <= 2, asked  # the bad one, and at most the one its thread had started
+
+
 def test_the_library_parses_python_under_one_lock():
     """Threads of one process parse at once (streamed episodes, tool calls), and CPython 3.11-3.12 count the ast
-    module's recursion depth per interpreter: two trees built at once raise SystemError (the teacher's episodes did,
-    twice in a row, in the curriculum tests). So no library module calls ast.parse but scan.parse_python."""
+    module's recursion depth per interpreter: two trees built at once raise "SystemError: AST constructor recursion
+    depth mismatch". So no library module calls ast.parse but scan.parse_python, which takes one lock."""
     import re
     import scan
     for f in sorted(ROOT.glob("*.py")):

@@ -405,7 +405,6 @@ def test_teacher_demonstrations_score_reward_and_are_token_exact(tasks, tok, tmp
     print(teacher.summary(eps))
 
 
-@pytest.mark.slow
 def test_teacher_chunks_keep_every_finished_episode_and_work_only_the_rest(tasks, tok, tmp_path):
     """make_demos(chunk=N), as train.py's sft stage runs it: every episode kept as it finishes, the chunks in the
     tasks' order; a run cut short works again only the tasks with no finished episode, and leaves a finished chunk
@@ -444,6 +443,7 @@ def test_teacher_chunks_keep_every_finished_episode_and_work_only_the_rest(tasks
         teacher.make_demos(Reader(tok, "cpu"), other, "cpu", tmp_path, chunk=2, progress=False)
 
 
+@pytest.mark.slow
 def test_teacher_mistakes_are_recovered_and_masked(tasks, tok, tmp_path):
     """A teacher that plays a mistake in every episode it can: env.py scores each episode >= 1 all the same (the
     wrong template does not compile, the broken variant fails its checks, the turns after them recover), and the
