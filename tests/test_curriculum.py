@@ -423,9 +423,11 @@ def test_teacher_chunks_keep_every_finished_episode_and_work_only_the_rest(tasks
     assert [ids(c) for c in chunks] == [[tasks[0]["task_id"], tasks[1]["task_id"]], [tasks[2]["task_id"]]]
     assert [ids(c, "demos.jsonl") for c in chunks] == [[], []] and demos == [] and len(eps) == 3  # (reward -1 each)
     assert sum(asked.values()) == 3
-    # cut short: the first chunk holds its first task's episode only, the second was never started
+    # cut short: the first chunk holds its first task's episode only (and half a line), the second was never started
     first = [e for e in agent.load_episodes(chunks[0] / "trajectories.jsonl") if e["task_id"] == tasks[0]["task_id"]]
     agent.save_episodes(chunks[0] / "trajectories.jsonl", first)
+    with open(chunks[0] / "trajectories.jsonl", "a") as f:  # the kill came in the middle of the next episode's line
+        f.write(json.dumps(first[0])[:500])
     (chunks[0] / "demos.jsonl").unlink()
     shutil.rmtree(chunks[1])
     asked.clear()
