@@ -146,10 +146,12 @@ learning)
   run=/tmp/run-${LEARN_RUN:-sft} res=learning${LEARN_RUN:+-$LEARN_RUN}
   r=""; [ -f $run/config.json ] && r="--resume"
   if [ -z "$r" ] && [ -d .learn/run/data ]; then rm -rf $run && mkdir -p $run && cp -r .learn/run/. $run/; fi
-  # the finished chunks the `teacher` part made on this machine (the same flags) join the carried ones, whole: a
-  # carried chunk that a cut left unfinished (episodes, no demos.jsonl) is replaced, never mixed with a finished one
+  # the chunks the `teacher` part made on this machine (the same flags) join the carried ones, whole, where they are
+  # further on: finished (demos.jsonl), or holding more finished episodes than the carried one (a cut keeps them)
+  n() { [ -f $1/trajectories.jsonl ] && wc -l < $1/trajectories.jsonl || echo 0; }
   if [ -z "$r" ]; then for c in /tmp/teach/sft/teacher/rank0/chunk-*; do d=$run/sft/teacher/rank0/${c##*/}
-    if [ -f $c/demos.jsonl ] && [ ! -f $d/demos.jsonl ]; then rm -rf $d && mkdir -p ${d%/*} && cp -r $c $d; fi; done; fi
+    [ -d $c ] && [ ! -f $d/demos.jsonl ] && { [ -f $c/demos.jsonl ] || [ $(n $c) -gt $(n $d) ]; } \
+      && rm -rf $d && mkdir -p ${d%/*} && cp -r $c $d; done; fi
   step 540 $res python3 train.py --stage all --run-dir $run $LEARN_FLAGS $r ${LEARN_SET:-}
   mkdir -p "$OUT/$res" && cp $run/stages.jsonl $run/stages.png $run/metrics.jsonl "$OUT/$res/" 2>/dev/null
   tar czf "$OUT/$res/learn.tgz" -C $run --exclude=workspaces data sft/teacher 2>/dev/null
