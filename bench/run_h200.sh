@@ -158,8 +158,9 @@ learning)
   # the episodes behind the rows: held-out ones per stage, the teacher's (kept or not), compressed
   (cd $run && tar czf "$OUT/$res/episodes.tgz" eval/*/rank*.jsonl sft/teacher/*/*/trajectories.jsonl 2>/dev/null)
   # where the teacher's verdicts and the held-out episodes' spent their time (phase medians, first vs later profiles)
-  for d in sft/teacher eval; do echo "== $d"; python3 bench/verdict_phases.py $run/$d 2>&1; done \
-    | tee "$OUT/$res/verdict-phases.txt"
+  # and what the teacher's chunks would take in lockstep and streamed, replayed from their recorded call times
+  { for d in sft/teacher eval; do echo "== $d"; python3 bench/verdict_phases.py $run/$d 2>&1; done
+    python3 bench/teacher_replay.py $run/sft/teacher/rank0 2>&1; } | tee "$OUT/$res/verdict-phases.txt"
   ;;
 teacher)
   # the learning part's first step, the scripted teacher's chunks, with the tokenizer only (.tok carried): in the

@@ -466,3 +466,27 @@ def test_verdict_phases_splits_first_and_later_profiles(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "verdict_phases.py"), str(tmp_path / "chunk" / "none.jsonl")],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "no such file" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_teacher_replay_schedules_recorded_call_times(tmp_path):
+    """bench/teacher_replay.py on three made-up episodes of one chunk, 2 tool calls at once, against a schedule worked
+    by hand: lockstep 7 (compiles 2, 1, 6) + 10 (profiles 10, 4, 1) + 5 (final scores 5, 3, 1) = 22 s; one thread per
+    episode (17, 8 and 8 s of calls) 17 s; the turns that write files count 0."""
+    def ep(compile_s, profile_s, final_s):
+        turns = [{"tool": "write_file", "observation": "wrote kernels/op.cpp (10 characters, 1 lines)"},
+                 {"tool": "compile", "observation": f"compiled OK ({compile_s}s)"},
+                 {"tool": "profile", "observation": f"reward +1 | compiled True | correct True | stage profile | {profile_s}s\nmore"},
+                 {"tool": "finish", "observation": "finished"}]
+        return {"turns": turns, "verdict": {"seconds": final_s}}
+    chunk = tmp_path / "chunk-0000"
+    chunk.mkdir()
+    (chunk / "trajectories.jsonl").write_text("".join(json.dumps(e) + "\n" for e in (ep(2.0, 10.0, 5.0), ep(1.0, 4.0, 3.0),
+                                                                                       ep(6.0, 1.0, 1.0))))
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "teacher_replay.py"), str(tmp_path), "--workers", "2"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "| chunk-0000 | 3 | 22 s | 17 s |" in r.stdout, r.stdout
+    assert "| all, every chunk in one call | 3 | | 17 s (-23%) |" in r.stdout, r.stdout
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "teacher_replay.py"), str(tmp_path / "none")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "no chunk-*/trajectories.jsonl" in r.stderr
