@@ -264,6 +264,7 @@ def script(code: str, backend: str, plan: list, mistake: bool = False):
 
 class ScriptedTeacher(ToolTeacher):
     ordered_samples = True  # a task's samples draw their plans in turn (started): run_episodes plays them in order
+
     def __init__(self, tokenizer, backend: str, seed: int = 0, mistakes: float = MISTAKES):
         super().__init__(tokenizer, backend)
         self.seed, self.mistakes = seed, mistakes
@@ -406,10 +407,8 @@ def make_demos(policy, tasks: list[dict], backend: str, out_dir, samples: int = 
     kept, jobs, left = {}, [], {}  # kept: chunk -> its finished episodes; jobs: (chunk, task) per episode to play
     for g, group in groups:
         if not chunk:  # one folder, played whole: what an earlier run left there is replaced
-            kept[g], jobs, left[g] = [], [(g, t) for t in group for _ in range(samples)], samples * len(group)
-            (g / "demos.jsonl").unlink(missing_ok=True)
-            _write_chunk(g, group, [], final=False)
-            break
+            for name in ("demos.jsonl", "trajectories.jsonl"):
+                (g / name).unlink(missing_ok=True)
         finished = (g / "demos.jsonl").is_file()
         old = _load_kept(_episodes_file(g)) if _episodes_file(g).is_file() else []
         if not {chunk_key(e) for e in old} <= {chunk_key(t) for t in group}:
