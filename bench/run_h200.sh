@@ -167,7 +167,9 @@ teacher)
   # `model` part's first call, while the model's second half is still to come. /tmp/teach starts from .learn/run
   # (its dataset and finished chunks); the learning part takes its new chunks, and OUT/teacher/learn.tgz brings
   # them back (tar xzf ... -C .learn/run). One rank's chunks (as the learning part's run). TEACHER_LIMIT (default 540) s.
-  [ -f /tmp/teach/data/dataset_dict.json ] || { rm -rf /tmp/teach && mkdir -p /tmp/teach && cp -r .learn/run/. /tmp/teach/; }
+  # No .learn/run/data: the teacher synthesises the dataset first (train.py's synth_tasks, with this machine's filter)
+  [ -f /tmp/teach/data/dataset_dict.json ] || { rm -rf /tmp/teach && mkdir -p /tmp/teach \
+    && { [ ! -d .learn/run ] || cp -r .learn/run/. /tmp/teach/; }; }
   step ${TEACHER_LIMIT:-540} teacher python3 bench/teacher_chunks.py --run-dir /tmp/teach $LEARN_FLAGS ${LEARN_SET:-}
   mkdir -p "$OUT/teacher" && tar czf "$OUT/teacher/learn.tgz" -C /tmp/teach --exclude=workspaces data sft/teacher 2>/dev/null
   ;;

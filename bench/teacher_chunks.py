@@ -2,8 +2,8 @@
 
     python bench/teacher_chunks.py --run-dir RUN --preset default --backend cuda --set sft_tasks=40 ...
 
-takes train.py's own flags, reads the dataset in RUN/data (or --dataset) and works the teacher's chunks exactly as
-train.py's sft stage does (train.teacher_demos): RUN/sft/teacher/rank0/chunk-N/, every finished chunk kept, and
+takes train.py's own flags, reads the dataset in RUN/data (or --dataset; without either it synthesises RUN/data as
+train.py --stage all does) and works the teacher's chunks exactly as train.py's sft stage does (train.teacher_demos): RUN/sft/teacher/rank0/chunk-N/, every finished chunk kept, and
 RUN/demos.jsonl once all are done. A later `train.py --stage all --run-dir RUN` with the same sizes, seed and model
 reuses them; on one rank only (with more, each rank works every world-th task: other chunks).
 Why: the device receives the embedded model's wheel in two calls (bench/run_h200.sh `model`), and the teacher needs
@@ -34,12 +34,14 @@ def main(argv=None) -> int:
     saved = run_dir / "config.json"  # the token ids must be the run's model's: a chunk records ids, not text
     if saved.is_file() and json.loads(saved.read_text()).get("model") != cfg.model:
         raise env.UsageError(f"{run_dir} runs --model {json.loads(saved.read_text()).get('model')!r}, not {cfg.model!r}")
-    src = cfg.dataset or str(run_dir / "data")
-    if not (Path(src) / "dataset_dict.json").is_file():
-        raise env.UsageError(f"no dataset at {src}: pass --dataset DIR, or put train.py's synthesised one in RUN/data")
     backend = env.resolve_backend(cfg.backend)
     cores = n_cores()
+    cfg.synth_workers = cfg.synth_workers or workers(cores, backend)[0]
     cfg.tool_workers = cfg.tool_workers or workers(cores, backend)[1]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    src = cfg.dataset or train.synthesise(cfg, run_dir, backend)  # train.py's data/, kept where it is already
+    if not (Path(src) / "dataset_dict.json").is_file():
+        raise env.UsageError(f"no dataset at {src}: pass synth.py's output folder")
     claim_devices(backend == "cuda", cores, 1, 0, cfg.env_gpus)  # the GPU that times kernels, as train.py's rank 0
     train_tasks, test = load_data(src, True)
     teacher_tasks, heldout = split_tasks(train_tasks, test, cfg)

@@ -586,9 +586,11 @@ def test_teacher_chunks_made_without_the_model_are_what_train_py_reuses(tmp_path
 
 
 def test_teacher_chunks_says_what_is_missing_in_one_line(tmp_path):
-    """No --run-dir, no dataset, or a run folder of another model (a chunk holds token ids of one tokenizer)."""
+    """No --run-dir, a --dataset that is not there, or a run folder of another model (a chunk holds token ids of one
+    tokenizer). (A run folder without data/ gets train.py's synthesised one, as train.py --stage all does.)"""
     for args, want in ((["--preset", "tiny"], "--run-dir is needed"),
-                       (["--preset", "tiny", "--run-dir", str(tmp_path)], "no dataset at"),
+                       (["--preset", "tiny", "--run-dir", str(tmp_path), "--dataset", str(tmp_path / "none")],
+                        "no dataset at"),
                        (["--preset", "tiny", "--run-dir", str(tmp_path), "--model", "other"], "runs --model 'tiny-random'")):
         if "other" in args:
             (tmp_path / "config.json").write_text(json.dumps({"model": "tiny-random"}))
