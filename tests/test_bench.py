@@ -490,3 +490,29 @@ def test_teacher_replay_schedules_recorded_call_times(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "teacher_replay.py"), str(tmp_path / "none")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "no chunk-*/trajectories.jsonl" in r.stderr
+
+
+def test_episodes_says_where_each_episode_went(tmp_path):
+    """bench/episodes.py: one line per episode (ops, reward, how far it got, its calls, the verdict's error); --failed
+    keeps those below +1; a missing file is a one-line error."""
+    passed = {"task_id": "test/00001", "ops": ["silu", "add"], "reward": 2, "end_reason": "finish",
+              "verdict": {"compiled": True, "correct": True, "speedup_eager": 1.5},
+              "turns": [{"tool": "write_file", "ok": True}, {"tool": "finish", "ok": True}]}
+    failed = {"task_id": "test/00002", "ops": ["softmax"], "reward": -1, "end_reason": "max_turns",
+              "verdict": {"compiled": True, "correct": False, "error": "output mismatch: 37% beyond tolerance\nmore"},
+              "turns": [{"tool": "compile", "ok": True}, {"tool": None, "ok": False}]}
+    f = tmp_path / "rank0.jsonl"
+    f.write_text(json.dumps(passed) + "\n" + json.dumps(failed) + "\n")
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "episodes.py"), str(f)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "2 episodes, 1 pass" in r.stdout
+    assert "test/00001 | silu -> add | reward +2 | correct 1.50x eager | end finish | calls: write_file finish" in r.stdout
+    assert ("test/00002 | softmax | reward -1 | built | end max_turns | calls: compile (malformed)! | "
+            "error: output mismatch: 37% beyond tolerance") in r.stdout.splitlines()
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "episodes.py"), str(f), "--failed"], capture_output=True,
+                       text=True, timeout=120)
+    assert "test/00002" in r.stdout and "test/00001" not in r.stdout
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "episodes.py"), str(tmp_path / "none.jsonl")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "no such file" in r.stderr and "Traceback" not in r.stderr
