@@ -64,6 +64,15 @@ short_default() {
   mkdir -p "$OUT/$name" && cp "/tmp/run-$name/metrics.jsonl" "/tmp/run-$name/config.json" "$OUT/$name/" 2>/dev/null
 }
 
+# a fresh run folder DIR for the learning and teacher parts: the carried .learn/run (a dataset and finished chunks), or
+# else the first dataset of: DATA (a folder), bench/learn-data (the 56 tasks every learning row of docs/results.md is
+# measured on: the same 16 held out each time), none (train.py synthesises one on this machine: other held-out tasks)
+start_run() {
+  rm -rf $1 && mkdir -p $1
+  if [ -d .learn/run/data ]; then cp -r .learn/run/. $1/; return; fi
+  for d in ${2:-} bench/learn-data; do [ -f $d/dataset_dict.json ] && { cp -r $d $1/data; return; }; done
+}
+
 # the learning and teacher parts' run: 56 tasks (16 held out), 40 for the teacher in chunks of 10 (tasks_per_step: a
 # chunk is that many tasks of the training split in order, so chunks carried across calls need these sizes).
 # LEARN_WINDOW (default "0.3 3"): the tasks' eager-time window in ms (train.py window_lo_ms / window_hi_ms; "0 0" is
@@ -145,7 +154,7 @@ learning)
   # after the default one: the same demonstrations, another setting; its files come back in OUT/learning-LEARN_RUN/
   run=/tmp/run-${LEARN_RUN:-sft} res=learning${LEARN_RUN:+-$LEARN_RUN}
   r=""; [ -f $run/config.json ] && r="--resume"
-  if [ -z "$r" ] && [ -d .learn/run/data ]; then rm -rf $run && mkdir -p $run && cp -r .learn/run/. $run/; fi
+  [ -z "$r" ] && start_run $run /tmp/teach/data
   # the chunks the `teacher` part made on this machine (the same flags) join the carried ones, whole, where they are
   # further on: finished (demos.jsonl), or holding more finished episodes than the carried one (a cut keeps them)
   n() { [ -f $1/trajectories.jsonl ] && wc -l < $1/trajectories.jsonl || echo 0; }
@@ -167,9 +176,7 @@ teacher)
   # `model` part's first call, while the model's second half is still to come. /tmp/teach starts from .learn/run
   # (its dataset and finished chunks); the learning part takes its new chunks, and OUT/teacher/learn.tgz brings
   # them back (tar xzf ... -C .learn/run). One rank's chunks (as the learning part's run). TEACHER_LIMIT (default 540) s.
-  # No .learn/run/data: the teacher synthesises the dataset first (train.py's synth_tasks, with this machine's filter)
-  [ -f /tmp/teach/data/dataset_dict.json ] || { rm -rf /tmp/teach && mkdir -p /tmp/teach \
-    && { [ ! -d .learn/run ] || cp -r .learn/run/. /tmp/teach/; }; }
+  [ -f /tmp/teach/data/dataset_dict.json ] || start_run /tmp/teach
   step ${TEACHER_LIMIT:-540} teacher python3 bench/teacher_chunks.py --run-dir /tmp/teach $LEARN_FLAGS ${LEARN_SET:-}
   mkdir -p "$OUT/teacher" && tar czf "$OUT/teacher/learn.tgz" -C /tmp/teach --exclude=workspaces data sft/teacher 2>/dev/null
   ;;
