@@ -16,16 +16,17 @@ What one verdict does, in order (build.py has step 3, protocol.py the children a
                tensor method that is an ATen operator (the monitor judges it at run time), a tensor's
                data or a layer's constant, or nn.Module/container API (no Tensor.map2_, no str.format).
   3. build     every workspace file's directives are checked as written (no #line or line markers: the scan
-               trusts the preprocessed text's markers), every source is run through the compiler's own
+               trusts the preprocessed text's markers; an #include names its header literally, with no absolute
+               path and no `..`: a file the preprocessor opens is quoted back in its errors), every source is run through the compiler's own
                preprocessor (-dD: macro bodies stay where they were defined) and its tokens checked
                (scan.py: allowed includes and pragmas only, no doors out of the process, no compute ops by
                name, no Python object model, exactly one real PYBIND11_MODULE); then compiled on its own (nvcc
                -O3 for .cu; g++ for .cpp from the scanned text: -O3 and OpenMP on the CPU backend, whose .cpp
                files are the kernels, -O1 for the CUDA backend's host glue; <torch/extension.h>, or a lighter
                header by that name, precompiled: build.py) into a content-hash cache and linked
-               into one module `cuda_extension`, whose imported symbols (C functions from an allow-list; no
-               PyTorch compute operator, thread, process, file or dispatcher entry, whatever the source
-               spelled) and machine code (no system call instruction) are checked. Editing one kernel rebuilds only that object. A build counts as a
+               into one module `cuda_extension`, whose imported symbols (C functions and C++ names from allow-lists; no
+               PyTorch compute operator, thread, process, file, dynamic loader or dispatcher entry, whatever the
+               source spelled) and machine code (no system call instruction) are checked. Editing one kernel rebuilds only that object. A build counts as a
                candidate on its device (step 5).
   4. verify    a trusted REFERENCE child computes the outputs of 5 check inputs and of the timing inputs
                (each drawn from a fresh secret seed, on the task's device) and sends them to this process

@@ -434,10 +434,32 @@ def check_directives(path: str, text: str) -> list[str]:
         if m.group(1) not in ALLOWED_DIRECTIVES:
             out.append(f"{path}: the directive `#{m.group(1)}` is not allowed in kernel sources (allowed: "
                        + ", ".join(f"#{d}" for d in sorted(ALLOWED_DIRECTIVES) if d) + ")")
+        elif m.group(1) == "include":
+            rest = re.sub(r"/\*.*?\*/", " ", text[m.end():m.end() + 400], flags=re.S).split("\n")[0]
+            out += _include_violation(path, rest)
         elif m.group(1) == "pragma":  # here too: the preprocessor consumes some (GCC system_header, poison)
             rest = re.sub(r"/\*.*?\*/", " ", text[m.end():m.end() + 400], flags=re.S).split("\n")[0]
             out += _pragma_violation(path, re.findall(r"[A-Za-z_]\w*", rest)[:2])
+    for m in _HAS_INCLUDE_RE.finditer(text):
+        out += _include_violation(path, m.group(1), "__has_include")
     return list(dict.fromkeys(out))
+
+
+# An include names a header as written, inside the include roots: a literal "x" or <x> (a macro's include is
+# computed: the preprocessor reads whatever file it expands to), no absolute path, no `..`. A file the preprocessor
+# opens is quoted back in its errors: `#include "/etc/passwd"` after `#define root _Pragma` printed the file's lines in
+# the build error (the include roots check after preprocessing never ran: preprocessing failed first).
+_INCLUDE_OPERAND_RE = re.compile(r'\s*("([^"\n]*)"|<([^>\n]*)>)\s*(//.*)?$')
+_HAS_INCLUDE_RE = re.compile(r"__has_include(?:_next)?\s*\(([^)\n]*)\)")
+
+
+def _include_violation(path: str, operand: str, what: str = "#include") -> list[str]:
+    m = _INCLUDE_OPERAND_RE.match(operand)
+    name = m and (m.group(2) if m.group(2) is not None else m.group(3))
+    if not m or not name or name.startswith("/") or "\\" in name or ".." in re.split(r"/+", name):
+        return [f"{path}: `{what} {operand.strip()[:80]}` is not allowed: name a header as written (\"file.h\" or "
+                "<header>), with no absolute path, no `..` and no macro"]
+    return []
 
 
 def _pragma_violation(path: str, words: list) -> list[str]:
@@ -580,7 +602,8 @@ def check_tokens(path: str, tokens: list[str]) -> list[str]:
 #   - C functions (unmangled symbols) from an allow-list: memory, strings, math, formatting into memory and onto the
 #     standard streams, the C++ runtime, locks, OpenMP, CUDA's runtime and libraries, and the Python C API that
 #     pybind11's inline code calls. Everything else (a file, a descriptor, a signal, a timer, a process, a new
-#     system call's wrapper) is refused by not being on it; the doors below are named only for the message.
+#     system call's wrapper) is refused by not being on it; the doors below are named only for the message;
+#   - every other C++ name from an allow-list as well (CXX_IMPORTS_RE).
 # The Python C API that pybind11's inline code calls for a module, its functions, conversions and errors. Not the
 # parts that run code, import, open files or reach the interpreter's state (PyRun_*, Py_CompileString, PyEval_Eval*,
 # PyEval_GetGlobals, PyImport_*, _Py_fopen_obj, PySys_*, PyOS_*, PyFile_*, PyMarshal_*): pybind11's eval_file, found by
@@ -624,6 +647,62 @@ C_IMPORTS_RE = re.compile(
     r"task_reduction_remap|workshare_task_reduction_unregister|cancel|cancellation_point|error|warning)|omp_\w+|"
     r"__cuda\w+|cuda\w+|cu[A-Z]\w+|cublas\w*|cublasLt\w*|cusparse\w*|cusolver\w*|cufft\w*|curand\w*|nvtx\w+|"
     + PYTHON_C_API + r")$")
+# C++ names (a demangled symbol's qualified name, its template and argument lists dropped: cxx_name) from an
+# allow-list too: the C++ runtime (exceptions, strings, string streams, hashing, clocks, condition variables),
+# PyTorch's tensor metadata, checks, errors and allocation, pybind11's tensor conversion, CUDA's current stream and
+# device. Everything else is refused by not being on it, whatever the source spelled: a file stream
+# (std::basic_filebuf and the streams on it), a thread, a dynamic loader (at::DynamicLibrary hands out any C
+# function by name, and a PyTorch operator to call on a worker thread), a Tensor method that computes out of line
+# (Tensor::index, _backward), hooks. tests/env_cases/cxx_imports.txt holds what the repository's own kernels import.
+CXX_IMPORTS_RE = re.compile(
+    r"^(operator_(new|delete)|"
+    r"std::((__cxx11::)?(basic_string|char_traits|allocator|basic_(o|i)?stringstream|basic_stringbuf|basic_ostream|"
+    r"basic_istream|basic_iostream|basic_ios|basic_streambuf|ios_base|ios_base_library_init|locale|ctype|num_put|num_get|"
+    r"numpunct|__ostream_insert|ostream|istream|cout|cerr|clog|endl|type_info|"
+    r"exception|bad_\w+|logic_error|runtime_error|domain_error|invalid_argument|length_error|out_of_range|range_error|"
+    r"overflow_error|underflow_error|system_error|nested_exception|__exception_ptr|exception_ptr|__throw_\w+|terminate|"
+    r"current_exception|rethrow_exception|uncaught_exceptions?|__glibcxx_assert_fail|_Hash_bytes|_Fnv_hash_bytes|"
+    r"__detail::_Prime_rehash_policy|_Rb_tree_\w+|__detail::_List_node_base|(_V2::)?(error_category|system_category|"
+    r"generic_category)|chrono::(_V2::)?(steady_clock|system_clock|high_resolution_clock)|condition_variable|__condvar|"
+    r"__once_callable|__once_call|__once_proxy))(::|$)|"
+    r"__cxxabiv1::__\w+|__gnu_cxx::__verbose_terminate_handler$|"
+    r"c10::(detail::(torchCheckFail|torchInternalAssertFail|torchCheckMsgImpl|maybe_wrap_dim_slow)|\w*Error|Warning|"
+    r"warn\w*|throwNullDataPtrError|TensorImpl|UndefinedTensorImpl|StorageImpl|SymInt|SymBool|SymFloat|SymbolicShapeMeta|"
+    r"AutogradMetaInterface|impl::getGlobalPyInterpreter|impl::ExcludeDispatchKeyGuard|impl::DeviceGuardImplInterface|"
+    r"impl::device_guard_impl_registry|Device|DeviceTypeName|toString|GetAllocator|GetCPUAllocator|SmallVectorBase|"
+    r"cuda::(getCurrentCUDAStream|getDefaultCUDAStream|getStreamFromPool|c10_cuda_check_implementation|warp_size|"
+    r"device_count|device_count_ensure_non_zero|current_device|set_device|ExchangeDevice|MaybeExchangeDevice|SetDevice|"
+    r"GetDevice|CUDAStream|impl::CUDAGuardImpl|CUDACachingAllocator::(get|allocator|raw_alloc|raw_alloc_with_stream|"
+    r"raw_delete)))(::|$)|"
+    r"at::(TensorBase::(data_ptr|mutable_data_ptr|const_data_ptr|__dispatch_contiguous|enforce_invariants|toString|print|"
+    r"name|_version|is_leaf|output_nr|is_view|_base|fill_|zero_|to|data|tensor_data|variable_data)|"
+    r"cuda::(getCurrentCUDAStream|getDefaultCUDAStream|getStreamFromPool|getCurrentDeviceProperties|getDeviceProperties|"
+    r"warp_size|getNumGPUs|is_available))$|"
+    r"caffe2::TypeMeta::\w+$|torch::autograd::AutogradMeta(::~?AutogradMeta)?$|"
+    r"pybind11::detail::type_caster::(load|cast)$)")
+_CXX_KIND_RE = re.compile(r"^((construction )?vtable|VTT|typeinfo( name)?|guard variable|TLS (init|wrapper) function|"
+                          r"reference temporary #\d+) for |^((non-|covariant return )?virtual|covariant return) thunk to ")
+_CXX_OPERATOR_RE = re.compile(r"\boperator\s*(new\[\]|delete\[\]|new\b|delete\b|<<=?|>>=?|<=>|<=|>=|->\*?|<|>|\(\)|"
+                              r"\[\]|[^\w\s(]+|\s+[\w:]+)")
+
+
+def cxx_name(sym: str) -> str:
+    """The qualified name a demangled C++ symbol stands for: `float* at::TensorBase::data_ptr<float>() const` ->
+    at::TensorBase::data_ptr; `vtable for std::__cxx11::basic_ostringstream<char, ...>` ->
+    std::__cxx11::basic_ostringstream; `operator new(unsigned long)` -> operator_new. "" where it cannot tell (refused)."""
+    s = _CXX_KIND_RE.sub("", sym.strip())
+    s = re.sub(r"\[abi:\w+\]", "", s)
+    s = _CXX_OPERATOR_RE.sub(lambda m: "operator_" + ("new" if m.group(1).startswith("new") else
+                                                      "delete" if m.group(1).startswith("delete") else "x"), s)
+    while True:  # template arguments, innermost first
+        t = re.sub(r"<[^<>]*>", "", s)
+        if t == s:
+            break
+        s = t
+    s = s.split("(")[0].strip()
+    return s.split()[-1] if s else ""
+
+
 IMPORT_DOORS = BANNED_TOKENS | {
     "pthread_create", "thrd_create", "pthread_kill", "pthread_sigqueue", "tgkill", "tkill", "sigqueue", "rt_sigqueueinfo",
     "getauxval", "dl_iterate_phdr", "r_debug", "setcontext", "makecontext", "swapcontext", "process_madvise",
@@ -686,6 +765,10 @@ def check_imports(symbols: list[str], allowed_ops) -> list[str]:
                        "may come from PyTorch, on any thread: write the computation as a kernel")
         elif _TORCH_DOOR_RE.search(name):
             out.append(f"the module calls `{name[:120]}` (the dispatcher by name and PyTorch's threads are closed doors)")
+        elif op is None and not CXX_IMPORTS_RE.match(cxx_name(name)):
+            out.append(f"the module calls `{name[:120]}`, which is not on the list of C++ functions a kernel module may "
+                       "use (the C++ runtime's exceptions, strings and string streams, tensor metadata and allocation, "
+                       "CUDA's current stream)")
     return list(dict.fromkeys(out))
 
 

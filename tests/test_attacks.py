@@ -417,6 +417,36 @@ def test_attack_c_imports_come_from_an_allow_list():
         assert scan.check_imports([name], scan.IMPORT_OPS), name
 
 
+# C++ imports come from an allow-list too (scan.CXX_IMPORTS_RE). Only C functions had one: a C++ symbol was judged
+# against PyTorch's operators, the dispatcher and its thread pools, so at::DynamicLibrary (libtorch's dlopen/dlsym: any
+# C function by name, system() ran a shell; a PyTorch operator's mangled name called from an OpenMP worker scored +1
+# with no kernel) and std::basic_ifstream (a file read; the banned tokens were ifstream, fstream, filebuf) linked.
+def test_attack_cxx_imports_come_from_an_allow_list():
+    honest = (Path(__file__).parent / "env_cases" / "cxx_imports.txt").read_text().splitlines()  # the repository's kernels'
+    assert len(honest) > 100 and scan.check_imports(honest, scan.IMPORT_OPS) == []
+    refused = ["at::DynamicLibrary::sym(char const*)", "at::DynamicLibrary::DynamicLibrary(char const*, char const*, bool)",
+               "vtable for std::basic_ifstream<char, std::char_traits<char> >",
+               "std::basic_filebuf<char, std::char_traits<char> >::open(char const*, std::_Ios_Openmode)",
+               "std::__basic_file<char>::~__basic_file()", "std::thread::_State::~_State()", "std::random_device::_M_getval()",
+               "at::Tensor::index(c10::ArrayRef<at::indexing::TensorIndex>) const",  # computes out of line
+               "at::Tensor::_backward(c10::ArrayRef<at::Tensor>, std::optional<at::Tensor> const&, std::optional<bool>, bool) const",
+               "at::TensorBase::_register_hook(std::function<at::TensorBase (at::TensorBase const&)>) const",
+               "caffe2::serialize::FileAdapter::FileAdapter(std::__cxx11::basic_string<char> const&)",
+               "std::filesystem::__cxx11::directory_iterator::operator*() const", "torch::jit::load(std::string const&)",
+               "c10::cuda::CUDACachingAllocator::shareIpcHandle(void*)", "some::future::door()", "(anonymous namespace)::f()"]
+    for name in refused:
+        assert scan.check_imports([name], scan.IMPORT_OPS), name
+    assert scan.cxx_name("float* at::TensorBase::data_ptr<float>() const") == "at::TensorBase::data_ptr"
+    assert scan.cxx_name("std::ostream::operator<<(int)") == "std::ostream::operator_x"
+    assert scan.cxx_name("operator delete(void*, unsigned long)") == "operator_delete"
+
+
+@pytest.mark.parametrize("case", ["dynamic_library.cpp", "file_stream.cpp"])
+def test_attack_cxx_doors_do_not_link(case):
+    b = env.build({"kernels/x.cpp": (CASES / case).read_text()}, "cpu")
+    assert not b.ok and any("not on the list of C++ functions" in v for v in b.violations), b.log
+
+
 # ------------------------------------------------------------------ the parent: a verdict and one line, never a hang or a traceback
 def _evaluate_within(seconds, *args, **kwargs):
     """env.evaluate in a thread: (verdict or the exception it raised), or pytest.fail if it has not returned in time."""

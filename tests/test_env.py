@@ -1077,6 +1077,23 @@ def test_included_host_file_never_reaches_the_log(tmp_path):
     assert v.reward == -1 and v.violations and "TOP-SECRET" not in v.summary() + v.log, v.summary()
 
 
+@pytest.mark.parametrize("how", ["absolute", "relative"])
+def test_included_host_file_never_reaches_the_log_when_preprocessing_fails(tmp_path, how):
+    """A macro named as the file's first word makes every line of it a preprocessor error, and GCC quotes the line:
+    the include must be refused as written, before the preprocessor opens the file (scan.check_directives)."""
+    secret = ROOT / "tests" / f".secret-{os.urandom(4).hex()}.txt"
+    secret.write_text("TOP SECRET LINE\n")
+    try:
+        ws = make_ws(tmp_path, "relu", model_new("relu", "x"), {})
+        name = str(secret) if how == "absolute" else os.path.relpath(secret, ws / "kernels")
+        src = f'#define TOP _Pragma\n#include "{name}"\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{}}\n'
+        (ws / "kernels" / "x.cpp").write_text(src)
+        v = env.evaluate(ws, backend="cpu")
+    finally:
+        secret.unlink()
+    assert v.reward == -1 and v.violations and "SECRET" not in v.summary() + v.log, v.summary() + v.log
+
+
 def test_module_in_a_comment_is_not_a_module(tmp_path):
     b = env.build({"kernels/x.cpp": "#include <torch/extension.h>\n// PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)\nint x;\n"}, "cpu")
     assert not b.ok and "exactly one source must" in b.log, b.log

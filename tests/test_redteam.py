@@ -340,7 +340,7 @@ def test_a_killed_trainer_leaves_no_candidate_running(tmp_path):
         before, t0 = set(), time.monotonic()
         while not before and time.monotonic() - t0 < 300:  # (a build and a child's start: seconds, more on a loaded machine)
             time.sleep(1)
-            before = _spinning()
+            before = _spinning(p.pid)  # this trainer's own: other verdicts on the machine spin too
         os.kill(p.pid, signal.SIGKILL)
         p.wait()
         time.sleep(3)
@@ -351,21 +351,32 @@ def test_a_killed_trainer_leaves_no_candidate_running(tmp_path):
     assert not (after & before), f"candidate processes outlived their trainer: {sorted(after & before)}"
 
 
-def _spinning() -> set:
-    """Pids of processes that run a sandboxed child and are busy on a CPU (state R)."""
+def _spinning(root: int | None = None) -> set:
+    """Pids of processes that run a sandboxed child and are busy on a CPU (state R); with root, only root's
+    descendants (a pid that outlives root is then compared by itself: its parent has changed)."""
     import os
-    out = set()
+    out, parent = set(), {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read()
             with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
+                fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if (b"_forkserver" in cmd or b"_child" in cmd) and state == "R":
+        parent[int(pid)] = int(fields[1])
+        if (b"_forkserver" in cmd or b"_child" in cmd) and fields[0] == "R":
             out.add(int(pid))
-    return out
+
+    def under_root(pid):
+        seen = set()
+        while pid in parent and pid not in seen and pid > 1:
+            if pid == root:
+                return True
+            seen.add(pid)
+            pid = parent[pid]
+        return False
+    return out if root is None else {pid for pid in out if under_root(pid)}
 
 
 # ------------------------------------------------------------------ 11. an output the parent cannot rebuild raised out of evaluate
