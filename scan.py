@@ -667,7 +667,8 @@ CXX_IMPORTS_RE = re.compile(
     r"__once_callable|__once_call|__once_proxy))(::|$)|"
     r"__cxxabiv1::__\w+|__gnu_cxx::__verbose_terminate_handler$|"
     r"c10::(detail::(torchCheckFail|torchInternalAssertFail|torchCheckMsgImpl|maybe_wrap_dim_slow)|\w*Error|Warning|"
-    r"warn\w*|throwNullDataPtrError|TensorImpl|UndefinedTensorImpl|StorageImpl|SymInt|SymBool|SymFloat|SymbolicShapeMeta|"
+    r"warn\w*|throwNullDataPtrError|TensorImpl::(?!~?TensorImpl$)\w+$|UndefinedTensorImpl::_singleton$|"
+    r"StorageImpl::throw_data_ptr_access_error$|SymInt|SymBool|SymFloat|SymbolicShapeMeta|"
     r"AutogradMetaInterface|impl::getGlobalPyInterpreter|impl::ExcludeDispatchKeyGuard|Device|DeviceTypeName|toString|"
     r"SmallVectorBase|"
     r"cuda::(getCurrentCUDAStream|getDefaultCUDAStream|getStreamFromPool|c10_cuda_check_implementation|warp_size|"
@@ -699,6 +700,8 @@ def cxx_name(sym: str) -> str:
         if t == s:
             break
         s = t
+    if "(*" in s or "{" in s or "<" in s or ">" in s:  # a function pointer's type, a lambda, an unbalanced bracket
+        return ""
     s = s.split("(")[0].strip()
     return s.split()[-1] if s else ""
 
@@ -712,7 +715,12 @@ _IMPORT_SUFFIX_RE = re.compile(r"(_chk|_2|64)+$")
 # CUDA's doors out of the process's own memory: code or data from a file (the rest of cu*/cuda* runs on the device or
 # manages it), another process's memory or descriptors, and any driver function by name.
 _CUDA_DOOR_RE = re.compile(r"^cu(da)?(ModuleLoad|LibraryLoadFromFile|LinkAddFile|GetProcAddress|GetDriverEntryPoint\w*|"
-                           r"Ipc\w+|ImportExternal\w+|Mem(Import|Export)\w*ShareableHandle|DeviceGetByPCIBusId)(_v\d+)?$")
+                           r"Ipc\w+|ImportExternal\w+|Mem(Import|Export)\w*ShareableHandle|DeviceGetByPCIBusId|"
+                           r"GetExportTable|MemPool(Import|Export)\w*|MemGetHandleForAddressRange|Coredump\w*)(_v\d+)?$|"
+                           # host code the driver runs later, on a thread of its own (after forward returned), and
+                           # the libraries' loggers (a file by name) and callbacks
+                           r"^cu(da)?\w*(HostFunc|AddCallback|HostNode\w*|SetCallback)\w*$|"
+                           r"^(cublas|cublasLt|cusparse|cusolver\w*|cufft\w*|curand)\w*(Logger|Callback)\w*$")
 # whole families of C functions, whatever glibc version adds next: signals, page protection, exec and spawn, the
 # dynamic loader, processes
 _IMPORT_FAMILY_RE = re.compile(r"^(sig(?!nbit|nificand)|pkey_|mprotect|mmap|madvise|mremap|exec|posix_spawn|dl|clone|v?fork|"
