@@ -664,7 +664,7 @@ CXX_IMPORTS_RE = re.compile(
     r"current_exception|rethrow_exception|uncaught_exceptions?|__glibcxx_assert_fail|_Hash_bytes|_Fnv_hash_bytes|"
     r"__detail::_Prime_rehash_policy|_Rb_tree_\w+|__detail::_List_node_base|(_V2::)?(error_category|system_category|"
     r"generic_category)|chrono::(_V2::)?(steady_clock|system_clock|high_resolution_clock)|condition_variable|__condvar|"
-    r"__once_callable|__once_call|__once_proxy))(::|$)|"
+    r"__once_callable|__once_call|__once_proxy)(::|$)|operator_x$)|"
     r"__cxxabiv1::__\w+|__gnu_cxx::__verbose_terminate_handler$|"
     r"c10::(detail::(torchCheckFail|torchInternalAssertFail|torchCheckMsgImpl|maybe_wrap_dim_slow)|\w*Error|Warning|"
     r"warn\w*|throwNullDataPtrError|TensorImpl::(?!~?TensorImpl$)\w+$|UndefinedTensorImpl::_singleton$|"
@@ -677,7 +677,7 @@ CXX_IMPORTS_RE = re.compile(
     r"at::(TensorBase::(data_ptr|mutable_data_ptr|const_data_ptr|__dispatch_contiguous|enforce_invariants|toString|print|"
     r"name|_version|is_leaf|output_nr|is_view|_base|fill_|zero_|to|data|tensor_data|variable_data)|"
     r"cuda::(getCurrentCUDAStream|getDefaultCUDAStream|getStreamFromPool|getCurrentDeviceProperties|getDeviceProperties|"
-    r"warp_size|getNumGPUs|is_available))$|"
+    r"warp_size|getNumGPUs|is_available)|get_num_threads|get_thread_num|in_parallel_region)$|"
     r"caffe2::TypeMeta::\w+$|torch::autograd::AutogradMeta(::~?AutogradMeta)?$)")
 # pybind11's conversion of a tensor (torch's own, out of line); other casters' templates are not looked through
 _PYBIND_TENSOR_RE = re.compile(r"^pybind11::detail::type_caster<at::Tensor, void>::(load|cast)\(")

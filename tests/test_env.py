@@ -136,7 +136,7 @@ CPP_CHEATS = {  # kernel sources that the preprocessed scan (or, once linked, th
                          "torch::matmul is not allowed"),
     "cpp_side_thread": (TORCH_H + "#include <thread>\nvoid f() { std::thread t([]{}); t.detach(); }\n" + MODULE, "`thread` is not allowed"),
     "cpp_calls_python": (TORCH_H + "void f() { pybind11::module_::import(\"gc\"); }\n" + MODULE, "`import` is not allowed"),
-    "cpp_reads_outside": ("#include </etc/passwd>\n" + MODULE, "#include of /etc/passwd is not allowed"),
+    "cpp_reads_outside": ("#include </etc/passwd>\n" + MODULE, "`#include </etc/passwd>` is not allowed"),
     "torch_op_called_from_cpp": (TORCH_H + "torch::Tensor f(torch::Tensor a, torch::Tensor b) { return a.add(b); }\n" + MODULE,
                                  "aten.add"),
 }
