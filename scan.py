@@ -658,6 +658,7 @@ C_IMPORTS_RE = re.compile(
 # (std::basic_filebuf and the streams on it), a thread, a dynamic loader (at::DynamicLibrary hands out any C
 # function by name, and a PyTorch operator to call on a worker thread), a Tensor method that computes out of line
 # (Tensor::index, _backward), hooks. tests/env_cases/cxx_imports.txt holds what the repository's own kernels import.
+# A name followed by `(::|$)` admits the class (or namespace) and its members; one followed by `$` that name only.
 CXX_IMPORTS_RE = re.compile(
     r"^(operator_(new|delete)|"
     r"std::((__cxx11::)?(basic_string|char_traits|allocator|basic_(o|i)?stringstream|basic_stringbuf|basic_ostream|"
