@@ -65,8 +65,8 @@ short_default() {
 }
 
 # a fresh run folder DIR for the learning and teacher parts: the carried .learn/run (a dataset and finished chunks), or
-# else the first dataset of: DATA (a folder), bench/learn-data (the 56 tasks every learning row of docs/results.md is
-# measured on: the same 16 held out each time), none (train.py synthesises one on this machine: other held-out tasks)
+# else the first dataset of: DATA (a folder), bench/learn-data (a dataset committed to the repository, where there is
+# one: every row measured on it shares its held-out tasks), none (synthesised on this machine: other held-out tasks)
 start_run() {
   rm -rf $1 && mkdir -p $1
   if [ -d .learn/run/data ]; then cp -r .learn/run/. $1/; return; fi

