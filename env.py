@@ -889,8 +889,12 @@ def _drive_candidate(v, cand, check_seeds, ref_checks, timed_seeds, ref_timed, c
     obj, _ = cand.answer()  # "ready", or the error that stopped model_new.py from loading
     cand.cmd_timeout = cfg.run_timeout  # (loading may take long; each command after it may not)
     lap("candidate start")
-    if not isinstance(obj, dict) or obj.get("ready") is not True or not isinstance(obj.get("init_ops"), list):
+    if not isinstance(obj, dict) or obj.get("ready") is not True or not isinstance(obj.get("init_ops"), list) \
+            or not isinstance(obj.get("state"), list):
         raise ValueError("no ready message")
+    if obj["state"]:
+        v.violations.append(_state_violation(obj["state"]))
+        return None
     if obj["init_ops"]:
         v.violations.append("PyTorch compute ops ran while model_new.py loaded or ModelNew was built: " + ", ".join(
             f"aten.{n}" for n in map(str, obj["init_ops"][:8])) + " (only allocation, random initialisation and copies)")
@@ -943,14 +947,19 @@ def _drive_candidate(v, cand, check_seeds, ref_checks, timed_seeds, ref_timed, c
     return times
 
 
+def _state_violation(what: list) -> str:
+    return (f"{', '.join(map(str, what[:4]))} changed PyTorch's dispatch state (the keys the dispatch monitor sees "
+            "operators through); a kernel leaves it as it found it")
+
+
 def _judge_full(cand: Child, ref, cfg: Config, backend: str, what: str, lap, phase: str) -> tuple[list, str | None]:
     """Asks for the last run's whole output and its monitor record; returns (violations, error). The comparison's
     seconds go to the phase "compare", the rest since the last lap to `phase` (a verdict of GB-sized outputs is
     mostly these two: moving the outputs and comparing them)."""
     obj, blobs = cand.ask({"op": "full"}, reuse=True)  # (judged here and dropped before its next full reply)
-    if not isinstance(obj, dict) or not isinstance(obj.get("ops"), list):
+    if not isinstance(obj, dict) or not isinstance(obj.get("ops"), list) or not isinstance(obj.get("state"), list):
         raise ValueError("bad full reply")
-    bad = []
+    bad = [_state_violation(obj["state"])] if obj["state"] else []
     if obj["ops"]:
         bad.append(f"PyTorch compute ops ran inside ModelNew.forward ({what}): " + ", ".join(
             f"aten.{n}" for n in map(str, obj["ops"][:8])) + " (only allocation, views and cuda_extension may be used)")

@@ -791,14 +791,16 @@ def sample_of(out, offset: int):
     return out
 
 
-def _tensors_only(ext):
+def _tensors_only(ext, changed: list):
     """The module model_new.py imports as cuda_extension: the extension's functions, each of which may return only
-    tensors (or None, or sequences of them). A kernel that hands values to Python as numbers or lists (a
-    std::vector<double> becomes a list) would let Python compute on them, out of the dispatch monitor's sight."""
+    tensors (or None, or sequences of them), and leaves the thread's dispatch state as it found it (_kept_state). A
+    kernel that hands values to Python as numbers or lists (a std::vector<double> becomes a list) would let Python
+    compute on them, out of the dispatch monitor's sight."""
 
     def wrap(name, f):
         def call(*args, **kwargs):
-            out = f(*args, **kwargs)
+            with _kept_state(changed, f"cuda_extension.{name}"):
+                out = f(*args, **kwargs)
             if not _only_tensors(out):
                 raise TypeError(f"cuda_extension.{name} returned {type(out).__name__}: a kernel function returns tensors "
                                 "(or None); values handed to Python would be computed on outside the kernels")
@@ -809,6 +811,27 @@ def _tensors_only(ext):
         if not name.startswith("_") and callable(getattr(ext, name)):
             setattr(shim, name, wrap(name, getattr(ext, name)))
     return shim
+
+
+@contextlib.contextmanager
+def _kept_state(changed: list, what: str):
+    """Native code (the extension's loading, each of its calls) must leave the thread's dispatch key state as it
+    found it. The dispatch monitor is a Python dispatch mode: an operator reaches it through the Python keys of
+    that state, and a kernel that leaves them excluded (a guard it never destroys: the guard's class is one
+    PyTorch's own inline code imports) hides every PyTorch operator forward() runs after it. A change is put back
+    and recorded in `changed`, which fails the verdict whatever the candidate does with the error raised here."""
+    before = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
+    try:
+        yield
+    finally:
+        inc, exc = torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
+        if (inc, exc) != before:
+            changed.append(what)
+            for k in torch._C.DispatchKey.__members__.values():
+                torch._C._dispatch_tls_set_dispatch_key_included(k, before[0].has(k))
+                torch._C._dispatch_tls_set_dispatch_key_excluded(k, before[1].has(k))
+            raise RuntimeError(f"{what} changed PyTorch's dispatch state (included {inc}, excluded {exc}); "
+                               "a kernel leaves it as it found it")
 
 
 def _only_tensors(out, depth=0) -> bool:
@@ -922,6 +945,7 @@ def _child_main(spec_path: str):
     model = ref.Model(*init).to(device).eval()
 
     bad = []  # aten ops outside the allow-list seen by the candidate's monitor
+    changed = []  # native code that changed the dispatch state the monitor depends on (_kept_state)
     if spec["mode"] == "reference":
         seeds, n_checks = spec["seeds"], spec["n_checks"]
         per_set = sum(x.numel() * x.element_size() for x in inputs_for(seeds[0]) if isinstance(x, torch.Tensor)) + 1
@@ -956,7 +980,9 @@ def _child_main(spec_path: str):
         sys.path[:0] = [spec["ext_dir"], spec["cand_dir"]]
         try:
             with torch.no_grad(), OpMonitor(INIT_OPS):  # the module's import, __init__ and set-up are watched too
-                sys.modules["cuda_extension"] = _tensors_only(importlib.import_module("cuda_extension"))
+                with _kept_state(changed, "loading cuda_extension"):
+                    ext = importlib.import_module("cuda_extension")
+                sys.modules["cuda_extension"] = _tensors_only(ext, changed)
                 cand_mod = load(spec["model_new"], "model_new")
                 torch.manual_seed(spec["seed0"])
                 cand = cand_mod.ModelNew(*init)
@@ -976,7 +1002,7 @@ def _child_main(spec_path: str):
                 return cand(*x)
 
         fns = {"candidate": watched}
-        send(rep_fd, {"ready": True, "init_ops": list(bad)})
+        send(rep_fd, {"ready": True, "init_ops": list(bad), "state": list(changed)})
         bad.clear()
 
     buffers, out, loaded, fn, spin_s, imported, held = None, None, None, None, spec["spin_s"], [], None
@@ -1041,7 +1067,7 @@ def _child_main(spec_path: str):
                 sync()
             elif op == "full":
                 outs = out if isinstance(out, (tuple, list)) else [out]
-                reply = {"out": pack(out, blobs), "ops": list(bad),
+                reply = {"out": pack(out, blobs), "ops": list(bad), "state": list(changed),
                          "mutated": loaded is not None and any(isinstance(b, torch.Tensor) and not torch.equal(b, x)
                                                                for b, x in zip(buffers, loaded)),
                          "types": [type(o).__name__ for o in outs if isinstance(o, torch.Tensor) and type(o) is not torch.Tensor],

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import build as builder
 import env
@@ -828,3 +829,24 @@ def test_attack_forked_children_do_not_share_their_address_layout(tmp_path):
     outs = [sandboxed_python("fork", ADDRESSES, tmp_path / "box", 60).stdout.split() for _ in range(2)]
     assert all(len(o) == 3 for o in outs), outs
     assert all(a != b for a, b in zip(*outs)), outs
+
+
+# ------------------------------------------------------------------ the monitor's own state
+# The dispatch monitor sees an operator through the Python dispatch keys of forward's thread. A kernel that leaves
+# them excluded when it returns (an ExcludeDispatchKeyGuard it never destroys, named through decltype: the class is
+# on the C++ import allow-list) hid forward's own PyTorch operators from it (tests/attack_cases/dispatch_keys.cpp):
+# between two kernel calls, for good, or from the module's loading on. The harness puts the state back after each
+# call and records the change, which fails the verdict (the error it raises cannot be caught: model_new.py may not
+# `try`).
+HIDDEN_BY_KEYS = {"between_calls": ("cuda_extension.show((cuda_extension.hide(x) * self.scale).relu())", ""),
+                  "for_good": ("(cuda_extension.hide_for_good(x) * self.scale).relu()", ""),
+                  "at_load": ("(x * self.scale).relu()", "static Guard* at_load = new Guard(python_keys());\n")}
+
+
+@pytest.mark.parametrize("name", sorted(HIDDEN_BY_KEYS))
+def test_attack_kernel_changing_the_dispatch_state_is_refused(tmp_path, name):
+    body, extra = HIDDEN_BY_KEYS[name]
+    keys = f"constexpr int kPython = {int(torch._C.DispatchKey.Python)}, kSnapshot = {int(torch._C.DispatchKey.PythonTLSSnapshot)};\n"
+    src = keys + (CASES / "dispatch_keys.cpp").read_text() + extra
+    v = env.evaluate(make_ws(tmp_path, "relu", model_new("relu", body), {"ops.cpp": src}), backend="cpu")
+    assert v.reward == -1 and not v.correct and "dispatch state" in f"{v.error} {v.violations}", v.summary()

@@ -992,11 +992,11 @@ class FakeChild:
 
 
 @pytest.mark.parametrize("replies,expect", [
-    ([{"ready": True, "init_ops": []}, ({}, []), ({}, []), ({}, []), ({"runtime_ms": "fast"}, [])], ValueError),
-    ([{"ready": True, "init_ops": []}, ({}, []), ({}, []), ({}, []),
-      ({"out": {"t": 0, "dtype": "float32", "shape": [64, 4096]}, "ops": [], "mutated": False}, [b"\0" * 8])], ValueError),
-    ([{"ready": True, "init_ops": []}, ({}, []), ({}, []), ({}, []),
-      ({"out": {"t": 0, "dtype": "os.system", "shape": [1]}, "ops": [], "mutated": False}, [b"\0" * 4])], ValueError),
+    ([{"ready": True, "init_ops": [], "state": []}, ({}, []), ({}, []), ({}, []), ({"runtime_ms": "fast"}, [])], ValueError),
+    ([{"ready": True, "init_ops": [], "state": []}, ({}, []), ({}, []), ({}, []),
+      ({"out": {"t": 0, "dtype": "float32", "shape": [64, 4096]}, "ops": [], "state": [], "mutated": False}, [b"\0" * 8])], ValueError),
+    ([{"ready": True, "init_ops": [], "state": []}, ({}, []), ({}, []), ({}, []),
+      ({"out": {"t": 0, "dtype": "os.system", "shape": [1]}, "ops": [], "state": [], "mutated": False}, [b"\0" * 4])], ValueError),
     (["ready"], ValueError),
     ([EOFError("closed")], EOFError),
 ], ids=["result_json_fields", "short_tensor", "bad_dtype", "not_a_dict", "died"])
@@ -1876,7 +1876,7 @@ def test_kept_memory_counts_against_the_reply_limit(monkeypatch):
                 return
             if cmd["op"] == "full":
                 blobs = []
-                reply = {"out": protocol.pack(ref.clone(), blobs), "ops": [], "mutated": False, "types": [], "devices": []}
+                reply = {"out": protocol.pack(ref.clone(), blobs), "ops": [], "state": [], "mutated": False, "types": [], "devices": []}
             elif cmd["op"] == "sample" and cmd["offset"] == 1:  # an honest sample
                 blobs = []
                 reply = protocol.pack(protocol.sample_of(ref, 1), blobs)
