@@ -34,7 +34,9 @@ What one verdict does, in order (build.py has step 3, protocol.py the children a
                a verdict lives beside a reference child of it): it loads ModelNew under a dispatch
                monitor (module import, __init__, load_state_dict: only allocation, random
                initialisation and copies), then is told one input at a time. The extension's functions
-               may return only tensors (or None): no values handed to Python to compute on. Its whole outputs on the
+               may return only tensors (or None): no values handed to Python to compute on, and must leave the
+               thread's dispatch key state, through which the monitor sees operators, as they found it (so must
+               the extension's loading): a change is put back and fails the verdict. Its whole outputs on the
                check inputs are compared here (on this process's GPU, where it has one, from
                GPU_COMPARE elements on), at atol = rtol = 1e-2 element by element AND by RMS error
                at the reference's own scale. While forward runs (every run, timed or not), any PyTorch
@@ -150,7 +152,10 @@ What it does NOT protect against (be honest; RL will look)
   - a kernel that tells the audited runs from the sampled ones (by the time between its calls) knows when the
     n_audits are spent: the runs after that are checked by their samples only (and the last one in full).
   - an OpenMP worker still runs the kernel's own code outside the monitor's thread (it may call only the
-    allocation and view operators the module imports).
+    allocation and view operators the module imports). So, within one call, may a kernel that excludes the
+    Python dispatch keys on forward's thread (the guard's class is imported by PyTorch's own inline factories)
+    and restores them before it returns: the imported operators that copy (contiguous, reshape, to) go unseen
+    there. They move and cast data; none computes.
   - where input_budget_mb holds fewer sets than runs (above ~45 MB a set at the default budget: most tasks of
     synth.py's 1-100 ms window on a GPU), the candidate's runs are shared out: with 2, 3 or 4 sets its median is of
     8, 13 or 18 runs, not the baselines' 20 (which reuse their sets: trusted code); every child, the checked one
