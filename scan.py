@@ -675,6 +675,8 @@ CXX_IMPORTS_RE = re.compile(
     r"warn\w*|throwNullDataPtrError|TensorImpl::(?!TensorImpl$)\w+$|UndefinedTensorImpl::_singleton$|"
     r"StorageImpl::throw_data_ptr_access_error$|SymInt|SymBool|SymFloat|SymbolicShapeMeta|"
     r"AutogradMetaInterface|impl::getGlobalPyInterpreter|impl::ExcludeDispatchKeyGuard|impl::DeviceGuardImplInterface|"
+    # (a mutable data pointer of a lazily copied storage copies it first: Tensor::mutable_data_ptr's inline code)
+    r"impl::cow::is_cow_data_ptr$|impl::cow::materialize_cow_storage$|"
     r"Device|DeviceTypeName|Stream|toString|SmallVectorBase|"
     r"cuda::(getCurrentCUDAStream|getDefaultCUDAStream|getStreamFromPool|getStreamFromExternal|"
     r"c10_cuda_check_implementation|warp_size|"
