@@ -34,9 +34,13 @@ What one verdict does, in order (build.py has step 3, protocol.py the children a
                a verdict lives beside a reference child of it): it loads ModelNew under a dispatch
                monitor (module import, __init__, load_state_dict: only allocation, random
                initialisation and copies), then is told one input at a time. The extension's functions
+               take only tensors, numbers, None and lists of them (no Python callable for native code to call),
                may return only tensors (or None): no values handed to Python to compute on, and must leave the
                thread's dispatch key state, through which the monitor sees operators, as they found it (so must
-               the extension's loading): a change is put back and fails the verdict. Its whole outputs on the
+               the extension's loading, ModelNew's building and each forward, where native code of the
+               extension's may run outside its calls: a storage's deleter): a change is put back and fails the
+               verdict. A tensor cannot be made text there (str(t) runs with the dispatch modes off, and would
+               hand its values to Python unseen). Its whole outputs on the
                check inputs are compared here (on this process's GPU, where it has one, from
                GPU_COMPARE elements on), at atol = rtol = 1e-2 element by element AND by RMS error
                at the reference's own scale. While forward runs (every run, timed or not), any PyTorch
@@ -155,7 +159,9 @@ What it does NOT protect against (be honest; RL will look)
     allocation and view operators the module imports). So, within one call, may a kernel that excludes the
     Python dispatch keys on forward's thread (the guard's class is imported by PyTorch's own inline factories)
     and restores them before it returns: the imported operators that copy (contiguous, reshape, to) go unseen
-    there. They move and cast data; none computes.
+    there, and so would those a tensor's Python object reaches through the object operators pybind11's inline
+    code imports (+, [] : not tried). A storage deleter of the kernel's, run when forward drops a tensor, can do the
+    same between two of forward's statements, restoring the keys before forward returns.
   - where input_budget_mb holds fewer sets than runs (above ~45 MB a set at the default budget: most tasks of
     synth.py's 1-100 ms window on a GPU), the candidate's runs are shared out: with 2, 3 or 4 sets its median is of
     8, 13 or 18 runs, not the baselines' 20 (which reuse their sets: trusted code); every child, the checked one

@@ -799,6 +799,9 @@ def _tensors_only(ext, changed: list):
 
     def wrap(name, f):
         def call(*args, **kwargs):
+            if not all(_plain_argument(a) for a in (*args, *kwargs.values())):
+                raise TypeError(f"cuda_extension.{name} takes tensors, numbers, None and lists or tuples of them; "
+                                f"not {', '.join(sorted({type(a).__name__ for a in (*args, *kwargs.values()) if not _plain_argument(a)}))}")
             with _kept_state(changed, f"cuda_extension.{name}"):
                 out = f(*args, **kwargs)
             if not _only_tensors(out):
@@ -832,6 +835,20 @@ def _kept_state(changed: list, what: str):
                 torch._C._dispatch_tls_set_dispatch_key_excluded(k, before[1].has(k))
             raise RuntimeError(f"{what} changed PyTorch's dispatch state (included {inc}, excluded {exc}); "
                                "a kernel leaves it as it found it")
+
+
+def _no_tensor_text(*args, **kwargs):
+    raise TypeError("a tensor may not be turned into text in ModelNew (its values would reach Python unseen by the "
+                    "dispatch monitor)")
+
+
+def _plain_argument(a, depth=0) -> bool:
+    """What a kernel function may be handed: tensors, numbers, None, and lists or tuples of them. Any other Python
+    object is something native code could call (a function or bound method: Python that computes where the
+    monitor does not look, on an OpenMP worker or inside a guard that excludes its keys) or read attributes of."""
+    if a is None or type(a) in (bool, int, float) or isinstance(a, torch.Tensor):
+        return True
+    return type(a) in (tuple, list) and depth < 4 and all(_plain_argument(x, depth + 1) for x in a)
 
 
 def _only_tensors(out, depth=0) -> bool:
@@ -978,8 +995,13 @@ def _child_main(spec_path: str):
                 return func(*args, **(kwargs or {}))
 
         sys.path[:0] = [spec["ext_dir"], spec["cand_dir"]]
+        # A tensor's text is made with the dispatch modes turned off (torch._tensor_str), so str(t), f"{t}" and
+        # "%s" % t would hand its values to Python unseen, to compute on there: in this child they are refused.
+        torch._tensor_str._str = _no_tensor_text
         try:
-            with torch.no_grad(), OpMonitor(INIT_OPS):  # the module's import, __init__ and set-up are watched too
+            with torch.no_grad(), OpMonitor(INIT_OPS), \
+                    _kept_state(changed, "model_new.py's loading or ModelNew's construction"):  # (and native code
+                # run meanwhile: a storage's deleter, when a tensor is dropped, runs the extension's code outside its calls)
                 with _kept_state(changed, "loading cuda_extension"):
                     ext = importlib.import_module("cuda_extension")
                 sys.modules["cuda_extension"] = _tensors_only(ext, changed)
@@ -998,7 +1020,7 @@ def _child_main(spec_path: str):
         monitor = OpMonitor(ALLOWED_OPS)
 
         def watched(*x):
-            with monitor:
+            with monitor, _kept_state(changed, "ModelNew.forward"):  # (the extension's code run outside its calls)
                 return cand(*x)
 
         fns = {"candidate": watched}

@@ -850,3 +850,40 @@ def test_attack_kernel_changing_the_dispatch_state_is_refused(tmp_path, name):
     src = keys + (CASES / "dispatch_keys.cpp").read_text() + extra
     v = env.evaluate(make_ws(tmp_path, "relu", model_new("relu", body), {"ops.cpp": src}), backend="cpu")
     assert v.reward == -1 and not v.correct and "dispatch state" in f"{v.error} {v.violations}", v.summary()
+
+
+# Python from a kernel, and native code outside the extension's calls (red team, tests/attack_cases/):
+# - python_by_leading_colons.cpp: `::pybind11::...` skipped the scan's qualified-name allow-list (it checked a root
+#   namespace only where no `::` came before it); pybind11's inline pickling helper handed the kernel builtins.eval,
+#   and exec'd Python left the monitor (reward +1);
+# - python_callable.cpp: model_new.py handed the kernel a bound method computing with PyTorch, called inside a scoped
+#   guard that excludes the Python keys (reward +1; from an OpenMP worker too, where no mode is);
+# - deleter.cpp: a storage's deleter, run when forward drops a tensor, leaked the guard outside every extension call
+#   (reward +2);
+# - no kernel at all: str(t) formats a tensor with the dispatch modes off, and Python parsed the digits (reward +1).
+FROM_PYTHON = {
+    "leading_colons": ("python_by_leading_colons.cpp", "cuda_extension.run(x, self.scale)", "", "pybind11::"),
+    "callable": ("python_callable.cpp", "cuda_extension.unseen(self.compute, x)",
+                 "def compute(self, x):\n        return (x * self.scale).relu()\n", "takes tensors, numbers"),
+    "deleter": ("deleter.cpp", "(x * self.scale).relu() if self.drop() else x",
+                "def drop(self):\n        self.tok = None\n        return True\n", "dispatch state"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FROM_PYTHON))
+def test_attack_python_from_a_kernel_or_code_outside_its_calls_is_refused(tmp_path, name):
+    case, body, method, expect = FROM_PYTHON[name]
+    keys = f"constexpr int kPython = {int(torch._C.DispatchKey.Python)}, kSnapshot = {int(torch._C.DispatchKey.PythonTLSSnapshot)};\n"
+    src = (CASES / case).read_text()
+    src = keys + src if "kPython" in src else src
+    init_extra = "self.tok = cuda_extension.arm(torch.empty(1))" if name == "deleter" else ""
+    source = model_new("relu", body, init_extra=init_extra).replace("    def forward", f"    {method}\n    def forward") \
+        if method else model_new("relu", body)
+    v = env.evaluate(make_ws(tmp_path, "relu", source, {"ops.cpp": src}), backend="cpu")
+    assert v.reward == -1 and not v.correct and expect in f"{v.error} {v.violations}", v.summary()
+
+
+def test_attack_tensor_text_is_refused(tmp_path):
+    """A tensor's values turned into text reach Python unseen: refused in the candidate's process."""
+    v = env.evaluate(make_ws(tmp_path, "relu", (CASES / "tensor_text.py").read_text()), backend="cpu", stage="verify")
+    assert v.reward == -1 and not v.correct and "text" in f"{v.error} {v.violations}", v.summary()
