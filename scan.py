@@ -569,10 +569,11 @@ true try typedef typeid typename union unsigned using virtual void volatile wcha
 
 
 def _continues_a_name(tokens: list[str], i: int) -> bool:
-    """Whether the root namespace at tokens[i] is a part of a longer qualified name (`mine::torch::x`, `T<a>::at::x`)
-    rather than its start: `::torch::x` names torch at the global scope, and is checked as `torch::x` is."""
-    return i >= 2 and tokens[i - 1] == "::" and (tokens[i - 2] == ">" or (re.match(r"[A-Za-z_]\w*$", tokens[i - 2])
-                                                                        and tokens[i - 2] not in CXX_KEYWORDS))
+    """Whether the root namespace at tokens[i] is a part of a longer qualified name (`mine::torch::x`) rather than
+    its start: `::torch::x` names torch at the global scope, and is checked as `torch::x` is. After `>` it is taken
+    as a start: `1 > ::pybind11::x` compares (a template's `T<a>::torch::x` is refused with it)."""
+    return i >= 2 and tokens[i - 1] == "::" and bool(re.match(r"[A-Za-z_]\w*$", tokens[i - 2])) \
+        and tokens[i - 2] not in CXX_KEYWORDS
 
 
 def check_tokens(path: str, tokens: list[str]) -> list[str]:

@@ -887,3 +887,15 @@ def test_attack_tensor_text_is_refused(tmp_path):
     """A tensor's values turned into text reach Python unseen: refused in the candidate's process."""
     v = env.evaluate(make_ws(tmp_path, "relu", (CASES / "tensor_text.py").read_text()), backend="cpu", stage="verify")
     assert v.reward == -1 and not v.correct and "text" in f"{v.error} {v.violations}", v.summary()
+
+
+@pytest.mark.parametrize("src,ok", [
+    ("static ::pybind11::handle h;", False), ("return ::c10::impl::getGlobalPyInterpreter();", False),
+    ("bool b = 1 > ::pybind11::detail::f();", False), ("auto g = (::pybind11::gil_scoped_release());", False),
+    ("auto t = ::torch::empty_like(y);", True), ("int v = mine::torch::x;", True),
+])
+def test_attack_global_scope_names_are_checked_as_names(src, ok):
+    """`::torch::x` names the same thing as `torch::x`: the scan checks it the same way, unless the `::` continues
+    a longer name of the source's own (`mine::torch::x`)."""
+    tokens = scan.split_preprocessed(f'# 1 "/w/x.cpp"\n{src}\n', lambda p: p == "/w/x.cpp")[0]
+    assert (scan.check_tokens("x.cpp", tokens) == []) == ok, scan.check_tokens("x.cpp", tokens)
