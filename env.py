@@ -34,12 +34,13 @@ What one verdict does, in order (build.py has step 3, protocol.py the children a
                a verdict lives beside a reference child of it): it loads ModelNew under a dispatch
                monitor (module import, __init__, load_state_dict: only allocation, random
                initialisation and copies), then is told one input at a time. The extension's functions
-               take only tensors, numbers, None and lists of them (no Python callable for native code to call),
+               take only tensors, numbers, strings, None and tuples of them (a list becomes a fresh tuple; no
+               Python callable for native code to call, no list to write values into),
                may return only tensors (or None): no values handed to Python to compute on, and must leave the
                thread's dispatch key state, through which the monitor sees operators, as they found it (so must
-               the extension's loading, ModelNew's building and each forward, where native code of the
-               extension's may run outside its calls: a storage's deleter): a change is put back and fails the
-               verdict. A tensor cannot be made text there (str(t) runs with the dispatch modes off, and would
+               the extension's loading, ModelNew's building and each forward, and every run starts from the
+               state the first one did: native code of the extension's may run outside its calls, a storage's
+               deleter when a tensor is dropped): a change fails the verdict. A tensor cannot be made text there (str(t) runs with the dispatch modes off, and would
                hand its values to Python unseen). Its whole outputs on the
                check inputs are compared here (on this process's GPU, where it has one, from
                GPU_COMPARE elements on), at atol = rtol = 1e-2 element by element AND by RMS error

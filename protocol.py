@@ -799,9 +799,11 @@ def _tensors_only(ext, changed: list):
 
     def wrap(name, f):
         def call(*args, **kwargs):
-            if not all(_plain_argument(a) for a in (*args, *kwargs.values())):
-                raise TypeError(f"cuda_extension.{name} takes tensors, numbers, None and lists or tuples of them; "
-                                f"not {', '.join(sorted({type(a).__name__ for a in (*args, *kwargs.values()) if not _plain_argument(a)}))}")
+            try:
+                args, kwargs = _plain(args), {k: _plain(v) for k, v in kwargs.items()}
+            except TypeError as e:
+                raise TypeError(f"cuda_extension.{name} takes tensors, numbers, strings, None and lists or tuples of "
+                                f"them, not {e}") from None
             with _kept_state(changed, f"cuda_extension.{name}"):
                 out = f(*args, **kwargs)
             if not _only_tensors(out):
@@ -816,25 +818,35 @@ def _tensors_only(ext, changed: list):
     return shim
 
 
+def _dispatch_state():
+    return torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
+
+
+def _same_state(changed: list, what: str, state) -> bool:
+    """Whether the thread's dispatch key state is `state`. The dispatch monitor is a Python dispatch mode: an operator
+    reaches it through the Python keys of that state, and native code that leaves them excluded (a guard it never
+    destroys: the guard's class is one PyTorch's own inline code imports) hides every PyTorch operator run after
+    it. A change is recorded in `changed`, which fails the verdict, and put back key by key (as far as the per-key
+    setters reach: the verdict fails either way)."""
+    if _dispatch_state() == state:
+        return True
+    changed.append(what)
+    for k in torch._C.DispatchKey.__members__.values():
+        torch._C._dispatch_tls_set_dispatch_key_included(k, state[0].has(k))
+        torch._C._dispatch_tls_set_dispatch_key_excluded(k, state[1].has(k))
+    return False
+
+
 @contextlib.contextmanager
 def _kept_state(changed: list, what: str):
-    """Native code (the extension's loading, each of its calls) must leave the thread's dispatch key state as it
-    found it. The dispatch monitor is a Python dispatch mode: an operator reaches it through the Python keys of
-    that state, and a kernel that leaves them excluded (a guard it never destroys: the guard's class is one
-    PyTorch's own inline code imports) hides every PyTorch operator forward() runs after it. A change is put back
-    and recorded in `changed`, which fails the verdict whatever the candidate does with the error raised here."""
-    before = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
+    """Native code run inside (the extension's loading, one of its calls, ModelNew's building, one forward) must
+    leave the thread's dispatch key state as it found it (_same_state)."""
+    before = _dispatch_state()
     try:
         yield
     finally:
-        inc, exc = torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set()
-        if (inc, exc) != before:
-            changed.append(what)
-            for k in torch._C.DispatchKey.__members__.values():
-                torch._C._dispatch_tls_set_dispatch_key_included(k, before[0].has(k))
-                torch._C._dispatch_tls_set_dispatch_key_excluded(k, before[1].has(k))
-            raise RuntimeError(f"{what} changed PyTorch's dispatch state (included {inc}, excluded {exc}); "
-                               "a kernel leaves it as it found it")
+        if not _same_state(changed, what, before):
+            raise RuntimeError(f"{what} changed PyTorch's dispatch state; a kernel leaves it as it found it")
 
 
 def _no_tensor_text(*args, **kwargs):
@@ -842,13 +854,16 @@ def _no_tensor_text(*args, **kwargs):
                     "dispatch monitor)")
 
 
-def _plain_argument(a, depth=0) -> bool:
-    """What a kernel function may be handed: tensors, numbers, None, and lists or tuples of them. Any other Python
-    object is something native code could call (a function or bound method: Python that computes where the
+def _plain(a, depth=0):
+    """What a kernel function may be handed: tensors, numbers, strings, None, and tuples of them (a list or a
+    torch.Size becomes a fresh tuple, which native code cannot write values into for Python to read). Any other
+    Python object is something native code could call (a function or bound method: Python that computes where the
     monitor does not look, on an OpenMP worker or inside a guard that excludes its keys) or read attributes of."""
-    if a is None or type(a) in (bool, int, float) or isinstance(a, torch.Tensor):
-        return True
-    return type(a) in (tuple, list) and depth < 4 and all(_plain_argument(x, depth + 1) for x in a)
+    if a is None or type(a) in (bool, int, float, str) or isinstance(a, torch.Tensor):
+        return a
+    if isinstance(a, (tuple, list)) and type(a) in (tuple, list, torch.Size) and depth < 4:
+        return tuple(_plain(x, depth + 1) for x in a)
+    raise TypeError(f"{type(a).__name__}")
 
 
 def _only_tensors(out, depth=0) -> bool:
@@ -1019,7 +1034,11 @@ def _child_main(spec_path: str):
             os._exit(0)
         monitor = OpMonitor(ALLOWED_OPS)
 
+        base = _dispatch_state()  # (as every run starts: native code may also run between runs, e.g. a storage's
+        # deleter when the harness drops the last run's output)
+
         def watched(*x):
+            _same_state(changed, "native code between two runs", base)
             with monitor, _kept_state(changed, "ModelNew.forward"):  # (the extension's code run outside its calls)
                 return cand(*x)
 
@@ -1088,6 +1107,8 @@ def _child_main(spec_path: str):
                 reply = pack(sample_of(out, cmd["offset"]), blobs)
                 sync()
             elif op == "full":
+                if spec["mode"] != "reference":
+                    _same_state(changed, "native code after the last run", base)
                 outs = out if isinstance(out, (tuple, list)) else [out]
                 reply = {"out": pack(out, blobs), "ops": list(bad), "state": list(changed),
                          "mutated": loaded is not None and any(isinstance(b, torch.Tensor) and not torch.equal(b, x)

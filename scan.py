@@ -559,23 +559,6 @@ def find_seq(tokens: list[str], seq: list[str]) -> list[int]:
     return hits
 
 
-# C++'s keywords: one before `::` starts a name at the global scope (`static ::torch::Tensor t;`, `return ::c10::f();`)
-CXX_KEYWORDS = set("""alignas alignof and and_eq asm auto bitand bitor bool break case catch char char8_t char16_t char32_t
-class compl concept const consteval constexpr constinit const_cast continue co_await co_return co_yield decltype default
-delete do double dynamic_cast else enum explicit export extern false float for friend goto if inline int long mutable
-namespace new noexcept not not_eq nullptr operator or or_eq private protected public register reinterpret_cast
-requires return short signed sizeof static static_assert static_cast struct switch template this thread_local throw
-true try typedef typeid typename union unsigned using virtual void volatile wchar_t while xor xor_eq""".split())
-
-
-def _continues_a_name(tokens: list[str], i: int) -> bool:
-    """Whether the root namespace at tokens[i] is a part of a longer qualified name (`mine::torch::x`) rather than
-    its start: `::torch::x` names torch at the global scope, and is checked as `torch::x` is. After `>` it is taken
-    as a start: `1 > ::pybind11::x` compares (a template's `T<a>::torch::x` is refused with it)."""
-    return i >= 2 and tokens[i - 1] == "::" and bool(re.match(r"[A-Za-z_]\w*$", tokens[i - 2])) \
-        and tokens[i - 2] not in CXX_KEYWORDS
-
-
 def check_tokens(path: str, tokens: list[str]) -> list[str]:
     """Violations among the user tokens of one source (the PYBIND11_MODULE expansion already removed)."""
     out = []
@@ -597,7 +580,8 @@ def check_tokens(path: str, tokens: list[str]) -> list[str]:
             out.append(f"{path}: namespace aliases are not allowed (`namespace {tokens[i + 1]} = ...`)")
         elif t == "using" and i + 2 < len(tokens) and tokens[i + 1] == "namespace" and tokens[i + 2] in ROOT_NAMESPACES:
             out.append(f"{path}: `using namespace {tokens[i + 2]}` is not allowed; qualify the names you use")
-        elif t in ROOT_NAMESPACES and i + 1 < len(tokens) and tokens[i + 1] == "::" and not _continues_a_name(tokens, i):
+        # (wherever it stands: `::torch::x` at the global scope, or after any word GCC keeps, such as __extension__)
+        elif t in ROOT_NAMESPACES and i + 1 < len(tokens) and tokens[i + 1] == "::":
             segs, j = [], i + 1
             while j + 1 < len(tokens) and tokens[j] == "::" and re.match(r"[A-Za-z_]\w*$", tokens[j + 1]):
                 segs.append(tokens[j + 1])

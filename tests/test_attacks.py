@@ -834,10 +834,9 @@ def test_attack_forked_children_do_not_share_their_address_layout(tmp_path):
 # ------------------------------------------------------------------ the monitor's own state
 # The dispatch monitor sees an operator through the Python dispatch keys of forward's thread. A kernel that leaves
 # them excluded when it returns (an ExcludeDispatchKeyGuard it never destroys, named through decltype: the class is
-# on the C++ import allow-list) hid forward's own PyTorch operators from it (tests/attack_cases/dispatch_keys.cpp):
-# between two kernel calls, for good, or from the module's loading on. The harness puts the state back after each
-# call and records the change, which fails the verdict (the error it raises cannot be caught: model_new.py may not
-# `try`).
+# on the C++ import allow-list) would hide forward's own PyTorch operators from it (tests/attack_cases/dispatch_keys.cpp;
+# reward +1 without the check): between two kernel calls, for good, or from the module's loading on. The harness
+# records the change, which fails the verdict (the error it raises cannot be caught: model_new.py may not `try`).
 HIDDEN_BY_KEYS = {"between_calls": ("cuda_extension.show((cuda_extension.hide(x) * self.scale).relu())", ""),
                   "for_good": ("(cuda_extension.hide_for_good(x) * self.scale).relu()", ""),
                   "at_load": ("(x * self.scale).relu()", "static Guard* at_load = new Guard(python_keys());\n")}
@@ -852,15 +851,16 @@ def test_attack_kernel_changing_the_dispatch_state_is_refused(tmp_path, name):
     assert v.reward == -1 and not v.correct and "dispatch state" in f"{v.error} {v.violations}", v.summary()
 
 
-# Python from a kernel, and native code outside the extension's calls (red team, tests/attack_cases/):
-# - python_by_leading_colons.cpp: `::pybind11::...` skipped the scan's qualified-name allow-list (it checked a root
-#   namespace only where no `::` came before it); pybind11's inline pickling helper handed the kernel builtins.eval,
-#   and exec'd Python left the monitor (reward +1);
-# - python_callable.cpp: model_new.py handed the kernel a bound method computing with PyTorch, called inside a scoped
-#   guard that excludes the Python keys (reward +1; from an OpenMP worker too, where no mode is);
-# - deleter.cpp: a storage's deleter, run when forward drops a tensor, leaked the guard outside every extension call
-#   (reward +2);
-# - no kernel at all: str(t) formats a tensor with the dispatch modes off, and Python parsed the digits (reward +1).
+# Python from a kernel, and native code outside the extension's calls (tests/attack_cases/; the reward each gets
+# without the check that refuses it):
+# - python_by_leading_colons.cpp: `::pybind11::...` at the global scope, for a scan that checks a root namespace only
+#   at a name's start; pybind11's inline pickling helper hands the kernel builtins.eval, and exec'd Python leaves the
+#   monitor (+1);
+# - python_callable.cpp: model_new.py hands the kernel a bound method computing with PyTorch, called inside a scoped
+#   guard that excludes the Python keys (+1; from an OpenMP worker too, where no mode is);
+# - deleter.cpp: a storage's deleter, run when forward drops a tensor, leaks the guard outside every extension call
+#   (+2); deleter_between_runs.py: the same when the harness drops a run's output (+1);
+# - no kernel at all: str(t) formats a tensor with the dispatch modes off, and Python parses the digits (+1).
 FROM_PYTHON = {
     "leading_colons": ("python_by_leading_colons.cpp", "cuda_extension.run(x, self.scale)", "", "pybind11::"),
     "callable": ("python_callable.cpp", "cuda_extension.unseen(self.compute, x)",
@@ -883,6 +883,17 @@ def test_attack_python_from_a_kernel_or_code_outside_its_calls_is_refused(tmp_pa
     assert v.reward == -1 and not v.correct and expect in f"{v.error} {v.violations}", v.summary()
 
 
+def test_attack_deleter_between_runs_is_refused(tmp_path):
+    """The same deleter armed in the first run's output, which the harness drops after the run: the keys are
+    excluded before the next forward starts (and stay so to its end), so every later run is compared with the state
+    runs start from, not only with its own start."""
+    keys = f"constexpr int kPython = {int(torch._C.DispatchKey.Python)}, kSnapshot = {int(torch._C.DispatchKey.PythonTLSSnapshot)};\n"
+    src = keys + (CASES / "deleter.cpp").read_text()
+    v = env.evaluate(make_ws(tmp_path, "relu", (CASES / "deleter_between_runs.py").read_text(), {"ops.cpp": src}),
+                     backend="cpu")
+    assert v.reward == -1 and not v.correct and "dispatch state" in f"{v.error} {v.violations}", v.summary()
+
+
 def test_attack_tensor_text_is_refused(tmp_path):
     """A tensor's values turned into text reach Python unseen: refused in the candidate's process."""
     v = env.evaluate(make_ws(tmp_path, "relu", (CASES / "tensor_text.py").read_text()), backend="cpu", stage="verify")
@@ -892,10 +903,11 @@ def test_attack_tensor_text_is_refused(tmp_path):
 @pytest.mark.parametrize("src,ok", [
     ("static ::pybind11::handle h;", False), ("return ::c10::impl::getGlobalPyInterpreter();", False),
     ("bool b = 1 > ::pybind11::detail::f();", False), ("auto g = (::pybind11::gil_scoped_release());", False),
-    ("auto t = ::torch::empty_like(y);", True), ("int v = mine::torch::x;", True),
+    ("auto o = __extension__ ::pybind11::detail::f();", False), ("int v = mine::torch::x;", False),
+    ("auto t = ::torch::empty_like(y);", True),
 ])
 def test_attack_global_scope_names_are_checked_as_names(src, ok):
-    """`::torch::x` names the same thing as `torch::x`: the scan checks it the same way, unless the `::` continues
-    a longer name of the source's own (`mine::torch::x`)."""
+    """`::torch::x` names the same thing as `torch::x`, and the scan checks it the same way: a root namespace
+    followed by `::` is checked wherever it stands."""
     tokens = scan.split_preprocessed(f'# 1 "/w/x.cpp"\n{src}\n', lambda p: p == "/w/x.cpp")[0]
     assert (scan.check_tokens("x.cpp", tokens) == []) == ok, scan.check_tokens("x.cpp", tokens)

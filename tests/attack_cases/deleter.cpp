@@ -19,4 +19,18 @@ torch::Tensor arm(torch::Tensor x) {
     return t;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("arm", &arm); }
+// relu(x * scale), x: (B, D), scale: (D,): an honest kernel, for the run that arms a deleter (deleter_between_runs.py)
+torch::Tensor relu_scale(torch::Tensor x, torch::Tensor scale) {
+    auto y = torch::empty_like(x);
+    const float* a = x.data_ptr<float>();
+    const float* s = scale.data_ptr<float>();
+    float* o = y.data_ptr<float>();
+    int64_t d = scale.numel(), n = x.numel();
+    for (int64_t i = 0; i < n; i++) { float v = a[i] * s[i % d]; o[i] = v > 0 ? v : 0; }
+    return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("arm", &arm);
+    m.def("relu_scale", &relu_scale);
+}

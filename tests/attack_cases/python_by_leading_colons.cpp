@@ -1,8 +1,8 @@
-// E: arbitrary Python from the kernel, with nothing but tensors passed from model_new.py. pybind11 3's inline
+// Arbitrary Python from the kernel, with nothing but tensors passed from model_new.py. pybind11 3's inline
 // function_record_PyTypeObject_methods::reduce_ex_impl (pybind11/detail/function_record_pyobject.h: the
 // __reduce_ex__ of pybind11's function-record type) returns (builtins["eval"], (...)) for any record whose scope
 // is a module: it calls PyEval_GetBuiltins, which the import allow-list admits. Every pybind11 name is spelled
-// with a leading `::`, which check_tokens does not check (it skips a root namespace that follows `::`). The code
+// with a leading `::`, for a scan that checks a root namespace only at the start of a name. The code
 // eval/exec runs here excludes the dispatch monitor (torch._C._DisableTorchDispatch) and computes in PyTorch.
 #include <torch/extension.h>
 
