@@ -34,8 +34,8 @@ What one verdict does, in order (build.py has step 3, protocol.py the children a
                a verdict lives beside a reference child of it): it loads ModelNew under a dispatch
                monitor (module import, __init__, load_state_dict: only allocation, random
                initialisation and copies), then is told one input at a time. The extension's functions
-               take only tensors, numbers, strings, None and tuples of them (a list becomes a fresh tuple; no
-               Python callable for native code to call, no list to write values into),
+               take only tensors, numbers, None and tuples of them (a list becomes a fresh tuple; no Python
+               callable for native code to call, no list or string to write values into),
                may return only tensors (or None): no values handed to Python to compute on, and must leave the
                thread's dispatch key state, through which the monitor sees operators, as they found it (so must
                the extension's loading, ModelNew's building and each forward, and every run starts from the

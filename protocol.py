@@ -802,7 +802,7 @@ def _tensors_only(ext, changed: list):
             try:
                 args, kwargs = _plain(args), {k: _plain(v) for k, v in kwargs.items()}
             except TypeError as e:
-                raise TypeError(f"cuda_extension.{name} takes tensors, numbers, strings, None and lists or tuples of "
+                raise TypeError(f"cuda_extension.{name} takes tensors, numbers, None and lists or tuples of "
                                 f"them, not {e}") from None
             with _kept_state(changed, f"cuda_extension.{name}"):
                 out = f(*args, **kwargs)
@@ -855,11 +855,12 @@ def _no_tensor_text(*args, **kwargs):
 
 
 def _plain(a, depth=0):
-    """What a kernel function may be handed: tensors, numbers, strings, None, and tuples of them (a list or a
-    torch.Size becomes a fresh tuple, which native code cannot write values into for Python to read). Any other
-    Python object is something native code could call (a function or bound method: Python that computes where the
-    monitor does not look, on an OpenMP worker or inside a guard that excludes its keys) or read attributes of."""
-    if a is None or type(a) in (bool, int, float, str) or isinstance(a, torch.Tensor):
+    """What a kernel function may be handed: tensors, numbers, None, and tuples of them (a list or a torch.Size
+    becomes a fresh tuple, which native code cannot write values into for Python to read; nor a string, whose buffer
+    the C API hands out). Any other Python object is something native code could call (a function or bound method:
+    Python that computes where the monitor does not look, on an OpenMP worker or inside a guard that excludes its
+    keys) or read attributes of."""
+    if a is None or type(a) in (bool, int, float) or isinstance(a, torch.Tensor):
         return a
     if isinstance(a, (tuple, list)) and type(a) in (tuple, list, torch.Size) and depth < 4:
         return tuple(_plain(x, depth + 1) for x in a)

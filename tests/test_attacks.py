@@ -911,3 +911,14 @@ def test_attack_global_scope_names_are_checked_as_names(src, ok):
     followed by `::` is checked wherever it stands."""
     tokens = scan.split_preprocessed(f'# 1 "/w/x.cpp"\n{src}\n', lambda p: p == "/w/x.cpp")[0]
     assert (scan.check_tokens("x.cpp", tokens) == []) == ok, scan.check_tokens("x.cpp", tokens)
+
+
+def test_kernel_arguments_are_tensors_numbers_and_fresh_tuples():
+    """What native code is handed holds nothing it could call, read attributes of, or write values into for Python
+    to read back: a list (or torch.Size) arrives as a fresh tuple; a string, a function, a dtype are refused."""
+    x, xs = torch.zeros(2), [1, 2.0]
+    out = protocol._plain([xs, (None, torch.Size([3])), x, True])
+    assert out[0] == (1, 2.0) and type(out[0]) is tuple and out[1] == (None, (3,)) and out[2] is x and out[3] is True
+    for bad in ["0.5", print, torch.float32, [lambda: 0], [[[[[1]]]]]]:
+        with pytest.raises(TypeError):
+            protocol._plain(bad)
