@@ -40,9 +40,9 @@ What one verdict does, in order (build.py has step 3, protocol.py the children a
                thread's dispatch key state, through which the monitor sees operators, as they found it (so must
                the extension's loading, ModelNew's building and each forward, and every run starts from the
                state the first one did: native code of the extension's may run outside its calls, a storage's
-               deleter when a tensor is dropped): a change fails the verdict. A tensor cannot be made text there (str(t) runs with the dispatch modes off, and would
-               hand its values to Python unseen). Its whole outputs on the
-               check inputs are compared here (on this process's GPU, where it has one, from
+               deleter when a tensor is dropped): a change fails the verdict. A tensor cannot be made text
+               there (str(t) runs with the dispatch modes off, and would hand its values to Python unseen). Its
+               whole outputs on the check inputs are compared here (on this process's GPU, where it has one, from
                GPU_COMPARE elements on), at atol = rtol = 1e-2 element by element AND by RMS error
                at the reference's own scale. While forward runs (every run, timed or not), any PyTorch
                operator that computes is a violation; inputs must not be mutated; outputs must be plain
