@@ -436,9 +436,9 @@ def test_redteam_a_kernel_answering_the_run_itself_does_not_learn_the_sample(tmp
     assert v.compiled and not v.violations and v.reward == -1, (honest.summary(), v.summary(), v.log)
     if cheat == "relu_strided":  # the harness answers for it: caught by the reads alone
         assert "a timed run" in v.error and "values differ" in v.error, v.error
-    else:  # its own replies are out of step with the reads' protocol (no sample command comes)
+    else:  # its own replies are out of step with the reads' protocol (no sample command comes), or lack its fields
         assert any(w in v.error for w in ("answers no command", "malformed run reply", "malformed message header",
-                                          "a timed run")), v.error
+                                          "a timed run", "bad full reply")), v.error
 
 
 # ------------------------------------------------------------------ 12b. memory served when it is read
