@@ -792,8 +792,9 @@ def sample_of(out, offset: int):
 
 
 def _tensors_only(ext, changed: list):
-    """The module model_new.py imports as cuda_extension: the extension's functions, each of which may return only
-    tensors (or None, or sequences of them), and leaves the thread's dispatch state as it found it (_kept_state). A
+    """The module model_new.py imports as cuda_extension: the extension's functions, each of which is handed only
+    plain arguments (_plain), may return only tensors (or None, or sequences of them), and leaves the thread's
+    dispatch state as it found it (_kept_state). A
     kernel that hands values to Python as numbers or lists (a std::vector<double> becomes a list) would let Python
     compute on them, out of the dispatch monitor's sight."""
 
@@ -1018,9 +1019,7 @@ def _child_main(spec_path: str):
             with torch.no_grad(), OpMonitor(INIT_OPS), \
                     _kept_state(changed, "model_new.py's loading or ModelNew's construction"):  # (and native code
                 # run meanwhile: a storage's deleter, when a tensor is dropped, runs the extension's code outside its calls)
-                with _kept_state(changed, "loading cuda_extension"):
-                    ext = importlib.import_module("cuda_extension")
-                sys.modules["cuda_extension"] = _tensors_only(ext, changed)
+                sys.modules["cuda_extension"] = _tensors_only(importlib.import_module("cuda_extension"), changed)
                 cand_mod = load(spec["model_new"], "model_new")
                 torch.manual_seed(spec["seed0"])
                 cand = cand_mod.ModelNew(*init)
