@@ -40,8 +40,8 @@ What one verdict does, in order (build.py has step 3, protocol.py the children a
                thread's dispatch key state, through which the monitor sees operators, as they found it (so must
                the extension's loading, ModelNew's building and each forward, and every run starts from the
                state the first one did: native code of the extension's may run outside its calls, a storage's
-               deleter when a tensor is dropped): a change fails the verdict. A tensor cannot be made text
-               there (str(t) runs with the dispatch modes off, and would hand its values to Python unseen). Its
+               deleter when a tensor is dropped): a change fails the verdict. A tensor's text holds no values
+               there (str(t) runs with the dispatch modes off, and would hand them to Python unseen). Its
                whole outputs on the check inputs are compared here (on this process's GPU, where it has one, from
                GPU_COMPARE elements on), at atol = rtol = 1e-2 element by element AND by RMS error
                at the reference's own scale. While forward runs (every run, timed or not), any PyTorch
@@ -157,12 +157,14 @@ What it does NOT protect against (be honest; RL will look)
   - a kernel that tells the audited runs from the sampled ones (by the time between its calls) knows when the
     n_audits are spent: the runs after that are checked by their samples only (and the last one in full).
   - an OpenMP worker still runs the kernel's own code outside the monitor's thread (it may call only the
-    allocation and view operators the module imports). So, within one call, may a kernel that excludes the
-    Python dispatch keys on forward's thread (the guard's class is imported by PyTorch's own inline factories)
-    and restores them before it returns: the imported operators that copy (contiguous, reshape, to) go unseen
-    there, and so would those a tensor's Python object reaches through the object operators pybind11's inline
-    code imports (+, [] : not tried). A storage deleter of the kernel's, run when forward drops a tensor, can do the
-    same between two of forward's statements, restoring the keys before forward returns.
+    allocation and view operators the module imports). A kernel cannot exclude the Python dispatch keys, through
+    which the monitor sees operators, even for the length of one call: every module is linked with the harness's
+    ExcludeDispatchKeyGuard in place of c10's (build.GUARD_SOURCE; the guard's class is imported by PyTorch's own
+    inline factories, and the key set's other API is refused at link), which refuses a key beyond autograd's and
+    keeps the thread's key-set address out of the guard's bytes (red team: PyTorch computing through pybind11's
+    object operators on a tensor's Python object, or the imported copy `to`, inside such a guard got +1 to +3).
+    What is left is the first item's: native code that finds the thread's key set in memory some other way and
+    writes it, between the state checks.
   - where input_budget_mb holds fewer sets than runs (above ~45 MB a set at the default budget: most tasks of
     synth.py's 1-100 ms window on a GPU), the candidate's runs are shared out: with 2, 3 or 4 sets its median is of
     8, 13 or 18 runs, not the baselines' 20 (which reuse their sets: trusted code); every child, the checked one

@@ -383,8 +383,10 @@ BANNED_TOKENS = {
 }
 LIBC_ALIAS_RE = re.compile(r"^_+(libc_)?")
 # The Python C API (functions, and the object model: PyObject, PyTypeObject and their fields, through which
-# `o->ob_type->tp_getattro` and `tp_call` reach exec without naming a function), threads, raw syscall numbers.
-BANNED_TOKEN_RE = re.compile(r"^(_?Py[A-Z_]\w*|pthread_\w+|__NR_\w+|THP\w+|(ob|tp)_\w+|_typeobject|_object|_IO_\w+)$")
+# `o->ob_type->tp_getattro` and `tp_call` reach exec without naming a function), threads, raw syscall numbers, and
+# the linker's names around a wrapped symbol (__real_X is c10's own ExcludeDispatchKeyGuard, build.GUARD_SOURCE).
+BANNED_TOKEN_RE = re.compile(r"^(_?Py[A-Z_]\w*|pthread_\w+|__NR_\w+|THP\w+|(ob|tp)_\w+|_typeobject|_object|_IO_\w+|"
+                             r"__(real|wrap)_\w*)$")
 # Calls torch::X / at::X that allocate or describe tensors; anything else computes.
 CPP_ALLOWED_TORCH = {"empty", "empty_like", "empty_strided", "zeros", "zeros_like", "ones", "ones_like", "full",
                      "full_like", "from_blob", "parallel_for", "get_num_threads", "device", "dtype", "elementSize",

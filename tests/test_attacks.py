@@ -848,7 +848,37 @@ def test_attack_kernel_changing_the_dispatch_state_is_refused(tmp_path, name):
     keys = f"constexpr int kPython = {int(torch._C.DispatchKey.Python)}, kSnapshot = {int(torch._C.DispatchKey.PythonTLSSnapshot)};\n"
     src = keys + (CASES / "dispatch_keys.cpp").read_text() + extra
     v = env.evaluate(make_ws(tmp_path, "relu", model_new("relu", body), {"ops.cpp": src}), backend="cpu")
-    assert v.reward == -1 and not v.correct and "dispatch state" in f"{v.error} {v.violations}", v.summary()
+    # (refused by the harness's guard, build.GUARD_SOURCE, or found by the state checks)
+    assert v.reward == -1 and not v.correct and \
+        ("dispatch state" in f"{v.error} {v.violations}" or "exclude autograd's dispatch keys only" in v.error), v.summary()
+
+
+# Within one call (tests/attack_cases/within_one_call.cpp): PyTorch computes while a scoped guard excludes the
+# Python keys, restored before the call returns (reward without the fix: +3 add, +1 relu, +3 trunc, +1 poked)
+TRUNC = ("import torch\nimport torch.nn as nn\n\n\nclass Model(nn.Module):\n    def forward(self, x):\n"
+         "        return torch.trunc(x)\n\n\ndef get_inputs():\n    return [torch.randn(1 << 16) * 100]\n\n\n"
+         "def get_init_inputs():\n    return []\n")
+WITHIN_ONE_CALL = {
+    "python_operators": ("add", model_new("add", "cuda_extension.unseen_add(a, b)")),
+    "python_operators_relu": ("relu", model_new("relu", "cuda_extension.unseen_relu_scale(x, self.scale)")),
+    "copy_operator": (TRUNC, "import torch\nimport torch.nn as nn\nimport cuda_extension\n\n\nclass ModelNew(nn.Module):\n"
+                             "    def forward(self, x):\n        return cuda_extension.unseen_trunc(x)\n"),
+    "poked_key_set": ("relu", model_new("relu", "cuda_extension.poked_relu_scale(x, self.scale)")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WITHIN_ONE_CALL))
+def test_attack_pytorch_computing_inside_a_kernels_guard_is_refused(tmp_path, name):
+    """A kernel may exclude only autograd's dispatch keys (what torch::empty's inline code does), and a guard does
+    not hand out where the thread's key set is: nothing computes out of the dispatch monitor's sight."""
+    problem, source = WITHIN_ONE_CALL[name]
+    keys = f"constexpr int kPython = {int(torch._C.DispatchKey.Python)}, kSnapshot = {int(torch._C.DispatchKey.PythonTLSSnapshot)};\n"
+    ws = make_ws(tmp_path, "relu" if problem == TRUNC else problem, source,
+                 {"ops.cpp": keys + (CASES / "within_one_call.cpp").read_text()})
+    if problem == TRUNC:
+        (ws / "model.py").write_text(TRUNC)
+    v = env.evaluate(ws, backend="cpu")
+    assert v.reward == -1 and not v.correct, v.summary()
 
 
 # Python from a kernel, and native code outside the extension's calls (tests/attack_cases/; the reward each gets
@@ -895,9 +925,18 @@ def test_attack_deleter_between_runs_is_refused(tmp_path):
 
 
 def test_attack_tensor_text_is_refused(tmp_path):
-    """A tensor's values turned into text reach Python unseen: refused in the candidate's process."""
+    """A tensor's values turned into text reach Python unseen: in the candidate's process the text holds none."""
     v = env.evaluate(make_ws(tmp_path, "relu", (CASES / "tensor_text.py").read_text()), backend="cpu", stage="verify")
-    assert v.reward == -1 and not v.correct and "text" in f"{v.error} {v.violations}", v.summary()
+    assert v.reward == -1 and not v.correct and "values hidden" in f"{v.error} {v.violations}", v.summary()
+
+
+def test_an_argument_error_shows_shapes_not_values(tmp_path):
+    """pybind11's "incompatible function arguments" prints each argument's text: a tensor shows its shape, dtype and
+    device, so the message still says what was passed, and no value."""
+    v = env.evaluate(make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale, x)")),
+                     backend="cpu", stage="verify")
+    assert v.reward == -1 and "incompatible function arguments" in v.error, v.summary()
+    assert "tensor(<values hidden>, shape=(" in v.error and "dtype=torch.float32" in v.error, v.error
 
 
 @pytest.mark.parametrize("src,ok", [
