@@ -113,9 +113,9 @@ if not args.cache:
 
     print("toolchain set-up (precompiled torch headers, module probe) ...", flush=True)
     t0 = time.monotonic()
+    build.prepare(backend, 600)  # (what train.py runs beside the model's loading)
     tc = build.toolchain(backend)
-    pch = build.torch_pch(tc, 600, light=True)
-    build.module_expansion(tc, ".cpp", 600)
+    pch = build.torch_pch(tc, 600, light=True)  # (prepare's: cached, its path)
     light = pch is not None and pch.parent.parent.name != tc["pch_id"]
     row("one-time toolchain set-up (precompiled light header, probe)", time.monotonic() - t0, "s",
         "per machine and torch install" + ("" if pch else "; NO precompiled header") +

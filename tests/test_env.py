@@ -442,6 +442,20 @@ def test_binding_files_compile_from_the_precompiled_torch_header():
     assert sorted(b.rebuilt) == sorted(files.keys() - {"binding_registry.h"})
 
 
+def test_prepare_makes_what_a_first_build_would_wait_for(monkeypatch):
+    """build.prepare (train.py runs it beside the model's loading) precompiles the light header and probes the
+    module's expansion: the next build starts from both and makes neither."""
+    monkeypatch.setattr(builder, "LIGHT_HEADER", builder.LIGHT_HEADER + f"// {os.urandom(4).hex()}\n")
+    made = builder.prepare("cpu")
+    assert made["precompiled header"] > 0.5, made  # (a light header never built before: made now)
+    tc = builder.toolchain("cpu")
+    assert (env.CACHE_DIR / "scan" / f"module-{tc['id']}.cpp.json").is_file()
+    b = env.build(registry_files(), "cpu")
+    assert b.ok and b.pch == ["binding.cpp", "kernels/axpby_binding.cpp"], (b.pch, b.log)
+    assert b.steps["precompiled header"] < 0.1 and b.steps["toolchain"] < 0.1, b.steps
+    assert builder.prepare("cpu")["precompiled header"] < 0.1  # (once per toolchain)
+
+
 def test_the_cuda_backends_host_glue_compiles_at_O1_its_kernels_at_O3():
     """On the CUDA backend g++ compiles host glue only (.cpp: checks, allocation, the launcher's call), nvcc the GPU
     code: -O1 for the glue makes a binding file's compile ~25% shorter at no cost per call (build.toolchain). The CPU

@@ -343,8 +343,9 @@ def test_a_killed_trainer_leaves_no_candidate_running(tmp_path):
             before = _spinning(p.pid)  # this trainer's own: other verdicts on the machine spin too
         os.kill(p.pid, signal.SIGKILL)
         p.wait()
-        time.sleep(3)
-        after = _spinning()
+        t0 = time.monotonic()  # (each death in the chain waits for a core on a loaded machine: up to 60 s, not
+        while (after := _spinning() & before) and time.monotonic() - t0 < 60:  # the minutes a leaked one spins)
+            time.sleep(1)
     finally:
         p.kill()
     assert before, "the candidate never started (nothing to test)"
