@@ -850,9 +850,11 @@ def _kept_state(changed: list, what: str):
             raise RuntimeError(f"{what} changed PyTorch's dispatch state; a kernel leaves it as it found it")
 
 
-def _no_tensor_text(*args, **kwargs):
-    raise TypeError("a tensor may not be turned into text in ModelNew (its values would reach Python unseen by the "
-                    "dispatch monitor)")
+def _tensor_text(t, *args, **kwargs):
+    """A tensor's text in the candidate's child: its shape, dtype and device, never its values (torch._tensor_str
+    formats them with the dispatch modes turned off). Error messages that show arguments (pybind11's "incompatible
+    function arguments") still say what was passed."""
+    return f"tensor(<values hidden>, shape={tuple(t.shape)}, dtype={t.dtype}, device={t.device})"
 
 
 def _plain(a, depth=0):
@@ -1013,8 +1015,8 @@ def _child_main(spec_path: str):
 
         sys.path[:0] = [spec["ext_dir"], spec["cand_dir"]]
         # A tensor's text is made with the dispatch modes turned off (torch._tensor_str), so str(t), f"{t}" and
-        # "%s" % t would hand its values to Python unseen, to compute on there: in this child they are refused.
-        torch._tensor_str._str = _no_tensor_text
+        # "%s" % t would hand its values to Python unseen, to compute on there: in this child they show no values.
+        torch._tensor_str._str = _tensor_text
         try:
             with torch.no_grad(), OpMonitor(INIT_OPS), \
                     _kept_state(changed, "model_new.py's loading or ModelNew's construction"):  # (and native code
