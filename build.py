@@ -648,7 +648,8 @@ def _build(files: dict, backend: str, timeout: float, light: bool) -> Build:
                 dis = pool.submit(run_sandboxed, ["objdump", "-d", "--no-show-raw-insn", str(part)], tmp, 120, mem_gb=None,
                                   output_limit=1 << 28)
                 r, rd = nm.result(), dis.result()
-            bad = scan.check_imports([l.split(None, 1)[-1] for l in r.stdout.splitlines() if l.strip()], IMPORT_OPS) \
+            own = {w for p in sources for w in re.findall(r"[A-Za-z_]\w*", files[p])}
+            bad = scan.check_imports([l.split(None, 1)[-1] for l in r.stdout.splitlines() if l.strip()], IMPORT_OPS, own) \
                 if r.returncode == 0 else [f"the linked module cannot be read by nm: {error_excerpt(r.stderr)}"]
             bad += scan.check_instructions(rd.stdout) if rd.returncode == 0 else ["the linked module cannot be disassembled"]
             steps["module checks"] = time.monotonic() - t

@@ -758,8 +758,10 @@ def aten_structs() -> dict:
     return _ATEN
 
 
-def check_imports(symbols: list[str], allowed_ops) -> list[str]:
-    """Violations among the undefined (imported) symbols of the linked module, demangled."""
+def check_imports(symbols: list[str], allowed_ops, own_names=frozenset()) -> list[str]:
+    """Violations among the undefined (imported) symbols of the linked module, demangled. own_names: the
+    identifiers the workspace's sources write, so that a function they declare and never define is named as such
+    (it is imported as much as a library's would be, and refused the same)."""
     structs = aten_structs()
     ops = set(structs.values())
     out = []
@@ -772,6 +774,9 @@ def check_imports(symbols: list[str], allowed_ops) -> list[str]:
             if name in IMPORT_DOORS or base in IMPORT_DOORS or _IMPORT_SUFFIX_RE.sub("", base) in IMPORT_DOORS \
                     or _IMPORT_FAMILY_RE.match(base) or _CUDA_DOOR_RE.match(name):
                 out.append(f"the module calls `{name}` (processes, threads, files, signals and the like are closed doors)")
+            elif not C_IMPORTS_RE.match(name) and name in own_names:
+                out.append(f"the module calls `{name}`, which no kernel source defines (declared and never defined: "
+                           "write its definition, or call a function of the allowed libraries)")
             elif not C_IMPORTS_RE.match(name):
                 out.append(f"the module calls `{name}`, which is not on the list of C functions a kernel module may use "
                            "(memory, strings, math, formatting, the C++ runtime, locks, OpenMP, CUDA)")

@@ -213,6 +213,15 @@ def test_attack_import_check_keeps_allocation_and_views():
     assert len(scan.check_imports(bad, env.IMPORT_OPS)) == len(bad)
 
 
+def test_a_function_declared_and_never_defined_is_named_as_such():
+    """A kernel file without its launch(): the binding's call of it is an import, refused as any other, with a
+    message that says what is missing (an sft model's held-out episode read "not on the list of C functions")."""
+    out = scan.check_imports(["launch"], env.IMPORT_OPS, {"launch", "x"})
+    assert len(out) == 1 and "no kernel source defines" in out[0], out
+    assert "closed doors" in scan.check_imports(["system"], env.IMPORT_OPS, {"system"})[0]  # (a door stays a door)
+    assert "not on the list" in scan.check_imports(["launch"], env.IMPORT_OPS)[0]
+
+
 # ------------------------------------------------------------------ 6. slowing the baselines from outside the candidate
 # Baselines were timed only while no candidate CHILD lived; the agent's bash tool (which can compile and run a
 # program that spins every core, or the GPU) and a build (whose sources decide how long the compiler keeps the
