@@ -227,57 +227,72 @@ LIGHT_HEADER = """#pragma once
 # The dispatch monitor (protocol.py) sees PyTorch's operators through the thread's Python dispatch keys. The one door a
 # module has to the thread's key set is c10's ExcludeDispatchKeyGuard (torch::empty's inline code makes one of
 # autograd's keys; the rest of the key set's API is refused at link), so every module is linked with this in its
-# place (`-Wl,--wrap`): a guard may exclude autograd's keys and ADInplaceOrView only, and the object keeps no
-# pointer to the thread's key set where the kernel could read it (its bytes would hand out the address to write the
-# Python keys into). Otherwise c10's own constructor and destructor run. (Named by their mangled symbols: the
-# complete and base object variants.)
+# place (`-Wl,--wrap`): a guard may exclude autograd's keys and ADInplaceOrView only, its destructor takes back only
+# the keys its constructor added, and its bytes are zeros: what c10's guard keeps there (the key set's address, the
+# saved set its destructor writes back) is kept in a side table the kernel cannot reach by the guard's address.
+# c10's own constructor and destructor run only on a private guard of no keys, to find the thread's key set.
+# (Named by their mangled symbols: the complete and base object variants.)
 GUARD_SYMBOLS = ["_ZN3c104impl23ExcludeDispatchKeyGuardC1ENS_14DispatchKeySetE",
                  "_ZN3c104impl23ExcludeDispatchKeyGuardC2ENS_14DispatchKeySetE",
                  "_ZN3c104impl23ExcludeDispatchKeyGuardD1Ev", "_ZN3c104impl23ExcludeDispatchKeyGuardD2Ev"]
 GUARD_SOURCE = r"""#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <cstring>
 #include <mutex>
 #include <stdexcept>
 #include <unordered_map>
 
+using c10::DispatchKeySet;
+using c10::impl::PODLocalDispatchKeySet;
 namespace {
-struct Guard { void* tls; c10::DispatchKeySet saved; };  // (c10's layout: the key set's address, then the old set)
+struct Guard { PODLocalDispatchKeySet* tls; DispatchKeySet saved; };  // (c10's layout)
 static_assert(sizeof(Guard) == sizeof(c10::impl::ExcludeDispatchKeyGuard), "c10's guard changed its layout");
+struct Made { PODLocalDispatchKeySet* tls; uint64_t added; };
 std::mutex mu;
-std::unordered_map<const Guard*, void*>& hidden() {  // guard -> its key set's address (never freed: no exit order)
-  static auto* m = new std::unordered_map<const Guard*, void*>();
+std::unordered_map<const void*, Made>& made() {  // guard -> what it did (never freed: no exit order)
+  static auto* m = new std::unordered_map<const void*, Made>();
   return *m;
 }
 const uint64_t kAllowed = c10::autograd_dispatch_keyset_with_ADInplaceOrView.raw_repr();
-constexpr uint64_t kBackends = c10::full_backend_mask;
 }  // namespace
 
 #define REAL(x) __real__ZN3c104impl23ExcludeDispatchKeyGuard##x
 #define WRAP(x) __wrap__ZN3c104impl23ExcludeDispatchKeyGuard##x
 extern "C" {
-void REAL(C1ENS_14DispatchKeySetE)(Guard*, c10::DispatchKeySet);
+void REAL(C1ENS_14DispatchKeySetE)(Guard*, DispatchKeySet);
 void REAL(D1Ev)(Guard*);
 
-static void make(Guard* g, c10::DispatchKeySet exclude) {
-  if (exclude.raw_repr() & ~kAllowed & ~kBackends)
+static PODLocalDispatchKeySet* key_set() {  // this thread's, found as c10's guard finds it (no keys: no change)
+  Guard probe;
+  REAL(C1ENS_14DispatchKeySetE)(&probe, DispatchKeySet());
+  PODLocalDispatchKeySet* tls = probe.tls;
+  REAL(D1Ev)(&probe);
+  std::memset(static_cast<void*>(&probe), 0, sizeof probe);  // (no address left on the stack in it)
+  return tls;
+}
+static void make(Guard* g, DispatchKeySet exclude) {
+  std::memset(static_cast<void*>(g), 0, sizeof *g);
+  if (exclude.raw_repr() & ~kAllowed)
     throw std::runtime_error("a kernel may exclude autograd's dispatch keys only (PyTorch's operators reach the "
                              "harness's dispatch monitor through the others)");
-  REAL(C1ENS_14DispatchKeySetE)(g, exclude);
+  PODLocalDispatchKeySet* tls = key_set();
+  uint64_t before = tls->excluded().raw_repr();
+  tls->set_excluded(DispatchKeySet(DispatchKeySet::RAW, before | exclude.raw_repr()));
   std::lock_guard<std::mutex> lock(mu);
-  hidden()[g] = g->tls;
-  g->tls = nullptr;
+  made()[g] = Made{tls, exclude.raw_repr() & ~before};
 }
 static void end(Guard* g) {
+  Made m;
   {
     std::lock_guard<std::mutex> lock(mu);
-    auto it = hidden().find(g);
-    if (it == hidden().end()) return;  // (not made by make: nothing to put back)
-    g->tls = it->second;
-    hidden().erase(it);
+    auto it = made().find(g);
+    if (it == made().end()) return;  // (not made by make, or ended already)
+    m = it->second;
+    made().erase(it);
   }
-  REAL(D1Ev)(g);
+  m.tls->set_excluded(DispatchKeySet(DispatchKeySet::RAW, m.tls->excluded().raw_repr() & ~m.added));
 }
-void WRAP(C1ENS_14DispatchKeySetE)(Guard* g, c10::DispatchKeySet k) { make(g, k); }
-void WRAP(C2ENS_14DispatchKeySetE)(Guard* g, c10::DispatchKeySet k) { make(g, k); }
+void WRAP(C1ENS_14DispatchKeySetE)(Guard* g, DispatchKeySet k) { make(g, k); }
+void WRAP(C2ENS_14DispatchKeySetE)(Guard* g, DispatchKeySet k) { make(g, k); }
 void WRAP(D1Ev)(Guard* g) { end(g); }
 void WRAP(D2Ev)(Guard* g) { end(g); }
 }

@@ -160,9 +160,11 @@ What it does NOT protect against (be honest; RL will look)
     allocation and view operators the module imports). A kernel cannot exclude the Python dispatch keys, through
     which the monitor sees operators, even for the length of one call: every module is linked with the harness's
     ExcludeDispatchKeyGuard in place of c10's (build.GUARD_SOURCE; the guard's class is imported by PyTorch's own
-    inline factories, and the key set's other API is refused at link), which refuses a key beyond autograd's and
-    keeps the thread's key-set address out of the guard's bytes (red team: PyTorch computing through pybind11's
-    object operators on a tensor's Python object, or the imported copy `to`, inside such a guard got +1 to +3).
+    inline factories, and the key set's other API is refused at link), which refuses a key beyond autograd's,
+    takes back on destruction only the keys it added, and keeps nothing in the guard's bytes (c10's keeps the key
+    set's address and the saved set its destructor writes back: both were ways in). Red team: PyTorch computing
+    through pybind11's object operators on a tensor's Python object, or the imported copy `to`, inside such a
+    guard got +1 to +3 (tests/attack_cases/within_one_call.cpp).
     What is left is the first item's: native code that finds the thread's key set in memory some other way and
     writes it, between the state checks.
   - where input_budget_mb holds fewer sets than runs (above ~45 MB a set at the default budget: most tasks of

@@ -863,7 +863,8 @@ def test_attack_kernel_changing_the_dispatch_state_is_refused(tmp_path, name):
 
 
 # Within one call (tests/attack_cases/within_one_call.cpp): PyTorch computes while a scoped guard excludes the
-# Python keys, restored before the call returns (reward without the fix: +3 add, +1 relu, +3 trunc, +1 poked)
+# Python keys, restored before the call returns (reward without the fix: +3 add, +1 relu, +3 trunc, +1 poked; against
+# a guard that checked only its keys, +1 each: a rewritten saved set, an address left in a dead guard's bytes)
 TRUNC = ("import torch\nimport torch.nn as nn\n\n\nclass Model(nn.Module):\n    def forward(self, x):\n"
          "        return torch.trunc(x)\n\n\ndef get_inputs():\n    return [torch.randn(1 << 16) * 100]\n\n\n"
          "def get_init_inputs():\n    return []\n")
@@ -873,6 +874,8 @@ WITHIN_ONE_CALL = {
     "copy_operator": (TRUNC, "import torch\nimport torch.nn as nn\nimport cuda_extension\n\n\nclass ModelNew(nn.Module):\n"
                              "    def forward(self, x):\n        return cuda_extension.unseen_trunc(x)\n"),
     "poked_key_set": ("relu", model_new("relu", "cuda_extension.poked_relu_scale(x, self.scale)")),
+    "rewritten_saved_set": ("relu", model_new("relu", "cuda_extension.saved_state_relu_scale(x, self.scale)")),
+    "address_left_by_a_dead_guard": ("relu", model_new("relu", "cuda_extension.leaked_address_relu_scale(x, self.scale)")),
 }
 
 
@@ -888,6 +891,15 @@ def test_attack_pytorch_computing_inside_a_kernels_guard_is_refused(tmp_path, na
         (ws / "model.py").write_text(TRUNC)
     v = env.evaluate(ws, backend="cpu")
     assert v.reward == -1 and not v.correct, v.summary()
+
+
+def test_an_honest_kernel_allocating_on_openmp_workers_passes(tmp_path):
+    """torch::empty's inline code makes an autograd guard (the harness's, build.GUARD_SOURCE) on whichever thread
+    allocates: on every OpenMP worker at once, each its own key set (tests/env_cases/omp_empty.cpp)."""
+    src = (Path(__file__).parent / "env_cases" / "omp_empty.cpp").read_text()
+    v = env.evaluate(make_ws(tmp_path, "relu", model_new("relu", "cuda_extension.relu_scale(x, self.scale)"),
+                             {"ops.cpp": src}), backend="cpu", stage="verify")
+    assert v.correct and v.reward >= 1 and not v.violations, v.summary()
 
 
 # Python from a kernel, and native code outside the extension's calls (tests/attack_cases/; the reward each gets
