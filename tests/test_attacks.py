@@ -383,7 +383,7 @@ def test_attack_kernel_speaking_the_pipe_protocol_is_refused(tmp_path, monkeypat
     # the protocol's layer alone, where a scan misses a door: the scan's token and import checks off, for a source
     # that only this test builds (its own cache key: the comment)
     monkeypatch.setattr(scan, "check_tokens", lambda path, tokens: [])
-    monkeypatch.setattr(scan, "check_imports", lambda symbols, ops: [])
+    monkeypatch.setattr(scan, "check_imports", lambda symbols, ops, own=(): [])
     (ws / "kernels" / "ops.cpp").write_text("// built with the scan off (tests/test_attacks.py)\n" + src)
     v = env.evaluate(ws, backend="cpu")
     assert v.compiled, v.log
@@ -851,15 +851,20 @@ HIDDEN_BY_KEYS = {"between_calls": ("cuda_extension.show((cuda_extension.hide(x)
                   "at_load": ("(x * self.scale).relu()", "static Guard* at_load = new Guard(python_keys());\n")}
 
 
+def keys_kept(text: str) -> bool:
+    """Whether a verdict's error says the dispatch keys were defended: the harness's guard refused to exclude them
+    (build.GUARD_SOURCE; from a storage deleter, where no exception may leave, that ends the process), or the
+    state checks found them changed."""
+    return "dispatch state" in text or "exclude autograd's dispatch keys only" in text
+
+
 @pytest.mark.parametrize("name", sorted(HIDDEN_BY_KEYS))
 def test_attack_kernel_changing_the_dispatch_state_is_refused(tmp_path, name):
     body, extra = HIDDEN_BY_KEYS[name]
     keys = f"constexpr int kPython = {int(torch._C.DispatchKey.Python)}, kSnapshot = {int(torch._C.DispatchKey.PythonTLSSnapshot)};\n"
     src = keys + (CASES / "dispatch_keys.cpp").read_text() + extra
     v = env.evaluate(make_ws(tmp_path, "relu", model_new("relu", body), {"ops.cpp": src}), backend="cpu")
-    # (refused by the harness's guard, build.GUARD_SOURCE, or found by the state checks)
-    assert v.reward == -1 and not v.correct and \
-        ("dispatch state" in f"{v.error} {v.violations}" or "exclude autograd's dispatch keys only" in v.error), v.summary()
+    assert v.reward == -1 and not v.correct and keys_kept(f"{v.error} {v.violations}"), v.summary()
 
 
 # Within one call (tests/attack_cases/within_one_call.cpp): PyTorch computes while a scoped guard excludes the
@@ -931,7 +936,8 @@ def test_attack_python_from_a_kernel_or_code_outside_its_calls_is_refused(tmp_pa
     source = model_new("relu", body, init_extra=init_extra).replace("    def forward", f"    {method}\n    def forward") \
         if method else model_new("relu", body)
     v = env.evaluate(make_ws(tmp_path, "relu", source, {"ops.cpp": src}), backend="cpu")
-    assert v.reward == -1 and not v.correct and expect in f"{v.error} {v.violations}", v.summary()
+    text = f"{v.error} {v.violations}"
+    assert v.reward == -1 and not v.correct and (keys_kept(text) if expect == "dispatch state" else expect in text), v.summary()
 
 
 def test_attack_deleter_between_runs_is_refused(tmp_path):
@@ -942,7 +948,7 @@ def test_attack_deleter_between_runs_is_refused(tmp_path):
     src = keys + (CASES / "deleter.cpp").read_text()
     v = env.evaluate(make_ws(tmp_path, "relu", (CASES / "deleter_between_runs.py").read_text(), {"ops.cpp": src}),
                      backend="cpu")
-    assert v.reward == -1 and not v.correct and "dispatch state" in f"{v.error} {v.violations}", v.summary()
+    assert v.reward == -1 and not v.correct and keys_kept(f"{v.error} {v.violations}"), v.summary()
 
 
 def test_attack_tensor_text_is_refused(tmp_path):
