@@ -442,9 +442,10 @@ def error_excerpt(text: str, max_lines: int = 16) -> str:
 
 def prepare(backend: str, timeout: float = 600.0) -> dict:
     """What a machine's first build does before its own sources, once per toolchain: the toolchain, the precompiled
-    light header, the probes of PYBIND11_MODULE's expansion and the harness's guard (36 s on a fresh H100). train.py runs it beside the
-    model's loading, so the teacher's first verdicts do not wait for it. Held as a candidate, as a build is (the
-    compiler keeps a core busy: no baseline is timed meanwhile). Returns the seconds of each part (~0 when cached)."""
+    light header, the probes of PYBIND11_MODULE's expansion and the harness's guard (GUARD_SOURCE; 36 s in all on a
+    fresh H100). train.py runs it beside the model's loading, so the teacher's first verdicts do not wait for it.
+    Held as a candidate, as a build is (the compiler keeps a core busy: no baseline is timed meanwhile). Returns the
+    seconds of each part (~0 when cached)."""
     with candidate_alive(backend):
         t = time.monotonic()
         tc = toolchain(backend)
@@ -456,7 +457,7 @@ def prepare(backend: str, timeout: float = 600.0) -> dict:
         for suffix in (".cpp", ".cu") if backend == "cuda" else (".cpp",):
             module_expansion(tc, suffix, timeout)
         guard_object(tc, timeout)
-        took["probes"] = time.monotonic() - t
+        took["probes and guard"] = time.monotonic() - t
     return took
 
 

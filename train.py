@@ -246,7 +246,7 @@ def run(cfg: Config, a, stages: list, order: list, src: str | None) -> int:
             raise env.UsageError("dataset synthesis failed on rank 0")
     train, test = load_data(src, True) if src else ([], [])
     teacher_tasks, heldout = split_tasks(train, test, cfg)
-    # The compiler's once-per-machine set-up (precompiled torch header, probes: 36 s on a fresh H100), beside the
+    # The compiler's once-per-machine set-up (precompiled header, probes, guard: 36 s on a fresh H100), beside the
     # model's loading and the base row, not in the first verdicts; after synthesis, whose filter times candidates.
     def prepare():  # (a failure here is the first build's to report, in its verdict)
         with contextlib.suppress(Exception):
