@@ -165,8 +165,15 @@ What it does NOT protect against (be honest; RL will look)
     set's address and the saved set its destructor writes back: both were ways in). Red team: PyTorch computing
     through pybind11's object operators on a tensor's Python object, or the imported copy `to`, inside such a
     guard got +1 to +3 (tests/attack_cases/within_one_call.cpp).
-    What is left is the first item's: native code that finds the thread's key set in memory some other way and
-    writes it, between the state checks.
+    What is left is the first item's: native code that finds the thread's key set in memory and writes it, between
+    the state checks. A third red team found it twice (+1 each, reproducers kept outside the repository): in the
+    guard's own freed side-table node (malloc of its size on the same thread returns it) and in the stack words the
+    guard's calls spill, confirmed by a legal guard flipping exactly its bits; clearing them only lengthens the
+    search. Closing it needs a monitor that does not read the thread's key set (a global RecordFunction callback,
+    which would also see workers). TODO.
+  - on an OpenMP worker (no dispatch mode there) the imported operators that copy run unseen: `Tensor::to` casts
+    (reward +1 on a trunc task, red team), contiguous/reshape/flatten copy a layout. TODO: take `to` off
+    scan.IMPORT_OPS, or refuse these imports off forward's thread.
   - where input_budget_mb holds fewer sets than runs (above ~45 MB a set at the default budget: most tasks of
     synth.py's 1-100 ms window on a GPU), the candidate's runs are shared out: with 2, 3 or 4 sets its median is of
     8, 13 or 18 runs, not the baselines' 20 (which reuse their sets: trusted code); every child, the checked one
