@@ -851,6 +851,10 @@ HIDDEN_BY_KEYS = {"between_calls": ("cuda_extension.show((cuda_extension.hide(x)
                   "at_load": ("(x * self.scale).relu()", "static Guard* at_load = new Guard(python_keys());\n")}
 
 
+# The Python dispatch keys' numbers in the installed torch, prepended to the cases that name them
+KEYS = f"constexpr int kPython = {int(torch._C.DispatchKey.Python)}, kSnapshot = {int(torch._C.DispatchKey.PythonTLSSnapshot)};\n"
+
+
 def keys_kept(text: str) -> bool:
     """Whether a verdict's error says the dispatch keys were defended: the harness's guard refused to exclude them
     (build.GUARD_SOURCE; from a storage deleter, where no exception may leave, that ends the process), or the
@@ -861,8 +865,7 @@ def keys_kept(text: str) -> bool:
 @pytest.mark.parametrize("name", sorted(HIDDEN_BY_KEYS))
 def test_attack_kernel_changing_the_dispatch_state_is_refused(tmp_path, name):
     body, extra = HIDDEN_BY_KEYS[name]
-    keys = f"constexpr int kPython = {int(torch._C.DispatchKey.Python)}, kSnapshot = {int(torch._C.DispatchKey.PythonTLSSnapshot)};\n"
-    src = keys + (CASES / "dispatch_keys.cpp").read_text() + extra
+    src = KEYS + (CASES / "dispatch_keys.cpp").read_text() + extra
     v = env.evaluate(make_ws(tmp_path, "relu", model_new("relu", body), {"ops.cpp": src}), backend="cpu")
     assert v.reward == -1 and not v.correct and keys_kept(f"{v.error} {v.violations}"), v.summary()
 
@@ -886,12 +889,12 @@ WITHIN_ONE_CALL = {
 
 @pytest.mark.parametrize("name", sorted(WITHIN_ONE_CALL))
 def test_attack_pytorch_computing_inside_a_kernels_guard_is_refused(tmp_path, name):
-    """A kernel may exclude only autograd's dispatch keys (what torch::empty's inline code does), and a guard does
-    not hand out where the thread's key set is: nothing computes out of the dispatch monitor's sight."""
+    """A kernel may exclude only autograd's dispatch keys (what torch::empty's inline code does), and a guard's bytes
+    hold neither the thread's key set's address nor a set its destructor writes back (env.py's docstring names what
+    is still open: the key set found elsewhere in memory)."""
     problem, source = WITHIN_ONE_CALL[name]
-    keys = f"constexpr int kPython = {int(torch._C.DispatchKey.Python)}, kSnapshot = {int(torch._C.DispatchKey.PythonTLSSnapshot)};\n"
     ws = make_ws(tmp_path, "relu" if problem == TRUNC else problem, source,
-                 {"ops.cpp": keys + (CASES / "within_one_call.cpp").read_text()})
+                 {"ops.cpp": KEYS + (CASES / "within_one_call.cpp").read_text()})
     if problem == TRUNC:
         (ws / "model.py").write_text(TRUNC)
     v = env.evaluate(ws, backend="cpu")
@@ -929,9 +932,8 @@ FROM_PYTHON = {
 @pytest.mark.parametrize("name", sorted(FROM_PYTHON))
 def test_attack_python_from_a_kernel_or_code_outside_its_calls_is_refused(tmp_path, name):
     case, body, method, expect = FROM_PYTHON[name]
-    keys = f"constexpr int kPython = {int(torch._C.DispatchKey.Python)}, kSnapshot = {int(torch._C.DispatchKey.PythonTLSSnapshot)};\n"
     src = (CASES / case).read_text()
-    src = keys + src if "kPython" in src else src
+    src = KEYS + src if "kPython" in src else src
     init_extra = "self.tok = cuda_extension.arm(torch.empty(1))" if name == "deleter" else ""
     source = model_new("relu", body, init_extra=init_extra).replace("    def forward", f"    {method}\n    def forward") \
         if method else model_new("relu", body)
@@ -944,8 +946,7 @@ def test_attack_deleter_between_runs_is_refused(tmp_path):
     """The same deleter armed in the first run's output, which the harness drops after the run: the keys are
     excluded before the next forward starts (and stay so to its end), so every later run is compared with the state
     runs start from, not only with its own start."""
-    keys = f"constexpr int kPython = {int(torch._C.DispatchKey.Python)}, kSnapshot = {int(torch._C.DispatchKey.PythonTLSSnapshot)};\n"
-    src = keys + (CASES / "deleter.cpp").read_text()
+    src = KEYS + (CASES / "deleter.cpp").read_text()
     v = env.evaluate(make_ws(tmp_path, "relu", (CASES / "deleter_between_runs.py").read_text(), {"ops.cpp": src}),
                      backend="cpu")
     assert v.reward == -1 and not v.correct and keys_kept(f"{v.error} {v.violations}"), v.summary()
